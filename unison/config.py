@@ -1,0 +1,50 @@
+"""EngineConfig: the one configuration object, validated once and passed everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer_worker_num: int = 1  # frontends that may be attached at once, the in-process one included
+    device: str = "cpu"
+    dtype: str = "auto"  # fp32 on CPU; the checkpoint's dtype (or bf16) on CUDA
+    num_threads: int | None = None  # torch threads in the core; frontends stay single-threaded
+    context_length: int | None = None  # None: the model's own limit
+    block_size: int = 16  # tokens per KV block
+    max_total_tokens: int | None = None  # KV capacity in tokens; None: a default that fits the host
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512  # token budget of one step: long prompts are prefilled in chunks
+    startup_timeout: float = 300.0  # seconds to wait for the core to load the model
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        _check(self.tokenizer_worker_num >= 1, "tokenizer_worker_num", "must be >= 1")
+        _check(self.block_size >= 1, "block_size", "must be >= 1")
+        _check(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        _check(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
+        _check(self.context_length is None or self.context_length >= 2, "context_length", "must be >= 2")
+        _check(self.max_total_tokens is None or self.max_total_tokens >= self.block_size,
+               "max_total_tokens", f"must be >= block_size ({self.block_size})")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "must be 'cpu' or 'cuda[:N]'")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, name: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}")

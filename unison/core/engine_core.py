@@ -1,0 +1,199 @@
+"""EngineCore: schedule, run the model, sample, update. No sockets here (see server.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+
+from unison.config import EngineConfig
+from unison.core.block_pool import BlockPool
+from unison.core.request import Request
+from unison.core.sampler import Sampler, top_logprobs
+from unison.core.scheduler import ScheduledItem, Scheduler
+from unison.model.runner import BatchItem, ModelRunner
+from unison.protocol import Generate, ReqOutput
+
+log = logging.getLogger("unison.core")
+
+Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        self.runner = ModelRunner(
+            model_dir, device=config.device, dtype=config.dtype, block_size=config.block_size,
+            max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
+        )
+        model_limit = self.runner.context_length
+        self.context_length = min(config.context_length or model_limit, model_limit)
+        self.eos_token_ids = frozenset(self.runner.eos_token_ids)
+        self.pool = BlockPool(self.runner.num_blocks)
+        self.scheduler = Scheduler(
+            self.pool, block_size=config.block_size, max_running=config.max_running_requests,
+            token_budget=config.chunked_prefill_size, context_length=self.context_length,
+        )
+        self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def info(self) -> dict:
+        return {
+            "context_length": self.context_length,
+            "max_req_input_len": self.context_length - 1,
+            "vocab_size": self.runner.vocab_size,
+            "eos_token_ids": sorted(self.eos_token_ids),
+            "block_size": self.config.block_size,
+            "num_blocks": self.pool.num_blocks,
+            "max_total_tokens": self.pool.num_blocks * self.config.block_size,
+        }
+
+    def add(self, frontend: bytes, msg: Generate) -> ReqOutput | None:
+        """Queue a request; returns a refusal instead when it cannot be served."""
+        if msg.rid in self.requests:
+            return ReqOutput(msg.rid, finish="abort", error=f"request id {msg.rid!r} is already in flight")
+        problem = self._check(msg)
+        if problem is None:
+            req = Request.from_message(frontend, msg)
+            try:
+                self.scheduler.add(req)
+            except ValueError as e:
+                problem = str(e)
+            else:
+                self.requests[msg.rid] = req
+                return None
+        return ReqOutput(msg.rid, finish="abort", error=problem)
+
+    def _check(self, msg: Generate) -> str | None:
+        # The frontend validates; the core re-checks what would corrupt its own state.
+        n = len(msg.input_ids)
+        if n == 0:
+            return "input_ids is empty"
+        if n + msg.params.max_new_tokens > self.context_length:
+            return (f"prompt ({n} tokens) + max_new_tokens ({msg.params.max_new_tokens}) exceeds the "
+                    f"context length ({self.context_length})")
+        vocab = self.runner.vocab_size
+        if min(msg.input_ids) < 0 or max(msg.input_ids) >= vocab:
+            return f"input_ids must be token ids in [0, {vocab - 1}]"
+        return None
+
+    def abort(self, frontend: bytes, rid: str) -> ReqOutput | None:
+        req = self.requests.get(rid)
+        if req is None or req.frontend != frontend:  # only the owner may abort
+            return None
+        self._drop(req)
+        return ReqOutput(rid, finish="abort")
+
+    def abort_frontend(self, frontend: bytes) -> int:
+        reqs = [r for r in self.requests.values() if r.frontend == frontend]
+        for req in reqs:
+            self._drop(req)
+        return len(reqs)
+
+    def _drop(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        del self.requests[req.rid]
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        listed = {r.rid for r in self.scheduler}
+        if listed != set(self.requests):
+            raise AssertionError(f"request table out of sync: {sorted(listed ^ set(self.requests))}")
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> Outputs:
+        items = self.scheduler.schedule()
+        if not items:
+            return {}
+        logits = self.runner.forward([self._batch_item(it) for it in items])
+        outputs: Outputs = defaultdict(list)
+        sample_rows, sample_reqs, row = [], [], 0
+        for it in items:
+            n_rows = it.num_new - it.logits_start
+            out = ReqOutput(it.req.rid)
+            if it.req.wants_prompt_logprobs:
+                self._prompt_logprobs(it, logits[row: row + n_rows], out)
+            if it.sample:
+                sample_rows.append(row + n_rows - 1)
+                sample_reqs.append(it.req)
+            it.req.num_computed_tokens += it.num_new
+            outputs[it.req.frontend].append(out)
+            row += n_rows
+        self.stats["steps"] += 1
+        if sample_rows:
+            self._sample(logits[sample_rows], sample_reqs, outputs)
+        for it in items:
+            if it.req.num_computed_tokens == it.req.num_tokens and it.req.params.max_new_tokens == 0:
+                it.req.finish = "length"
+        return self._collect(items, outputs)
+
+    def _batch_item(self, it: ScheduledItem) -> BatchItem:
+        start = it.req.num_computed_tokens
+        return BatchItem(it.req.token_ids[start: start + it.num_new], start, it.req.block_table,
+                         it.logits_start)
+
+    def _prompt_logprobs(self, it: ScheduledItem, logits: torch.Tensor, out: ReqOutput) -> None:
+        """Row p of the chunk's logits scores prompt token p + 1; token 0 has no logprob."""
+        req = it.req
+        if req.next_prompt_logprob == 0:
+            out.prompt_logprobs.append(None)
+            if req.top_logprobs_num:
+                out.prompt_top_logprobs.append([])
+            req.next_prompt_logprob = 1
+        first_row_pos = req.num_computed_tokens + it.logits_start
+        lo = max(req.next_prompt_logprob - 1, first_row_pos)
+        hi = min(first_row_pos + logits.shape[0], req.num_prompt_tokens - 1)  # rows [lo, hi)
+        if lo >= hi:
+            return
+        rows = torch.log_softmax(logits[lo - first_row_pos: hi - first_row_pos].float(), dim=-1)
+        nxt = torch.tensor(req.token_ids[lo + 1: hi + 1], device=rows.device)
+        out.prompt_logprobs.extend(rows.gather(1, nxt.view(-1, 1)).view(-1).tolist())
+        if req.top_logprobs_num:
+            out.prompt_top_logprobs.extend(top_logprobs(rows, req.top_logprobs_num))
+        req.next_prompt_logprob = hi + 1
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], outputs: Outputs) -> None:
+        result = self.sampler(logits, reqs)
+        by_rid = {o.rid: o for outs in outputs.values() for o in outs}
+        for i, req in enumerate(reqs):
+            tok = result.token_ids[i]
+            req.token_ids.append(tok)
+            out = by_rid[req.rid]
+            out.token_ids.append(tok)
+            if req.return_logprob and result.logprobs is not None:
+                out.logprobs.append(result.logprobs[i])
+                if req.top_logprobs_num and result.top_logprobs is not None:
+                    out.top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
+            self._check_finish(req, tok)
+        self.stats["generation_tokens"] += len(reqs)
+
+    def _check_finish(self, req: Request, tok: int) -> None:
+        p = req.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            req.finish, req.matched = "stop", tok
+        elif req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.context_length:
+            req.finish = "length"
+
+    def _collect(self, items: list[ScheduledItem], outputs: Outputs) -> Outputs:
+        for it in items:
+            req = it.req
+            if req.finish is None:
+                continue
+            self.scheduler.finish(req)
+            del self.requests[req.rid]
+            self.stats["prompt_tokens"] += req.num_prompt_tokens
+            for out in outputs[req.frontend]:
+                if out.rid == req.rid:
+                    out.finish, out.matched = req.finish, req.matched
+                    out.prompt_tokens = req.num_prompt_tokens
+        # Drop empty outputs (a mid-prompt chunk with nothing to report).
+        return {f: [o for o in outs if o.token_ids or o.finish or o.prompt_logprobs]
+                for f, outs in outputs.items()}

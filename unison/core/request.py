@@ -1,0 +1,56 @@
+"""Request: one sequence in the core. It keeps counters; the rest is derived."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from unison.protocol import CoreSamplingParams, Generate
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    frontend: bytes  # the ZMQ identity of the frontend that owns it
+    rid: str
+    token_ids: list[int]  # prompt, then outputs
+    num_prompt_tokens: int
+    params: CoreSamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    arrival: float = field(default_factory=time.monotonic)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    next_prompt_logprob: int = -1  # next prompt position whose logprob is owed (see __post_init__)
+    num_preemptions: int = 0
+    finish: str | None = None
+    matched: int | None = None
+
+    def __post_init__(self) -> None:
+        start = self.logprob_start_len
+        self.next_prompt_logprob = start if 0 <= start < self.num_prompt_tokens else self.num_prompt_tokens
+
+    @classmethod
+    def from_message(cls, frontend: bytes, msg: Generate) -> Request:
+        return cls(
+            frontend=frontend, rid=msg.rid, token_ids=list(msg.input_ids),
+            num_prompt_tokens=len(msg.input_ids), params=msg.params,
+            return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.next_prompt_logprob < self.num_prompt_tokens

@@ -1,0 +1,114 @@
+"""Sampler: per-request sampling parameters applied to a batch of logits.
+
+Randomness depends only on (seed, output position): each row draws its exponential noise from a
+generator seeded by both, and samples argmax(p / noise) (equivalent to sampling from p), so a
+seeded request gives the same output whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unison.core.request import Request
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log p(token) under the model's own distribution
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    vals, ids = logprobs.topk(k, dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.return_logprob for r in reqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties_and_bias(logits, reqs)
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rows:
+            tokens[rows] = self._sample(logits[rows], [reqs[i] for i in rows])
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleResult(token_list, None, None)
+        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+        k = max(r.top_logprobs_num for r in reqs)
+        return SampleResult(token_list, chosen, top_logprobs(raw_logprobs, k) if k else None)
+
+    def _apply_penalties_and_bias(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        cloned = False
+        for i, r in enumerate(reqs):
+            p = r.params
+            suppress = self._suppressed(r)
+            if not (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                    or p.logit_bias or suppress):
+                continue
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            row = logits[i]
+            if p.frequency_penalty or p.presence_penalty:
+                out = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
+                counts = torch.bincount(out, minlength=self.vocab_size)[: row.numel()].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=row.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            for tid, bias in p.logit_bias.items():
+                row[tid] += bias
+            if suppress:
+                row[list(suppress)] = -float("inf")
+        return logits
+
+    def _suppressed(self, r: Request) -> set[int]:
+        """Tokens that would end the request before min_new_tokens."""
+        if r.num_output_tokens >= r.params.min_new_tokens:
+            return set()
+        ids = set(r.params.stop_token_ids)
+        if not r.params.ignore_eos:
+            ids |= self.eos_token_ids
+        return {t for t in ids if t < self.vocab_size}
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        top_k = [r.params.top_k for r in reqs]
+        if any(k > 0 for k in top_k):
+            k_max = min(max(top_k), logits.shape[1])
+            kth = logits.topk(k_max, dim=-1).values
+            idx = torch.tensor([(k if k > 0 else k_max) - 1 for k in top_k], device=logits.device)
+            cutoff = kth.gather(1, idx.clamp(max=k_max - 1).view(-1, 1))
+            no_k = torch.tensor([k <= 0 for k in top_k], device=logits.device).view(-1, 1)
+            logits = logits.masked_fill((logits < cutoff) & ~no_k, -float("inf"))
+        probs = torch.softmax(logits, dim=-1)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
+        if (top_p < 1).any():
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop_sorted = sorted_p.cumsum(-1) - sorted_p > top_p.unsqueeze(1)  # keeps the first token
+            probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=logits.device)
+        if (min_p > 0).any():
+            floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(reqs):
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed((r.params.seed * _MIX + r.num_output_tokens) % 2**63)
+            noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,132 @@
+"""Scheduler: continuous batching over a paged KV cache.
+
+There is no prefill or decode phase: each request has `num_computed_tokens` and `num_tokens`, and
+every step closes part of that gap within a token budget (so long prompts are prefilled in chunks
+beside running decodes). Running requests go first; when KV blocks run out the latest arrival is
+preempted (its blocks freed, recomputed later); then waiting requests are admitted FCFS.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from unison.core.block_pool import BlockPool
+from unison.core.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledItem:
+    req: Request
+    num_new: int  # tokens computed this step
+    logits_start: int  # first of the new tokens whose logits are needed (num_new = none)
+    sample: bool  # this step reaches the end of the sequence: sample its next token
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
+                 context_length: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_running = max_running
+        self.token_budget = token_budget
+        self.context_length = context_length
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def __iter__(self) -> Iterator[Request]:
+        yield from self.running
+        yield from self.waiting
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def add(self, req: Request) -> None:
+        need = self.blocks_for(req.num_prompt_tokens + req.params.max_new_tokens)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt + max_new_tokens needs {need * self.block_size} KV tokens but the cache holds "
+                f"{self.pool.num_blocks * self.block_size}; raise max_total_tokens or shorten the request"
+            )
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._free(req)
+
+    def schedule(self) -> list[ScheduledItem]:
+        budget, items, preempted = self.token_budget, [], False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._grow(req, req.num_computed_tokens + n):
+                victim = self.running.pop()  # the latest arrival; never one scheduled already
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                items.append(self._item(req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                break
+            self.running.append(self.waiting.popleft())
+            items.append(self._item(req, n))
+            budget -= n
+        return items
+
+    def _item(self, req: Request, n: int) -> ScheduledItem:
+        end = req.num_computed_tokens + n
+        sample = end == req.num_tokens and req.params.max_new_tokens > 0
+        logits_start = n - 1 if sample else n
+        if req.wants_prompt_logprobs:
+            # Row p gives the logprob of prompt token p + 1; position 0 has none.
+            lo = max(req.next_prompt_logprob - 1, req.num_computed_tokens)
+            if lo < min(end, req.num_prompt_tokens - 1):
+                logits_start = min(logits_start, lo - req.num_computed_tokens)
+        return ScheduledItem(req, n, logits_start, sample)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = self.blocks_for(num_tokens) - len(req.block_table)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            req.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _free(self, req: Request) -> None:
+        self.pool.release(req.block_table)
+        req.block_table = []
+
+    def finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self._free(req)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(req.block_table for req in self)
+        held = [req.rid for req in self.waiting if req.block_table]
+        if held:
+            raise AssertionError(f"waiting requests hold KV blocks: {held}")

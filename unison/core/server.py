@@ -1,0 +1,263 @@
+"""CoreServer: the core process's I/O. One ROUTER socket, a pidfd per frontend and one for the owner.
+
+ZMQ's ROUTER is the router: it knows each frontend by its socket identity, so each frontend is
+sent only its own outputs. The core never blocks on a frontend: sends are non-blocking, and a
+frontend whose process dies (its pidfd turns readable) has its requests aborted and KV freed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import shutil
+import signal
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from unison import registry
+from unison.core.engine_core import EngineCore
+from unison.protocol import (
+    PROTOCOL_VERSION, Abort, Control, ControlReply, CoreArgs, EngineInfo, Generate, Goodbye,
+    Hello, Reject, ReqOutput, StepOutputs, Welcome, decode_to_core, encode,
+)
+
+log = logging.getLogger("unison.core")
+
+IDLE_POLL_MS = 100
+MAX_MESSAGES_PER_POLL = 4096  # a flood of messages can delay a step, never starve it
+
+
+@dataclass
+class Frontend:
+    ident: bytes
+    worker_id: int
+    pid: int
+    pidfd: int | None
+    outbox: deque[bytes] = field(default_factory=deque)
+
+
+class CoreServer:
+    def __init__(self, args: CoreArgs, core: EngineCore) -> None:
+        self.args = args
+        self.core = core
+        self.cap = args.config["tokenizer_worker_num"]
+        self.frontends: dict[bytes, Frontend] = {}
+        self.by_pidfd: dict[int, Frontend] = {}
+        self.next_worker_id = 0
+        self.paused = False
+        self.stopping = False
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(args.endpoint)
+        os.chmod(args.endpoint.removeprefix("ipc://"), 0o600)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.owner_pidfd = _pidfd(args.owner_pid)
+        if self.owner_pidfd is not None:
+            self.poller.register(self.owner_pidfd, zmq.POLLIN)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        if self.args.registry_path:
+            registry.publish(self.args.registry_path, EngineInfo(
+                endpoint=self.args.endpoint, owner_pid=self.args.owner_pid, core_pid=os.getpid(),
+                token=self.args.token, model_dir=self.args.model_dir, config=self.args.config,
+                info=self.core.info(),
+            ))
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        try:
+            while not self.stopping:
+                self.poll_once()
+                if self.core.has_work and not self.paused:
+                    self.send_outputs(self.core.step())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        registry.unlink(self.args.registry_path)
+        shutil.rmtree(self.args.runtime_dir, ignore_errors=True)
+        for fe in list(self.frontends.values()):
+            if fe.pidfd is not None and fe.pidfd != self.owner_pidfd:
+                os.close(fe.pidfd)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    # ---- input -------------------------------------------------------------------------------
+
+    def poll_once(self) -> None:
+        busy = self.core.has_work and not self.paused
+        timeout = 0 if busy or any(fe.outbox for fe in self.frontends.values()) else IDLE_POLL_MS
+        for what, _ in self.poller.poll(timeout):
+            if what is self.sock:
+                self.drain()
+            elif what == self.owner_pidfd:
+                log.warning("owner process %d exited; the core shuts down", self.args.owner_pid)
+                self.stopping = True
+            elif what in self.by_pidfd:
+                self.drop_frontend(self.by_pidfd[what], "its process exited")
+        self.flush_outboxes()
+
+    def drain(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_POLL):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames", len(frames))
+                continue
+            try:
+                msg = decode_to_core(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("dropped an undecodable message: %s", e)
+                continue
+            self.handle(frames[0], msg)
+
+    def handle(self, ident: bytes, msg: Any) -> None:
+        fe = self.frontends.get(ident)
+        if isinstance(msg, Hello):
+            self.hello(ident, msg)
+        elif fe is None:
+            log.warning("dropped %s from a frontend that has not said Hello", type(msg).__name__)
+        elif isinstance(msg, Generate):
+            refusal = self.core.add(ident, msg)
+            if refusal is not None:
+                self.send(fe, StepOutputs([refusal]))
+        elif isinstance(msg, Abort):
+            out = self.core.abort(ident, msg.rid)
+            if out is not None:
+                self.send(fe, StepOutputs([out]))
+        elif isinstance(msg, Control):
+            self.send(fe, self.control(msg))
+        elif isinstance(msg, Goodbye):
+            self.drop_frontend(fe, "it said goodbye")
+
+    def hello(self, ident: bytes, msg: Hello) -> None:
+        reason = None
+        if not hmac.compare_digest(msg.token.encode(), self.args.token.encode()):
+            reason = "wrong token: the registry's token is required to attach"
+        elif msg.version != PROTOCOL_VERSION:
+            reason = f"protocol version mismatch: frontend {msg.version}, engine {PROTOCOL_VERSION}"
+        elif ident in self.frontends:
+            reason = "this frontend is attached already"
+        elif len(self.frontends) >= self.cap:
+            reason = (f"engine {self.args.owner_pid} has {len(self.frontends)} of {self.cap} "
+                      "frontends attached")
+        if reason:
+            log.warning("rejected a frontend (pid %d): %s", msg.pid, reason)
+            self.send_raw(ident, encode(Reject(reason)))
+            return
+        pidfd = self.owner_pidfd if msg.pid == self.args.owner_pid else _pidfd(msg.pid)
+        fe = Frontend(ident, self.next_worker_id, msg.pid, pidfd)
+        self.next_worker_id += 1
+        self.frontends[ident] = fe
+        if pidfd is not None and pidfd != self.owner_pidfd:
+            self.by_pidfd[pidfd] = fe
+            self.poller.register(pidfd, zmq.POLLIN)
+        log.info("frontend %d attached (pid %d)", fe.worker_id, fe.pid)
+        self.send(fe, Welcome(fe.worker_id, self.core.info()))
+
+    def drop_frontend(self, fe: Frontend, why: str) -> None:
+        aborted = self.core.abort_frontend(fe.ident)
+        self.frontends.pop(fe.ident, None)
+        if fe.pidfd is not None and fe.pidfd != self.owner_pidfd:
+            self.by_pidfd.pop(fe.pidfd, None)
+            self.poller.unregister(fe.pidfd)
+            os.close(fe.pidfd)
+        log.info("frontend %d (pid %d) detached: %s; aborted %d request(s)",
+                 fe.worker_id, fe.pid, why, aborted)
+
+    def control(self, msg: Control) -> ControlReply:
+        try:
+            return ControlReply(msg.cid, result=self.control_op(msg.op))
+        except Exception as e:  # a bad control op must not take the core down
+            return ControlReply(msg.cid, error=f"{type(e).__name__}: {e}")
+
+    def control_op(self, op: str) -> Any:
+        if op == "server_info":
+            return self.server_info()
+        if op == "check_integrity":
+            self.core.check_integrity()
+            return True
+        if op == "flush_cache":
+            return True  # nothing is cached across requests yet
+        if op in ("pause", "continue"):
+            self.paused = op == "pause"
+            return self.paused
+        raise ValueError(f"unknown control op {op!r}")
+
+    def server_info(self) -> dict[str, Any]:
+        inflight: dict[bytes, int] = {}
+        for req in self.core.requests.values():
+            inflight[req.frontend] = inflight.get(req.frontend, 0) + 1
+        sched = self.core.scheduler
+        return {
+            "version": PROTOCOL_VERSION,
+            "core_pid": os.getpid(),
+            "owner_pid": self.args.owner_pid,
+            "config": self.args.config,
+            **self.core.info(),
+            "paused": self.paused,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_blocks_used": self.core.pool.num_used,
+            "num_preemptions": sched.num_preemptions,
+            "stats": dict(self.core.stats),
+            "frontends": [
+                {"pid": fe.pid, "worker_id": fe.worker_id, "requests_in_flight": inflight.get(fe.ident, 0)}
+                for fe in self.frontends.values()
+            ],
+        }
+
+    # ---- output ------------------------------------------------------------------------------
+
+    def send_outputs(self, outputs: dict[bytes, list[ReqOutput]]) -> None:
+        for ident, outs in outputs.items():
+            fe = self.frontends.get(ident)
+            if fe is not None and outs:
+                self.send(fe, StepOutputs(outs))
+
+    def send(self, fe: Frontend, msg: Any) -> None:
+        fe.outbox.append(encode(msg))
+        self.flush(fe)
+
+    def flush_outboxes(self) -> None:
+        for fe in list(self.frontends.values()):
+            if fe.outbox:
+                self.flush(fe)
+
+    def flush(self, fe: Frontend) -> None:
+        while fe.outbox:
+            try:
+                self.sock.send_multipart([fe.ident, fe.outbox[0]], zmq.NOBLOCK)
+            except zmq.Again:
+                return  # its queue is full: retry after the next step
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    self.drop_frontend(fe, "its socket is gone")
+                    return
+                raise
+            fe.outbox.popleft()
+
+    def send_raw(self, ident: bytes, payload: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, payload], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # a rejected frontend that is gone already
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (ProcessLookupError, AttributeError, OSError):
+        return None

@@ -1,0 +1,361 @@
+"""Engine: the public Python API, shaped like sglang.Engine.
+
+`Engine(...)` starts a core process and talks to it through an in-process TokenizerWorker that
+runs on a private loop thread, so the API works from plain scripts, from threads without a loop
+and from inside a running asyncio loop. `Engine.attach_tokenizer_worker(pid)` builds an Engine in
+another process that owns only a frontend attached to that engine's core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from unison import registry
+from unison.config import EngineConfig
+from unison.errors import EngineDeadError
+from unison.frontend.worker import ReqState, TokenizerWorker
+from unison.output import Collector
+from unison.protocol import PROTOCOL_VERSION, CoreArgs, encode
+from unison.sampling_params import SamplingParams
+
+log = logging.getLogger("unison")
+
+ATTACH_TIMEOUT = 5.0
+SHUTDOWN_GRACE = 4.0
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread: the frontend's home behind the sync API."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="unison-frontend", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float | None = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class _Handle:
+    """What an Engine owns; closed once, by shutdown(), the garbage collector, or exit."""
+
+    def __init__(self) -> None:
+        self.loop: _LoopThread | None = None
+        self.worker: TokenizerWorker | None = None
+        self.proc: subprocess.Popen | None = None  # the core, when this process owns it
+        self.runtime_dir: str | None = None
+        self.registry_path: Path | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.worker is not None and self.loop is not None and self.loop.thread.is_alive():
+            try:
+                self.loop.run(self.worker.close(goodbye=True), timeout=2)
+            except Exception:  # the loop is wedged or gone: nothing left to say goodbye with
+                pass
+        if self.proc is not None:
+            _stop_process(self.proc)
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self.proc is not None:
+            registry.unlink(self.registry_path)
+        if self.loop is not None:
+            self.loop.stop()
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        self._h = _Handle()
+        self._finalizer = weakref.finalize(self, _Handle.close, self._h)
+        try:
+            self._start_owner()
+        except BaseException:
+            self._h.close()
+            raise
+
+    def _start_owner(self) -> None:
+        from unison.model.loader import resolve_model_dir  # converts a GGUF once, into the cache
+
+        cfg, h = self.config, self._h
+        self.model_dir = str(resolve_model_dir(cfg.model_path))
+        h.runtime_dir = tempfile.mkdtemp(prefix="unison-")  # 0700; short: ipc paths < 107 bytes
+        endpoint = f"ipc://{h.runtime_dir}/core.sock"
+        token = secrets.token_hex(16)
+        if cfg.tokenizer_worker_num > 1:
+            h.registry_path = registry.free_registry_path(os.getpid())
+        args = CoreArgs(
+            config=cfg.to_dict(), model_dir=self.model_dir, endpoint=endpoint,
+            runtime_dir=h.runtime_dir, token=token, owner_pid=os.getpid(),
+            registry_path=str(h.registry_path) if h.registry_path else None,
+            pdeathsig=threading.current_thread() is threading.main_thread(),
+        )
+        h.proc = subprocess.Popen([sys.executable, "-m", "unison.core"], stdin=subprocess.PIPE)
+        h.proc.stdin.write(encode(args))
+        h.proc.stdin.close()
+        self._connect(endpoint, token, h.proc.pid, cfg.startup_timeout, self._core_startup_problem)
+
+    def _core_startup_problem(self) -> str | None:
+        code = self._h.proc.poll()
+        if code is None:
+            return None
+        error = Path(self._h.runtime_dir, "startup_error")
+        detail = error.read_text() if error.exists() else "see its log above"
+        return f"the engine core exited with code {code} while starting: {detail}"
+
+    def _connect(self, endpoint: str, token: str, core_pid: int, timeout: float, alive) -> None:
+        h = self._h
+        h.loop = _LoopThread()
+        h.worker = TokenizerWorker(self.model_dir, endpoint, token, core_pid)
+        h.loop.run(h.worker.start(timeout, alive))
+
+    @classmethod
+    def attach_tokenizer_worker(cls, parent_pid: int | None = None, *,
+                                registry_file: str | None = None) -> Engine:
+        """Attach a frontend to the engine owned by `parent_pid` (default: this process's parent).
+
+        The returned Engine runs generate() here while prefill and decode stay on that engine's
+        core; shutdown() detaches only this frontend.
+        """
+        pid = os.getppid() if parent_pid is None else parent_pid
+        path = Path(registry_file) if registry_file else registry.registry_path(pid)
+        info = _read_registry(path, pid)
+        self = cls.__new__(cls)
+        self.config = EngineConfig(**info.config)
+        self.model_dir = info.model_dir
+        self._h = _Handle()
+        self._finalizer = weakref.finalize(self, _Handle.close, self._h)
+        try:
+            self._connect(info.endpoint, info.token, info.core_pid, ATTACH_TIMEOUT, lambda: None)
+        except BaseException:
+            self._h.close()
+            raise
+        return self
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | list[dict] | SamplingParams | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                 return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 rid: str | list[str] | None = None) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (a dict) or a list (a flat list of P * n dicts)."""
+        if _running_loop() is not None:
+            warnings.warn("Engine.generate blocks the running event loop; use async_generate there",
+                          RuntimeWarning, stacklevel=2)
+        batch, states = self._submit(prompt, sampling_params, input_ids, return_logprob,
+                                     logprob_start_len, top_logprobs_num, rid)
+        collector = Collector(states, batch)
+        if stream:
+            return self._stream_sync(collector)
+        for _ in self._stream_sync(collector):
+            pass
+        return collector.results()
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | SamplingParams | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                             return_logprob: bool = False, logprob_start_len: int = -1,
+                             top_logprobs_num: int = 0, rid: str | list[str] | None = None,
+                             ) -> dict | list[dict] | AsyncIterator[dict]:
+        """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
+        batch, states = await asyncio.to_thread(
+            self._submit, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            top_logprobs_num, rid)
+        collector = Collector(states, batch)
+        if stream:
+            return self._stream_async(collector)
+        async for _ in self._stream_async(collector):
+            pass
+        return collector.results()
+
+    def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                top_logprobs_num, rid) -> tuple[bool, list[ReqState]]:
+        worker = self._worker()
+        batch, prompts, id_lists = _normalize_prompts(prompt, input_ids)
+        params = _per_prompt(sampling_params, len(prompts) or len(id_lists), "sampling_params")
+        params = [SamplingParams.from_any(p) for p in params]
+        rids = _per_prompt(rid, len(params), "rid")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num!r}")
+        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 (none) or >= 0, got {logprob_start_len!r}")
+        ids = [worker.prepare(p, i, sp) for p, i, sp in
+               zip(prompts or [None] * len(id_lists), id_lists or [None] * len(prompts), params)]
+        states = self._h.loop.run(worker.submit(ids, params, rids, return_logprob, logprob_start_len,
+                                                top_logprobs_num))
+        return batch, states
+
+    def _stream_sync(self, collector: Collector) -> Iterator[dict]:
+        wake = threading.Event()
+        collector.set_waker(wake.set)
+        try:
+            while True:
+                for chunk in collector.drain():
+                    yield chunk
+                if collector.done:
+                    return
+                while not wake.wait(0.1):  # short waits keep Ctrl-C deliverable
+                    pass
+                wake.clear()
+        finally:
+            self._abort_unfinished(collector)
+
+    async def _stream_async(self, collector: Collector) -> AsyncIterator[dict]:
+        loop, wake = asyncio.get_running_loop(), asyncio.Event()
+        collector.set_waker(lambda: loop.call_soon_threadsafe(wake.set))
+        try:
+            while True:
+                for chunk in collector.drain():
+                    yield chunk
+                if collector.done:
+                    return
+                await wake.wait()
+                wake.clear()
+        finally:
+            self._abort_unfinished(collector)
+
+    def _abort_unfinished(self, collector: Collector) -> None:
+        h = self._h
+        for rid in collector.unfinished_rids():
+            if not h.closed and h.loop.thread.is_alive():
+                h.loop.submit(h.worker.abort(rid))
+
+    def abort_request(self, rid: str) -> None:
+        """Abort one of this frontend's requests (a request of another frontend is never touched)."""
+        self._h.loop.run(self._worker().abort(rid), timeout=5)
+
+    # ---- engine-wide controls, acted on in the core ------------------------------------------
+
+    def _control(self, op: str) -> Any:
+        return self._h.loop.run(self._worker().control(op))
+
+    def get_server_info(self) -> dict[str, Any]:
+        info = self._control("server_info")
+        info["worker_id"] = self._h.worker.worker_id
+        info["model_path"] = self.config.model_path
+        info["model_dir"] = self.model_dir
+        return info
+
+    def flush_cache(self) -> bool:
+        return self._control("flush_cache")
+
+    def pause_generation(self) -> None:
+        self._control("pause")
+
+    def continue_generation(self) -> None:
+        self._control("continue")
+
+    def check_integrity(self) -> None:
+        """Raise if the core's KV block pool has a leaked or double-owned block."""
+        self._control("check_integrity")
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        """The frontend's tokenizer (encode, decode, apply_chat_template)."""
+        return self._h.worker.tokenizer
+
+    def _worker(self) -> TokenizerWorker:
+        if self._h.closed:
+            raise EngineDeadError("this Engine was shut down")
+        self._h.worker.check_alive()
+        return self._h.worker
+
+    def shutdown(self) -> None:
+        """Owner: stop the core and clean up. Attached: detach this frontend only."""
+        self._finalizer()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _read_registry(path: Path, pid: int):
+    try:
+        info = registry.read(path)
+    except FileNotFoundError:
+        hint = "it is not running" if not registry.pid_alive(pid) else (
+            "it publishes no registry: start it with tokenizer_worker_num > 1 to accept attached frontends")
+        raise ConnectionRefusedError(f"no Unison engine to attach to in process {pid}: {hint}") from None
+    except Exception as e:
+        raise ConnectionRefusedError(f"unreadable engine registry {path}: {e}") from None
+    if info.version != PROTOCOL_VERSION:
+        raise ConnectionRefusedError(
+            f"engine {pid} speaks protocol {info.version}, this Unison speaks {PROTOCOL_VERSION}")
+    if not registry.pid_alive(info.owner_pid) or not registry.pid_alive(info.core_pid):
+        raise EngineDeadError(f"stale registry {path}: engine {pid} is no longer running")
+    return info
+
+
+def _normalize_prompts(prompt, input_ids) -> tuple[bool, list[str], list[list[int]]]:
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt and input_ids")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return False, [prompt], []
+        if isinstance(prompt, list) and prompt:
+            return True, prompt, []
+        raise ValueError("prompt must be a string or a non-empty list of strings")
+    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+        return True, [], input_ids
+    if isinstance(input_ids, list):
+        return False, [], [input_ids]
+    raise ValueError("input_ids must be a list of token ids or a list of such lists")
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):  # one entry per prompt
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(SHUTDOWN_GRACE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,138 @@
+"""SamplingParams: what a user may ask of one request, named and bounded as in SGLang."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+from unison.protocol import CoreSamplingParams
+
+MAX_N = 128
+MAX_STOP_STRINGS = 32
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[Any, float] | None = None
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @classmethod
+    def from_any(cls, params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**params)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def validate(self, *, vocab_size: int, context_length: int, prompt_len: int) -> None:
+        """Raise ValueError naming the field and the allowed range; nothing is queued before this."""
+        _int("max_new_tokens", self.max_new_tokens, lo=0)
+        _int("min_new_tokens", self.min_new_tokens, lo=0, hi=self.max_new_tokens)
+        _int("n", self.n, lo=1, hi=MAX_N)
+        _float("temperature", self.temperature, lo=0.0)
+        _float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _int("top_k", self.top_k, lo=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (all tokens) or >= 1, got 0")
+        _float("min_p", self.min_p, lo=0.0, hi=1.0)
+        _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=2.0, lo_open=True)
+        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.sampling_seed is not None:
+            _int("sampling_seed", self.sampling_seed, lo=0, hi=2**63 - 1)
+        self._validate_stop()
+        for tid in self.stop_token_ids or []:
+            _int("stop_token_ids", tid, lo=0, hi=vocab_size - 1)
+        self._bias_items(vocab_size)
+        if prompt_len + self.max_new_tokens > context_length:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the "
+                f"context length ({context_length}); shorten the prompt or lower max_new_tokens"
+            )
+
+    def _validate_stop(self) -> None:
+        if self.stop is not None and not isinstance(self.stop, (str, list)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list):
+            raise ValueError("stop_token_ids must be a list of token ids")
+
+    def _bias_items(self, vocab_size: int) -> dict[int, float]:
+        if self.logit_bias is None:
+            return {}
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a dict of token id -> bias")
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                tid = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            _int("logit_bias token id", tid, lo=0, hi=vocab_size - 1)
+            _float(f"logit_bias[{tid}]", bias, lo=-100.0, hi=100.0)
+            out[tid] = float(bias)
+        return out
+
+    def to_core(self, vocab_size: int, index: int = 0) -> CoreSamplingParams:
+        """The core's view; `index` is the child number when n > 1 (child i uses seed + i)."""
+        seed = random.getrandbits(63) if self.sampling_seed is None else self.sampling_seed + index
+        return CoreSamplingParams(
+            max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
+            temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k,
+            min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty),
+            frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
+            logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+        )
+
+
+def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo}, {'inf' if hi is None else hi}], got {value}")
+
+
+def _float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    bad_lo = value <= lo if lo_open else value < lo
+    if math.isnan(value) or bad_lo or value > hi:
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")
