@@ -1,0 +1,176 @@
+"""Incremental detokenizing with stop strings: one IncrementalDetokenizer per request.
+
+Decoding follows vLLM / HF text streaming: each step decodes only a small window,
+`ids[prefix:]`, and emits what it adds to `ids[prefix:read]` (the window gives a token its
+context, e.g. a SentencePiece leading space). A window whose text ends in U+FFFD stops inside a
+UTF-8 character, so it waits for the next token. Stop strings are searched in the new text plus
+the last `max_stop_len - 1` characters, and the longest tail that could still begin a stop
+string is held back, so no delta ever shows text that a later stop trims. Every step costs
+O(window + max_stop_len), never O(length of the output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+# Prompt tokens decoded with the first output tokens, so the first one gets its context.
+PROMPT_CONTEXT = 5
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output token ids into text deltas, and finds its stop strings.
+
+    `text` is the sum of the deltas returned so far; `output_ids` the request's tokens, ending
+    at the token that completed a stop string. With `prompt_ids`, the first output tokens are
+    decoded after the prompt's last tokens, as vLLM does. `spaces_between_special_tokens` is
+    accepted for API parity: like HF fast tokenizers (hence vLLM and SGLang), it has no effect.
+    """
+
+    __slots__ = (
+        "_tok", "_skip", "_stops", "_max_stop", "_no_stop_trim", "_ctx", "_prev_prefix",
+        "_prefix", "_read", "_recent", "_held", "_chunks", "output_ids", "stop_matched",
+        "finished",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        no_stop_trim: bool = False,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        self._tok, self._skip = tokenizer, skip_special_tokens
+        self._stops = tuple(dict.fromkeys(stop))
+        self._max_stop = max(map(len, self._stops), default=0)
+        self._no_stop_trim = no_stop_trim
+        # Offsets index output_ids; negative ones reach back into the prompt's context tokens.
+        self._ctx = self._context(prompt_ids or [])
+        self._prev_prefix = self._prefix = -len(self._ctx)
+        self._read = 0
+        self.output_ids: list[int] = []
+        self._recent = self._held = ""  # last emitted chars / confirmed chars not yet emitted
+        self._chunks: list[str] = []
+        self.stop_matched: str | None = None
+        self.finished = False
+
+    def _context(self, prompt_ids: list[int]) -> list[int]:
+        ctx = list(prompt_ids[-PROMPT_CONTEXT:])
+        # A prompt that ends inside a character would shift the first delta: decode without it.
+        return [] if self._decode(ctx).endswith(REPLACEMENT) else ctx
+
+    @property
+    def text(self) -> str:
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append tokens; return the text they confirm. Tokens after a stop string are dropped."""
+        out = []
+        for token in new_ids:
+            if self.finished:
+                break
+            self.output_ids.append(token)
+            if delta := self._step():
+                out.append(self._push(delta, final=False))
+        return "".join(out)
+
+    def flush(self) -> str:
+        """End the request: release held-back text and any incomplete character (as U+FFFD)."""
+        if self.finished:
+            return ""
+        delta = self._push(self._step(final=True), final=True)
+        self.finished = True
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def _slice(self, start: int, end: int | None = None) -> list[int]:
+        if start >= 0:
+            return self.output_ids[start:end]
+        return self._ctx[len(self._ctx) + start :] + self.output_ids[:end]
+
+    def _step(self, final: bool = False) -> str:
+        """Decode the window; advance it and return its new text once that ends on a whole
+        character (at the end, `final`, whatever it holds)."""
+        prefix = self._prefix
+        prefix_text = self._decode(self._slice(prefix, self._read))
+        new_text = self._decode(self._slice(prefix))
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
+            return ""
+        self._prev_prefix, self._prefix, self._read = prefix, self._read, len(self.output_ids)
+        return new_text[len(prefix_text) :]
+
+    def _push(self, delta: str, final: bool) -> str:
+        """Check confirmed `delta` for stop strings; return the part that may be shown now."""
+        if not self._stops:
+            self._chunks.append(delta)
+            return delta
+        pending = self._held + delta
+        buf = self._recent + pending
+        if match := self._find_stop(buf):
+            start, stop = match
+            self.stop_matched, self.finished = stop, True
+            end = start + len(stop)
+            self._truncate_ids(end - (len(buf) - len(delta)))
+            emit = pending[: (end if self._no_stop_trim else start) - len(self._recent)]
+            self._held = ""
+        else:
+            keep = len(pending) - (0 if final else self._stop_prefix_len(buf))
+            emit, self._held = pending[:keep], pending[keep:]
+        self._recent = (self._recent + emit)[-(self._max_stop - 1) :] if self._max_stop > 1 else ""
+        self._chunks.append(emit)
+        return emit
+
+    def _find_stop(self, buf: str) -> tuple[int, str] | None:
+        # The stop string that ends first wins (the longer one on a tie): what token-by-token
+        # streaming would see, however the tokens are batched.
+        best: tuple[int, int, str] | None = None
+        for s in self._stops:
+            if (i := buf.find(s)) >= 0 and (best is None or (i + len(s), i) < best[:2]):
+                best = (i + len(s), i, s)
+        return None if best is None else (best[1], best[2])
+
+    def _stop_prefix_len(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stops:
+            if len(s) < 2:
+                continue
+            tail = buf[-(len(s) - 1) :]
+            i = tail.find(s[0])
+            while i != -1 and len(tail) - i > best:
+                if s.startswith(tail[i:]):
+                    best = len(tail) - i
+                    break
+                i = tail.find(s[0], i + 1)
+        return best
+
+    def _truncate_ids(self, need: int) -> None:
+        """Drop tokens after the one that completed `need` characters of the last delta.
+
+        A delta may span several tokens when it waited for a character to complete: find the
+        first of them whose text (less an incomplete last character) reaches the stop's end.
+        """
+        start, first, last = self._prev_prefix, self._prefix, self._read
+        if last - first > 1:
+            base = len(self._decode(self._slice(start, first)))
+            for j in range(first + 1, last):
+                if len(self._decode(self._slice(start, j)).rstrip(REPLACEMENT)) - base >= need:
+                    last = j
+                    break
+        del self.output_ids[last:]

@@ -1,0 +1,272 @@
+"""Tokenizer and chat template of a Hugging Face model directory, without torch or transformers.
+
+Reads what transformers reads (tokenizer.json, tokenizer_config.json, generation_config.json,
+config.json, chat_template.jinja) and renders chat templates exactly as
+`transformers.PreTrainedTokenizerBase.apply_chat_template(..., tokenize=False)` does.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ROLES = ("system", "user", "assistant", "tool")
+# Names of special tokens a template may read as variables, as transformers' special_tokens_map.
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A fast (tokenizers) tokenizer plus what a frontend needs from the model's configs."""
+
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        tokenizer_config: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        model_config: dict[str, Any] | None = None,
+        chat_template: str | dict[str, str] | None = None,
+    ) -> None:
+        self._tok = tok
+        self.token_strings = {k: _token_str(tokenizer_config.get(k)) for k in _TEMPLATE_TOKENS}
+        self.add_bos_token = bool(tokenizer_config.get("add_bos_token", False))
+        self.add_eos_token = bool(tokenizer_config.get("add_eos_token", False))
+        self.chat_template = chat_template or tokenizer_config.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": ..., "template": ...}] in older files
+            self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
+        gen, cfg = generation_config or {}, model_config or {}
+        self.bos_token_id = self._id_of(self.token_strings["bos_token"])
+        if self.bos_token_id is None:
+            self.bos_token_id = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        # Chat models end a turn on tokens the tokenizer may not call eos: take them all.
+        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+        eos_ids += [i for i in [self._id_of(self.eos_token)] if i is not None]
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        added = tok.get_added_tokens_decoder()
+        self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # Embedding tables are often padded past the tokenizer (Qwen): sampling sees the larger.
+        self.vocab_size: int = max(
+            tok.get_vocab_size(with_added_tokens=True),
+            max(added, default=-1) + 1,
+            cfg.get("vocab_size") or 0,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {path}: Unison needs a Hugging Face fast tokenizer "
+                "(save one with transformers' AutoTokenizer.save_pretrained)"
+            )
+        template: str | dict[str, str] | None = None
+        if (p := path / "chat_template.jinja").is_file():
+            template = p.read_text(encoding="utf-8")
+        if (extra := path / "additional_chat_templates").is_dir():
+            named = {f.stem: f.read_text(encoding="utf-8") for f in sorted(extra.glob("*.jinja"))}
+            template = named | ({"default": template} if template else {})
+        return cls(
+            tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")),
+            _read_json(path / "tokenizer_config.json") or {},
+            _read_json(path / "generation_config.json"),
+            _read_json(path / "config.json"),
+            template,
+        )
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.token_strings["bos_token"]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.token_strings["eos_token"]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # tokenizer_config's add_bos/eos_token hold where tokenizer.json's post-processor lacks them.
+        if add_special_tokens:
+            bos, eos = self.bos_token_id, self._id_of(self.eos_token)
+            if self.add_bos_token and bos is not None and ids[:1] != [bos]:
+                ids.insert(0, bos)
+            if self.add_eos_token and eos is not None and ids[-1:] != [eos]:
+                ids.append(eos)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` to the prompt text; `chat_template` is a template name or source."""
+        template = _compile(self._template_source(chat_template, tools))
+        variables = {k: v for k, v in self.token_strings.items() if v is not None} | kwargs
+        return template.render(
+            messages=normalize_messages(messages),
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def _template_source(self, chat_template: str | None, tools: list | None) -> str:
+        own = self.chat_template
+        if isinstance(own, dict):
+            if chat_template is not None:
+                return own.get(chat_template, chat_template)
+            name = "tool_use" if tools is not None and "tool_use" in own else "default"
+            if name not in own:
+                raise ValueError(
+                    f"the model has several chat templates and none is the default: pass "
+                    f"chat_template= one of {sorted(own)}"
+                )
+            return own[name]
+        if chat_template is not None:
+            return chat_template
+        if own is None:
+            raise ValueError(
+                "the model has no chat template: send a plain prompt, or pass chat_template= "
+                "a Jinja template"
+            )
+        return own
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check OpenAI-style chat messages; join text parts; drop None fields as transformers does."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
+    return [_normalize_message(i, m) for i, m in enumerate(messages)]
+
+
+def _normalize_message(i: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{i}] must be a dict with role and content, got {message!r:.80}")
+    message = {k: v for k, v in message.items() if v is not None}
+    if (role := message.get("role")) not in ROLES:
+        raise ValueError(f"messages[{i}]: role must be one of {ROLES}, got {role!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = "\n".join(_text_part(i, j, p) for j, p in enumerate(content))
+    elif content is None and role == "assistant" and message.get("tool_calls"):
+        pass  # an assistant turn that only calls tools has no content
+    elif not isinstance(content, str):
+        raise ValueError(
+            f"messages[{i}]: content must be a string or a list of text parts, got {content!r:.80}"
+        )
+    return message
+
+
+def _text_part(i: int, j: int, part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise ValueError(
+        f"messages[{i}].content[{j}]: only {{'type': 'text', 'text': str}} parts are supported, "
+        f"got {part!r:.80}"
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _token_str(token: Any) -> str | None:
+    # Older configs store special tokens as serialized AddedToken dicts.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+# The Jinja environment below mirrors transformers' `_compile_jinja_template`, so that templates
+# from the Hub render byte for byte the same, inside the same sandbox.
+
+
+class _Generation(jinja2.ext.Extension):
+    """Renders the body of `{% generation %}...{% endgeneration %}` (assistant-mask markers)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    # `dict` without the type behind it, so templates cannot reach class internals.
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    # Namespaces refuse underscore names, which could otherwise reach CPython internals.
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
+            )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals |= {
+        "raise_exception": _raise_exception,
+        "strftime_now": _strftime_now,
+        "dict": _TemplateDict(),
+        "namespace": _TemplateNamespace,
+    }
+    return env.from_string(source)
