@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
     gen.add_argument("--num-threads", type=int, default=None)
     gen.set_defaults(func=_generate)
+    bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
+    from unison.bench.offline import add_parser as add_offline
+
+    add_offline(bench.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,338 @@
+"""The Engine API end to end: a real core process running the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.utils import assert_greedy_close, hf_reference
+from unison import Engine, EngineDeadError
+
+GREEDY = {"temperature": 0, "max_new_tokens": 16}
+PROMPTS = [
+    "The capital of France is",
+    "1 + 1 =",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at",
+    "List three fruits:",
+    "In 1969, the first person to walk on the moon was",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # A short step budget forces long prompts through chunked prefill.
+    with Engine(chunked_prefill_size=64, max_running_requests=32) as e:
+        yield e
+
+
+@pytest.fixture(autouse=True)
+def integrity(request):
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        wait_idle(eng)
+        eng.check_integrity()
+
+
+def wait_idle(engine: Engine, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = engine.get_server_info()
+        if info["num_running"] + info["num_waiting"] == 0 and info["kv_blocks_used"] == 0:
+            return info
+        assert time.monotonic() < deadline, f"engine not idle: {info}"
+        time.sleep(0.05)
+
+
+def top_dicts(out: dict) -> list[dict[int, float]]:
+    return [{tid: lp for lp, tid, _ in top} for top in out["meta_info"]["output_top_logprobs"]]
+
+
+def test_capital_of_france(engine):
+    out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+    assert out["text"].startswith(" Paris.")
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 8 == len(out["output_ids"])
+    assert meta["finish_reason"] == {"type": "length", "matched": None}
+    assert meta["cached_tokens"] == 0 and meta["e2e_latency"] > 0
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"])
+
+
+def test_greedy_parity_with_transformers(engine):
+    tok = engine.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in
+             ("What is the capital of Italy?", "Name a color.", "Say hello.", "What is 2 + 2?")]
+    prompts = PROMPTS + chats
+    ids = [tok.encode(p) for p in prompts]
+    outs = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 32,
+                                                          "ignore_eos": True},
+                           return_logprob=True, top_logprobs_num=5)
+    refs = hf_reference(ids, 32)
+    for prompt, out, (ref_ids, ref_top) in zip(prompts, outs, refs):
+        assert_greedy_close(ref_ids, ref_top, out["output_ids"], top_dicts(out), name=prompt)
+        first_ours, first_ref = top_dicts(out)[0], ref_top[0]
+        assert set(first_ours) == set(first_ref), prompt
+        for tid, lp in first_ref.items():
+            assert abs(first_ours[tid] - lp) < 1e-3, (prompt, tid, first_ours[tid], lp)
+
+
+def test_batch_of_prompts_with_n(engine):
+    outs = engine.generate(PROMPTS[:3], {"max_new_tokens": 6, "n": 3, "sampling_seed": 7})
+    assert len(outs) == 9
+    for o in outs:
+        assert o["meta_info"]["completion_tokens"] == 6
+    # Children of one prompt use different seeds, so they rarely all agree.
+    texts = {o["text"] for o in outs[:3]}
+    assert len(texts) > 1
+
+
+def test_streaming_is_cumulative_and_matches(engine):
+    chunks = list(engine.generate(PROMPTS[2], GREEDY, stream=True))
+    assert len(chunks) > 1
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"])
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] is not None
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    whole = engine.generate(PROMPTS[2], GREEDY)
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+
+
+def test_stop_string_across_tokens_is_trimmed(engine):
+    full = engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": 24})
+    ids, tok = full["output_ids"], engine.tokenizer
+    # A stop string that starts inside token 4 and ends inside token 6.
+    prefix, upto = tok.decode(ids[:4]), tok.decode(ids[:6])
+    start = len(prefix) - 2
+    stop = upto[start:]
+    assert len(stop) >= 3
+    out = engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": 24, "stop": stop})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == full["text"][: full["text"].index(stop)]
+    assert out["output_ids"] == ids[: 6]  # ends at the token that completed the stop string
+    chunks = list(engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": 24, "stop": stop},
+                                  stream=True))
+    assert all(stop not in c["text"] for c in chunks)
+    assert chunks[-1]["text"] == out["text"]
+    kept = engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": 24, "stop": stop,
+                                        "no_stop_trim": True})
+    assert kept["text"].endswith(stop)
+
+
+def test_utf8_streaming_never_breaks_a_character(engine):
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Write the word 'hello' in Japanese, "
+                                       "Chinese and Korean, then add three emoji."}])
+    chunks = list(engine.generate(prompt, {"temperature": 0, "max_new_tokens": 48}, stream=True))
+    final = chunks[-1]
+    assert any(ord(ch) > 0x2000 for ch in final["text"]), final["text"]  # multi-byte output happened
+    for c in chunks[:-1]:  # only the very end may hold a character cut off by max_new_tokens
+        assert "\ufffd" not in c["text"]
+    assert final["text"] == tok.decode(final["output_ids"])
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    params = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 16, "sampling_seed": 1234}
+    alone = engine.generate(PROMPTS[0], params)
+    again = engine.generate(PROMPTS[0], params)
+    assert alone["output_ids"] == again["output_ids"]
+    batch = engine.generate(PROMPTS[:6], [dict(params, sampling_seed=s) for s in (1234, 1, 2, 3, 4, 5)])
+    assert batch[0]["output_ids"] == alone["output_ids"]
+    other_seed = engine.generate(PROMPTS[0], dict(params, sampling_seed=99))
+    assert other_seed["output_ids"] != alone["output_ids"]
+
+
+def test_top_k_1_equals_greedy(engine):
+    greedy = engine.generate(PROMPTS[4], GREEDY)
+    top1 = engine.generate(PROMPTS[4], {"temperature": 1.5, "top_k": 1, "max_new_tokens": 16})
+    assert top1["output_ids"] == greedy["output_ids"]
+
+
+def test_sampling_controls(engine):
+    base = engine.generate(PROMPTS[1], {"temperature": 0, "max_new_tokens": 4})
+    first = base["output_ids"][0]
+    banned = engine.generate(PROMPTS[1], {"temperature": 0, "max_new_tokens": 4,
+                                          "logit_bias": {str(first): -100}})
+    assert banned["output_ids"][0] != first
+    stopped = engine.generate(PROMPTS[1], {"temperature": 0, "max_new_tokens": 4, "stop_token_ids": [first]})
+    assert stopped["output_ids"] == [first]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    forced = engine.generate(PROMPTS[1], {"temperature": 0, "max_new_tokens": 4, "min_new_tokens": 3,
+                                          "stop_token_ids": [first]})
+    assert len(forced["output_ids"]) >= 3 and first not in forced["output_ids"][:2]
+    eos = engine.tokenizer.encode("<|im_end|>")[0]
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    short = engine.generate(chat, {"temperature": 0, "max_new_tokens": 64})
+    assert short["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    long = engine.generate(chat, {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True})
+    assert long["meta_info"]["completion_tokens"] == 64
+    penal = engine.generate(PROMPTS[6], {"temperature": 0, "max_new_tokens": 24, "repetition_penalty": 1.3,
+                                         "frequency_penalty": 0.5, "presence_penalty": 0.5})
+    assert penal["meta_info"]["completion_tokens"] > 0
+
+
+def test_prompt_only_and_prompt_logprobs(engine):
+    prompt_ids = engine.tokenizer.encode(PROMPTS[0])
+    out = engine.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 0},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["finish_reason"]["type"] == "length"
+    lps = meta["input_token_logprobs"]
+    assert len(lps) == len(prompt_ids) and lps[0][0] is None
+    assert [t for _, t, _ in lps] == prompt_ids
+    assert len(meta["input_top_logprobs"]) == len(prompt_ids)
+    # The prompt logprob of a token equals the output logprob that produced it.
+    gen = engine.generate(input_ids=prompt_ids[:-1], sampling_params={"max_new_tokens": 1, "temperature": 0},
+                          return_logprob=True)
+    produced_lp, produced = gen["meta_info"]["output_token_logprobs"][0][:2]
+    again = engine.generate(input_ids=prompt_ids[:-1] + [produced], sampling_params={"max_new_tokens": 1},
+                            return_logprob=True, logprob_start_len=len(prompt_ids) - 1)
+    assert again["meta_info"]["input_token_logprobs"][0][1] == produced
+    assert abs(again["meta_info"]["input_token_logprobs"][0][0] - produced_lp) < 1e-3
+
+
+def test_long_prompt_logprobs_span_chunks(engine):
+    ids = engine.tokenizer.encode(" ".join(PROMPTS) * 3)  # > 64 tokens: several prefill chunks
+    assert len(ids) > 150
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0},
+                          return_logprob=True, logprob_start_len=10)
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in lps] == ids[10:]
+    assert all(lp is not None and lp <= 0 for lp, _, _ in lps)
+
+
+def test_closing_a_stream_aborts_and_frees(engine):
+    stream = engine.generate(PROMPTS[2], {"max_new_tokens": 500, "ignore_eos": True}, stream=True)
+    next(stream), next(stream)
+    assert engine.get_server_info()["num_running"] == 1
+    stream.close()
+    wait_idle(engine, timeout=3)
+
+
+def test_async_generate_and_cancel(engine):
+    asyncio.run(_async_generate_and_cancel(engine))
+
+
+async def _async_generate_and_cancel(engine):
+    out = await engine.async_generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0})
+    assert out["text"].startswith(" Paris.")
+    chunks = [c async for c in await engine.async_generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0},
+                                                           stream=True)]
+    assert chunks[-1]["text"] == out["text"]
+    outs = await asyncio.gather(*[engine.async_generate(p, GREEDY) for p in PROMPTS[:4]])
+    assert [o["text"] for o in outs] == [o["text"] for o in engine.generate(PROMPTS[:4], GREEDY)]
+    task = asyncio.ensure_future(engine.async_generate(PROMPTS[1], {"max_new_tokens": 500, "ignore_eos": True}))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(wait_idle, engine, 3)
+
+
+def test_sync_generate_inside_running_loop_warns(engine):
+    asyncio.run(_sync_generate_inside_loop(engine))
+
+
+async def _sync_generate_inside_loop(engine):
+    with pytest.warns(RuntimeWarning, match="blocks the running event loop"):
+        out = engine.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0})
+    assert out["text"].startswith(" Paris.")
+
+
+def test_generate_from_thread_without_loop(engine):
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "out", engine.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0})))
+    t.start()
+    t.join(60)
+    assert result["out"]["text"].startswith(" Paris.")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": None}, "exactly one of prompt and input_ids"),
+    ({"prompt": 5}, "prompt must be"),
+    ({"input_ids": [1, 2, 10**9]}, "input_ids"),
+    ({"input_ids": [-1]}, "input_ids"),
+    ({"sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"sampling_params": {"max_new_tokens": 9000}}, "context length"),
+    ({"sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens must be an integer"),
+    ({"sampling_params": {"temperature": -0.5}}, "temperature"),
+    ({"sampling_params": {"temperature": float("nan")}}, "temperature"),
+    ({"sampling_params": {"top_p": 0}}, "top_p"),
+    ({"sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"sampling_params": {"top_k": 0}}, "top_k"),
+    ({"sampling_params": {"min_p": 2}}, "min_p"),
+    ({"sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"sampling_params": {"n": 0}}, "n must be"),
+    ({"sampling_params": {"stop": [""]}}, "stop"),
+    ({"sampling_params": {"logit_bias": {"x": 1}}}, "logit_bias"),
+    ({"sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
+    ({"sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
+])
+def test_bad_input_raises_before_queueing(engine, kwargs, match):
+    kwargs = {"prompt": "Hello", **kwargs}
+    if "input_ids" in kwargs:
+        kwargs.pop("prompt")
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**kwargs)
+    assert engine.get_server_info()["stats"]["prompt_tokens"] >= 0
+    info = wait_idle(engine)
+    assert info["num_waiting"] == 0
+
+
+def test_duplicate_rid_is_rejected(engine):
+    stream = engine.generate(PROMPTS[0], {"max_new_tokens": 200, "ignore_eos": True}, stream=True, rid="dup-1")
+    next(stream)
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.generate(PROMPTS[1], {"max_new_tokens": 2}, rid="dup-1")
+    stream.close()
+    engine.abort_request("dup-1")
+
+
+def test_pause_and_continue(engine):
+    engine.pause_generation()
+    try:
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("out", engine.generate(PROMPTS[0], GREEDY)))
+        t.start()
+        time.sleep(0.5)
+        info = engine.get_server_info()
+        assert info["paused"] and info["num_waiting"] == 1 and "out" not in result
+    finally:
+        engine.continue_generation()
+    t.join(30)
+    assert result["out"]["meta_info"]["finish_reason"] is not None
+
+
+def test_missing_model_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        Engine(model_path="/tmp/no-such-model.gguf")
+
+
+def test_unknown_engine_option():
+    with pytest.raises(ValueError, match="unknown engine option"):
+        Engine(chunked_prefil_size=3)
+
+
+def test_killed_core_raises_engine_dead_error():
+    with Engine() as e:
+        stream = e.generate(PROMPTS[0], {"max_new_tokens": 2000, "ignore_eos": True}, stream=True)
+        next(stream)
+        core_pid = e.get_server_info()["core_pid"]
+        t0 = time.monotonic()
+        os.kill(core_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(EngineDeadError):
+            e.generate(PROMPTS[0])

@@ -1,0 +1,88 @@
+"""Shared test helpers: the one rule for comparing greedy outputs, and the Hugging Face reference."""
+
+from __future__ import annotations
+
+import functools
+
+TOP_N = 5
+MAX_GAP = 0.1  # a divergence is tolerated only where the reference's top-2 logprobs are this close
+
+
+def _top(logprobs: dict[int, float], n: int = TOP_N) -> list[int]:
+    return sorted(logprobs, key=logprobs.__getitem__, reverse=True)[:n]
+
+
+def assert_greedy_close(ref_ids: list[int], ref_top: list[dict[int, float]], got_ids: list[int],
+                        got_top: list[dict[int, float]] | None = None, name: str = "") -> None:
+    """Token-exact, or diverging only at a near-tie of the reference (as vLLM's check_logprobs_close).
+
+    At the first position where the tokens differ, the reference's top-2 logprob gap must be
+    < MAX_GAP and each side's token must be in the other's top-5 (only the got token in the
+    reference's when `got_top` is None). Nothing after the first divergence is compared: the
+    sequences legitimately differ from there on.
+    """
+    where = f"{name}: " if name else ""
+    for i, (r, g) in enumerate(zip(ref_ids, got_ids)):
+        if r == g:
+            continue
+        ranked = _top(ref_top[i])
+        gap = ref_top[i][ranked[0]] - ref_top[i][ranked[1]] if len(ranked) > 1 else float("inf")
+        problems = []
+        if gap >= MAX_GAP:
+            problems.append(f"reference top-2 gap {gap:.4f} >= {MAX_GAP}")
+        if g not in ranked:
+            problems.append(f"got token {g} not in reference top-{TOP_N} {ranked}")
+        if got_top is not None and r not in _top(got_top[i]):
+            problems.append(f"reference token {r} not in got top-{TOP_N} {_top(got_top[i])}")
+        if problems:
+            raise AssertionError(f"{where}greedy outputs diverge at position {i}: reference token {r}, "
+                                 f"got {g}, gap {gap:.4f}: {'; '.join(problems)}\n"
+                                 f"  reference: {ref_ids}\n  got:       {got_ids}")
+        return
+    if len(ref_ids) != len(got_ids):
+        raise AssertionError(f"{where}same tokens but different lengths: reference {len(ref_ids)}, "
+                             f"got {len(got_ids)}\n  reference: {ref_ids}\n  got:       {got_ids}")
+
+
+@functools.cache
+def hf_model():
+    """The embedded GGUF loaded by transformers' own GGUF loader (never Unison's cache), once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from unison.model.loader import default_gguf_path
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int,
+                 ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Greedy continuations by transformers: (ids, top-5 logprobs per generated position) per prompt.
+
+    Generates exactly max_new_tokens (no stop on EOS), one prompt at a time: no padding, so the
+    reference is transformers at its plainest.
+    """
+    import inspect
+
+    import torch
+    from transformers import DynamicCache
+
+    model = hf_model()
+    # transformers renamed past_key_values to cache; accept either version
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts_ids:
+            ids, tops, cache = [], [], DynamicCache()
+            step = torch.tensor([prompt])
+            for _ in range(max_new_tokens):
+                logits = model(step, use_cache=True, **{cache_arg: cache}).logits[0, -1].float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                values, indices = logprobs.topk(TOP_N)
+                tops.append(dict(zip(indices.tolist(), values.tolist())))
+                ids.append(int(logits.argmax()))
+                step = torch.tensor([[ids[-1]]])
+            results.append((ids, tops))
+    return results

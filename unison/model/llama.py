@@ -1,0 +1,259 @@
+"""The Llama family in plain PyTorch: Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (qk-norm)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# attention(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) -> [N, heads * head_dim]
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+
+    @property
+    def context_length(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        hf = _read_json(model_dir / "config.json")
+        gen = _read_json(model_dir / "generation_config.json") if (model_dir / "generation_config.json").is_file() else {}
+        return cls.from_hf(hf, gen)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported model architecture {archs}; supported: {list(ARCHITECTURES)}")
+        if hf.get("use_sliding_window") and arch != "MistralForCausalLM":
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+        heads = hf["num_attention_heads"]
+        # transformers 5 keeps theta and scaling under rope_parameters; older configs at top level
+        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_ids(hf.get("eos_token_id")) + _ids((gen or {}).get("eos_token_id")),
+            torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+        )
+
+    def __post_init__(self) -> None:
+        self.eos_token_ids = list(dict.fromkeys(self.eos_token_ids))
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Per-pair rotary frequencies, after the config's rope scaling (as transformers computes them)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+@dataclass(slots=True)
+class Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k, v projections fused: [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections fused: [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Weights as plain tensors and a forward over a flat batch of tokens; attention is supplied."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        get = _WeightGetter(weights, device, dtype)
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else get("lm_head.weight")
+        self.layers = [self._layer(get, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+
+    @staticmethod
+    def _layer(get: _WeightGetter, p: str) -> Layer:
+        a, m = p + "self_attn.", p + "mlp."
+        has_bias = get.has(a + "q_proj.bias")
+        return Layer(
+            input_norm=get(p + "input_layernorm.weight"),
+            qkv=get.cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            qkv_bias=get.cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if has_bias else None,
+            o_proj=get(a + "o_proj.weight"),
+            q_norm=get(a + "q_norm.weight") if get.has(a + "q_norm.weight") else None,
+            k_norm=get(a + "k_norm.weight") if get.has(a + "k_norm.weight") else None,
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=get.cat(m + "gate_proj.weight", m + "up_proj.weight"),
+            down=get(m + "down_proj.weight"),
+        )
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, head_dim / 2] for the given positions; computed once per step."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(self.dtype)[:, None], freqs.sin().to(self.dtype)[:, None]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits [len(logits_rows), vocab] (float32) for the flat batch `input_ids` at `positions`."""
+        cfg = self.cfg
+        cos, sin = self.rope(positions)
+        h = F.embedding(input_ids, self.embed)
+        n = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, : self.q_size].view(n, cfg.num_attention_heads, cfg.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_key_value_heads, cfg.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(n, cfg.num_key_value_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            h = h + F.linear(attention(i, q, k, v.contiguous()), layer.o_proj)
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        if logits_rows is not None:
+            h = h.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
+        return F.linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The same operation order as transformers, so fp32 results match it bit for bit.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class _WeightGetter:
+    """Fetches checkpoint tensors by name, converted to the model's dtype and device."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.weights, self.device, self.dtype = weights, device, dtype
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def raw(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+        return self.weights[name]
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.raw(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def cat(self, *names: str) -> torch.Tensor:
+        return torch.cat([self.raw(n) for n in names]).to(device=self.device, dtype=self.dtype)
+
+
+def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's *.safetensors files, on CPU in the checkpoint's dtype."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(f))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"cannot read weight file {f} (corrupt or truncated?): {e}") from e
+    return weights
+
+
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
+               cfg: ModelConfig | None = None) -> LlamaModel:
+    cfg = cfg or ModelConfig.from_dir(model_dir)
+    return LlamaModel(cfg, load_weights(model_dir), device, dtype)

