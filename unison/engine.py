@@ -11,12 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 import weakref
@@ -27,16 +21,15 @@ from typing import Any
 
 from unison import registry
 from unison.config import EngineConfig
+from unison.core_process import CoreProcess
 from unison.errors import EngineDeadError
 from unison.frontend.worker import ReqState, TokenizerWorker
 from unison.output import Collector
-from unison.protocol import PROTOCOL_VERSION, CoreArgs, encode
 from unison.sampling_params import SamplingParams
 
 log = logging.getLogger("unison")
 
 ATTACH_TIMEOUT = 5.0
-SHUTDOWN_GRACE = 4.0
 
 
 class _LoopThread:
@@ -68,9 +61,7 @@ class _Handle:
     def __init__(self) -> None:
         self.loop: _LoopThread | None = None
         self.worker: TokenizerWorker | None = None
-        self.proc: subprocess.Popen | None = None  # the core, when this process owns it
-        self.runtime_dir: str | None = None
-        self.registry_path: Path | None = None
+        self.core: CoreProcess | None = None  # when this process owns the engine
         self.closed = False
 
     def close(self) -> None:
@@ -82,12 +73,8 @@ class _Handle:
                 self.loop.run(self.worker.close(goodbye=True), timeout=2)
             except Exception:  # the loop is wedged or gone: nothing left to say goodbye with
                 pass
-        if self.proc is not None:
-            _stop_process(self.proc)
-        if self.runtime_dir:
-            shutil.rmtree(self.runtime_dir, ignore_errors=True)
-        if self.proc is not None:
-            registry.unlink(self.registry_path)
+        if self.core is not None:
+            self.core.stop()
         if self.loop is not None:
             self.loop.stop()
 
@@ -106,31 +93,10 @@ class Engine:
     def _start_owner(self) -> None:
         from unison.model.loader import resolve_model_dir  # converts a GGUF once, into the cache
 
-        cfg, h = self.config, self._h
+        cfg = self.config
         self.model_dir = str(resolve_model_dir(cfg.model_path))
-        h.runtime_dir = tempfile.mkdtemp(prefix="unison-")  # 0700; short: ipc paths < 107 bytes
-        endpoint = f"ipc://{h.runtime_dir}/core.sock"
-        token = secrets.token_hex(16)
-        if cfg.tokenizer_worker_num > 1:
-            h.registry_path = registry.free_registry_path(os.getpid())
-        args = CoreArgs(
-            config=cfg.to_dict(), model_dir=self.model_dir, endpoint=endpoint,
-            runtime_dir=h.runtime_dir, token=token, owner_pid=os.getpid(),
-            registry_path=str(h.registry_path) if h.registry_path else None,
-            pdeathsig=threading.current_thread() is threading.main_thread(),
-        )
-        h.proc = subprocess.Popen([sys.executable, "-m", "unison.core"], stdin=subprocess.PIPE)
-        h.proc.stdin.write(encode(args))
-        h.proc.stdin.close()
-        self._connect(endpoint, token, h.proc.pid, cfg.startup_timeout, self._core_startup_problem)
-
-    def _core_startup_problem(self) -> str | None:
-        code = self._h.proc.poll()
-        if code is None:
-            return None
-        error = Path(self._h.runtime_dir, "startup_error")
-        detail = error.read_text() if error.exists() else "see its log above"
-        return f"the engine core exited with code {code} while starting: {detail}"
+        core = self._h.core = CoreProcess(cfg, self.model_dir, publish=cfg.tokenizer_worker_num > 1)
+        self._connect(core.endpoint, core.token, core.pid, cfg.startup_timeout, core.startup_problem)
 
     def _connect(self, endpoint: str, token: str, core_pid: int, timeout: float, alive) -> None:
         h = self._h
@@ -148,7 +114,7 @@ class Engine:
         """
         pid = os.getppid() if parent_pid is None else parent_pid
         path = Path(registry_file) if registry_file else registry.registry_path(pid)
-        info = _read_registry(path, pid)
+        info = registry.read_for_attach(path, pid)
         self = cls.__new__(cls)
         self.config = EngineConfig(**info.config)
         self.model_dir = info.model_dir
@@ -303,23 +269,6 @@ class Engine:
         self.shutdown()
 
 
-def _read_registry(path: Path, pid: int):
-    try:
-        info = registry.read(path)
-    except FileNotFoundError:
-        hint = "it is not running" if not registry.pid_alive(pid) else (
-            "it publishes no registry: start it with tokenizer_worker_num > 1 to accept attached frontends")
-        raise ConnectionRefusedError(f"no Unison engine to attach to in process {pid}: {hint}") from None
-    except Exception as e:
-        raise ConnectionRefusedError(f"unreadable engine registry {path}: {e}") from None
-    if info.version != PROTOCOL_VERSION:
-        raise ConnectionRefusedError(
-            f"engine {pid} speaks protocol {info.version}, this Unison speaks {PROTOCOL_VERSION}")
-    if not registry.pid_alive(info.owner_pid) or not registry.pid_alive(info.core_pid):
-        raise EngineDeadError(f"stale registry {path}: engine {pid} is no longer running")
-    return info
-
-
 def _normalize_prompts(prompt, input_ids) -> tuple[bool, list[str], list[list[int]]]:
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt and input_ids")
@@ -350,12 +299,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
     except RuntimeError:
         return None
 
-
-def _stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(SHUTDOWN_GRACE)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

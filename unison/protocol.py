@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, as msgspec Structs encoded with msgpack.
 
-frontend -> core: Hello, Generate, Abort, Control, Goodbye
+frontend -> core: Hello, Generate, Abort, Control, RequestStats, Goodbye
 core -> frontend: Welcome, Reject, StepOutputs, ControlReply
 
 Nothing is pickled. The core sees token ids, never text: stop strings, detokenizing and chat
@@ -67,6 +67,14 @@ class Control(msgspec.Struct, tag=True):
     op: str  # flush_cache | server_info | pause | continue | check_integrity
 
 
+class RequestStats(msgspec.Struct, tag=True):
+    """Timings of one finished request, measured where the client sees them (for /metrics)."""
+
+    ttft: float
+    tpot: float | None
+    e2e: float
+
+
 class Goodbye(msgspec.Struct, tag=True):
     pass
 
@@ -109,7 +117,7 @@ class ControlReply(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-ToCore = Union[Hello, Generate, Abort, Control, Goodbye]
+ToCore = Union[Hello, Generate, Abort, Control, RequestStats, Goodbye]
 ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply]
 
 encode = msgspec.msgpack.Encoder().encode

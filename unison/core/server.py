@@ -21,9 +21,10 @@ import zmq
 
 from unison import registry
 from unison.core.engine_core import EngineCore
+from unison.core.metrics import LatencyMetrics
 from unison.protocol import (
     PROTOCOL_VERSION, Abort, Control, ControlReply, CoreArgs, EngineInfo, Generate, Goodbye,
-    Hello, Reject, ReqOutput, StepOutputs, Welcome, decode_to_core, encode,
+    Hello, Reject, ReqOutput, RequestStats, StepOutputs, Welcome, decode_to_core, encode,
 )
 
 log = logging.getLogger("unison.core")
@@ -51,6 +52,7 @@ class CoreServer:
         self.next_worker_id = 0
         self.paused = False
         self.stopping = False
+        self.latency = LatencyMetrics()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -128,7 +130,9 @@ class CoreServer:
         if isinstance(msg, Hello):
             self.hello(ident, msg)
         elif fe is None:
-            log.warning("dropped %s from a frontend that has not said Hello", type(msg).__name__)
+            if not isinstance(msg, Goodbye):  # it may trail its process's exit, seen first
+                log.warning("dropped %s from a frontend that has not said Hello",
+                            type(msg).__name__)
         elif isinstance(msg, Generate):
             refusal = self.core.add(ident, msg)
             if refusal is not None:
@@ -139,6 +143,8 @@ class CoreServer:
                 self.send(fe, StepOutputs([out]))
         elif isinstance(msg, Control):
             self.send(fe, self.control(msg))
+        elif isinstance(msg, RequestStats):
+            self.latency.observe(msg.ttft, msg.tpot, msg.e2e)
         elif isinstance(msg, Goodbye):
             self.drop_frontend(fe, "it said goodbye")
 
@@ -213,6 +219,7 @@ class CoreServer:
             "kv_blocks_used": self.core.pool.num_used,
             "num_preemptions": sched.num_preemptions,
             "stats": dict(self.core.stats),
+            "histograms": self.latency.to_dict(),
             "frontends": [
                 {"pid": fe.pid, "worker_id": fe.worker_id, "requests_in_flight": inflight.get(fe.ident, 0)}
                 for fe in self.frontends.values()

@@ -26,7 +26,7 @@ from unison.registry import pid_alive
 from unison.frontend.detokenizer import IncrementalDetokenizer
 from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import (
-    Abort, Control, ControlReply, Generate, Goodbye, Hello, Reject, ReqOutput, StepOutputs,
+    Abort, Control, ControlReply, Generate, Goodbye, Hello, Reject, ReqOutput, RequestStats, StepOutputs,
     Welcome, decode_to_frontend, encode,
 )
 from unison.sampling_params import SamplingParams
@@ -62,6 +62,7 @@ class ReqState:
             stop=params.stop_strings, no_stop_trim=params.no_stop_trim, prompt_ids=prompt_ids,
         )
         self.created = time.monotonic()
+        self.first_token_at: float | None = None
         self.num_logprobs = 0
         self.finished = False
         self.deltas: deque[Delta] = deque()
@@ -74,6 +75,8 @@ class ReqState:
 
     def update(self, out: ReqOutput) -> bool:
         """Apply one core output; returns True when a stop string ended the request here."""
+        if out.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         before = len(self.detok.output_ids)
         text = self.detok.add(out.token_ids)
         stopped = self.detok.stop_matched is not None
@@ -105,6 +108,11 @@ class ReqState:
                                          for top in out.prompt_top_logprobs]
             self.num_logprobs += len(out.prompt_logprobs)
 
+    def stats(self) -> RequestStats:
+        now, n = time.monotonic(), len(self.detok.output_ids)
+        tpot = (now - self.first_token_at) / (n - 1) if n > 1 else None
+        return RequestStats(ttft=self.first_token_at - self.created, tpot=tpot, e2e=now - self.created)
+
     def fail(self, error: BaseException) -> None:
         if not self.finished:
             self.finished = True
@@ -126,6 +134,7 @@ class TokenizerWorker:
         self._sock: zmq.asyncio.Socket | None = None
         self._recv_task: asyncio.Task | None = None
         self._pidfd: int | None = None
+        self.on_dead: Callable[[], None] | None = None  # e.g. an HTTP worker stops serving
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -171,6 +180,8 @@ class TokenizerWorker:
     def _mark_dead(self, why: str) -> None:
         if self.dead is None:
             self.dead = EngineDeadError(why)
+            if self.on_dead is not None:
+                self.on_dead()
         self._unwatch_core()
         for state in list(self.states.values()):
             state.fail(self.dead)
@@ -187,6 +198,7 @@ class TokenizerWorker:
             self._pidfd = None
 
     async def close(self, goodbye: bool = True, why: str = "this frontend was shut down") -> None:
+        self.on_dead = None  # a chosen end, not a death to react to
         if goodbye and self.dead is None and self._sock is not None:
             try:
                 await self._sock.send(encode(Goodbye()), zmq.NOBLOCK)
@@ -289,6 +301,8 @@ class TokenizerWorker:
             stopped_here = state.update(out)
             if state.finished:
                 del self.states[out.rid]
+                if state.first_token_at is not None:
+                    await self._sock.send(encode(state.stats()))
             if stopped_here:
                 await self._sock.send(encode(Abort(out.rid)))
 

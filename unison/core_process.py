@@ -1,0 +1,80 @@
+"""CoreProcess: start `python -m unison.core`, know when it is ready, stop it, clean up after it.
+
+Used by the Engine (whose own frontend then attaches) and by the server launcher (which has no
+frontend: its HTTP workers attach through the registry).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from unison import registry
+from unison.config import EngineConfig
+from unison.errors import EngineDeadError
+from unison.protocol import CoreArgs, encode
+
+SHUTDOWN_GRACE = 4.0
+
+
+class CoreProcess:
+    def __init__(self, config: EngineConfig, model_dir: str, publish: bool) -> None:
+        self.runtime_dir = tempfile.mkdtemp(prefix="unison-")  # 0700; short: ipc paths < 107 bytes
+        self.endpoint = f"ipc://{self.runtime_dir}/core.sock"
+        self.token = secrets.token_hex(16)
+        self.registry_path = registry.free_registry_path(os.getpid()) if publish else None
+        args = CoreArgs(
+            config=config.to_dict(), model_dir=model_dir, endpoint=self.endpoint,
+            runtime_dir=self.runtime_dir, token=self.token, owner_pid=os.getpid(),
+            registry_path=str(self.registry_path) if self.registry_path else None,
+            # PR_SET_PDEATHSIG fires when the starting *thread* exits: only safe from the main one.
+            pdeathsig=threading.current_thread() is threading.main_thread(),
+        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "unison.core"], stdin=subprocess.PIPE)
+        self.proc.stdin.write(encode(args))
+        self.proc.stdin.close()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def startup_problem(self) -> str | None:
+        """Why the core cannot answer (it exited), or None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        error = Path(self.runtime_dir, "startup_error")
+        detail = error.read_text() if error.exists() else "see its log above"
+        return f"the engine core exited with code {code} while starting: {detail}"
+
+    def wait_published(self, timeout: float) -> None:
+        """Block until the core has loaded the model and published its registry."""
+        assert self.registry_path is not None
+        deadline = time.monotonic() + timeout
+        while not self.registry_path.exists():
+            problem = self.startup_problem()
+            if problem:
+                raise EngineDeadError(problem)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine core did not get ready within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(SHUTDOWN_GRACE)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # The core removes both itself; after a kill -9 it could not.
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        registry.unlink(self.registry_path)
