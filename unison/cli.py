@@ -1,21 +1,44 @@
-"""Command line: `unison generate ...` (and, as they land, `serve` and `bench`)."""
+"""Command line: `unison generate | serve | bench`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import typing
+from dataclasses import MISSING, fields
+
+from unison.config import EngineConfig
+
+_SERVE_OWN = {"model_path", "tokenizer_worker_num"}  # spelled out by each command
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field, so the CLI never falls behind the config."""
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name in _SERVE_OWN:
+            continue
+        kind = next(t for t in (int, float, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
+        default = None if f.default is MISSING else f.default
+        group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
+                           help=f"default: {default}")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, typing.Any]:
+    opts = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+            if f.name not in _SERVE_OWN and getattr(args, f.name, None) is not None}
+    return {"model_path": args.model_path, **opts}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from unison import Engine
 
-    engine_opts = {"model_path": args.model_path}
-    if args.num_threads:
-        engine_opts["num_threads"] = args.num_threads
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     if args.seed is not None:
         params["sampling_seed"] = args.seed
-    with Engine(**engine_opts) as engine:
+    with Engine(**engine_options(args)) as engine:
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -31,9 +54,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from unison.server.launch import serve
+
+    opts = engine_options(args)
+    opts.setdefault("log_level", "info")
+    config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
+    return serve(config, host=args.host, port=args.port, api_key=args.api_key,
+                 served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unison", description="Unison LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -41,13 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
-    gen.add_argument("--num-threads", type=int, default=None)
+    add_engine_options(gen)
     gen.set_defaults(func=_generate)
-    bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
-    from unison.bench.offline import add_parser as add_offline
 
-    add_offline(bench.add_subparsers(dest="command", required=True))
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--tokenizer-worker-num", type=int, default=1, help="HTTP worker processes")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-queued-requests", type=int, default=None, help="past it: 503 at once")
+    add_engine_options(srv)
+    srv.set_defaults(func=_serve)
+
+    from unison.bench import frontend, offline
+
+    bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    offline.add_parser(bench_sub)
+    frontend.add_parser(bench_sub)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     engine = Engine(model_path=args.model_path, **opts)
     load_s = time.perf_counter() - t0
     try:
-        if args.command == "latency":
+        if args.bench == "latency":
             ours = unison_latency(engine, args.prompt_len, args.output_len, args.seed)
         else:
             prompts = random_prompts(args.num_prompts, args.input_len,
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
     base: dict[str, float] = {}
     if args.baseline == "hf":
         hf = HFBaseline(model_dir, args.num_threads)
-        base = (hf.latency(args.prompt_len, args.output_len, args.seed) if args.command == "latency"
+        base = (hf.latency(args.prompt_len, args.output_len, args.seed) if args.bench == "latency"
                 else hf.throughput(prompts, args.output_len))
         base["load_s"] = hf.load_s
     print(f"{'metric':<28}{'unison':>10}{'hf':>10}")

@@ -1,0 +1,404 @@
+"""The HTTP worker: a FastAPI app whose lifespan attaches one TokenizerWorker to the core.
+
+Every uvicorn worker process runs this app; its frontend lives on the server's own event loop,
+so requests never cross threads. OpenAI routes, the native /generate, health, info and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from unison import registry
+from unison.errors import EngineDeadError
+from unison.frontend.worker import TokenizerWorker
+from unison.output import Collector
+from unison.server.metrics import render_metrics
+from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from unison.sampling_params import SamplingParams
+
+log = logging.getLogger("unison.server")
+
+ENV = "UNISON_SERVER"  # JSON: registry path, owner pid, api key, served model name
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {401: "authentication_error", 404: "not_found_error",
+                             503: "service_unavailable"}.get(status, "invalid_request_error")
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
+    settings = settings or json.loads(os.environ[ENV])
+    api_key: str | None = settings.get("api_key")
+    served_name: str = settings["served_model_name"]
+    max_queued: int | None = settings.get("max_queued_requests")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        info = registry.read_for_attach(settings["registry_path"], settings["owner_pid"])
+        worker = TokenizerWorker(info.model_dir, info.endpoint, info.token, info.core_pid)
+        await worker.start(5.0)
+        worker.on_dead = _exit_when_engine_dies
+        app.state.worker = worker
+        log.info("worker %d attached as frontend %d", os.getpid(), worker.worker_id)
+        try:
+            yield
+        finally:
+            await worker.close()
+
+    app = FastAPI(title="Unison", lifespan=lifespan)
+
+    def worker_of(request: Request) -> TokenizerWorker:
+        worker: TokenizerWorker = request.app.state.worker
+        if worker.dead is not None:
+            raise HTTPError(503, f"the engine is not running: {worker.dead}")
+        return worker
+
+    @app.middleware("http")
+    async def auth_and_tag(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return error_response(401, "missing or invalid API key", "authentication_error")
+        response = await call_next(request)
+        response.headers["x-unison-worker-pid"] = str(os.getpid())
+        return response
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(_: Request, e: HTTPError):
+        return error_response(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON")
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        return error_response(400, msg, param=".".join(loc) or None)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, e: ValueError):
+        return error_response(400, str(e))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError):
+        return error_response(503, f"the engine is not running: {e}", "service_unavailable")
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, served_name):
+            raise HTTPError(404, f"model {name!r} does not exist; this server serves {served_name!r}",
+                            param="model")
+
+    def check_queue(worker: TokenizerWorker) -> None:
+        if max_queued is not None and len(worker.states) >= max_queued:
+            raise HTTPError(503, f"the server is overloaded: {len(worker.states)} requests queued "
+                                 f"(max_queued_requests={max_queued}); retry later")
+
+    def warn_unknown(body: Any) -> None:
+        if body.model_extra:
+            log.warning("ignored unknown field(s) %s", sorted(body.model_extra))
+
+    # ---- routes ------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(request: Request):
+        worker: TokenizerWorker = request.app.state.worker
+        ok = worker.dead is None and registry.pid_alive(worker.core_pid)
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "unison",
+                                            "created": int(time.time())}]}
+
+    @app.get("/get_server_info")
+    async def server_info(request: Request):
+        return await worker_of(request).control("server_info")
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request):
+        return {"success": await worker_of(request).control("flush_cache")}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        info = await worker_of(request).control("server_info")
+        return PlainTextResponse(render_metrics(info), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        worker = worker_of(request)
+        check_model(body.model)
+        warn_unknown(body)
+        if body.suffix or (body.best_of or 1) > 1:
+            raise HTTPError(400, "suffix and best_of are not supported", param="suffix")
+        prompts = _completion_prompts(body.prompt)
+        params = body.sampling_params(default_max_tokens=16)
+        k = body.logprobs
+        ids = [worker.prepare(*p, params) for p in prompts]
+        return await _run(request, worker, ids, params, body, kind="text_completion",
+                          logprobs=k is not None, top_n=k or 0, echo=body.echo)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        worker = worker_of(request)
+        check_model(body.model)
+        warn_unknown(body)
+        if body.tools or body.tool_choice not in (None, "none"):
+            raise HTTPError(400, "tool calling is not supported by this server yet", param="tools")
+        if body.response_format and body.response_format.get("type") != "text":
+            raise HTTPError(400, "response_format other than text is not supported yet",
+                            param="response_format")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        text = worker.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        params = body.sampling_params(default_max_tokens=worker.info["context_length"])
+        prompt_len = len(worker.tokenizer.encode(text))
+        if body.max_tokens is None and body.max_completion_tokens is None:
+            params.max_new_tokens = max(worker.info["context_length"] - prompt_len, 1)
+        ids = [worker.prepare(None, worker.tokenizer.encode(text), params)]
+        return await _run(request, worker, ids, params, body, kind="chat.completion",
+                          logprobs=body.logprobs, top_n=body.top_logprobs or 0)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        worker = worker_of(request)
+        body = await _json_body(request)
+        allowed = {"text", "input_ids", "sampling_params", "stream", "return_logprob",
+                   "logprob_start_len", "top_logprobs_num", "rid"}
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        params = SamplingParams.from_any(body.get("sampling_params"))
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise HTTPError(400, "give exactly one of text and input_ids")
+        ids = [worker.prepare(text, input_ids, params)]
+        rlp = bool(body.get("return_logprob", False))
+        states = await worker.submit(ids, [params], [body.get("rid")], rlp,
+                                     int(body.get("logprob_start_len", -1)),
+                                     int(body.get("top_logprobs_num", 0)))
+        collector = Collector(states, batch=False)
+        if body.get("stream"):
+            async def sse() -> AsyncIterator[bytes]:
+                async for chunks in _follow(worker, collector):
+                    for c in chunks:
+                        yield _sse(c)
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        await _wait(request, worker, collector)
+        return collector.results()
+
+    async def _run(request: Request, worker: TokenizerWorker, ids: list[list[int]], params: SamplingParams,
+                   body: Any, *, kind: str, logprobs: bool, top_n: int, echo: bool = False):
+        check_queue(worker)
+        states = await worker.submit(ids, [params] * len(ids), [None] * len(ids), logprobs or echo,
+                                     0 if echo else -1, top_n)
+        collector = Collector(states, batch=True)
+        rid = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        fmt = _Formatter(worker, kind, rid, served_name, logprobs, top_n, echo)
+        if body.stream:
+            async def sse() -> AsyncIterator[bytes]:
+                async for chunks in _follow(worker, collector):
+                    for c in chunks:
+                        yield _sse(fmt.chunk(c))
+                if body.include_usage:
+                    yield _sse(fmt.usage_chunk(collector))
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        await _wait(request, worker, collector)
+        return fmt.final(collector)
+
+    return app
+
+
+def _exit_when_engine_dies() -> None:
+    # The core is gone: this worker can serve nothing. Stop it; the launcher reports why.
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    return body
+
+
+def _completion_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return [(p, None) for p in prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [(None, list(prompt))]
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [(None, p) for p in prompt]
+    raise HTTPError(400, "prompt must be a string, a list of strings, token ids, or lists of token ids",
+                    param="prompt")
+
+
+async def _follow(worker: TokenizerWorker, collector: Collector) -> AsyncIterator[list[dict]]:
+    """Yield each batch of changed outputs; aborting what is left if the client goes away."""
+    wake = asyncio.Event()
+    collector.set_waker(wake.set)
+    try:
+        while True:
+            chunks = collector.drain()
+            if chunks:
+                yield chunks
+            if collector.done:
+                return
+            await wake.wait()
+            wake.clear()
+    finally:
+        for rid in collector.unfinished_rids():
+            await worker.abort(rid)
+
+
+async def _wait(request: Request, worker: TokenizerWorker, collector: Collector) -> None:
+    """Wait for a non-streaming request, aborting it if the client disconnects meanwhile."""
+    follow = _follow(worker, collector)
+    pending = asyncio.ensure_future(follow.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=0.5)
+            if done:
+                try:
+                    pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = asyncio.ensure_future(follow.__anext__())
+            elif await request.is_disconnected():
+                raise HTTPError(499, "client disconnected")
+    finally:
+        pending.cancel()
+        await follow.aclose()
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _Formatter:
+    """Engine outputs -> OpenAI completion / chat responses and stream chunks."""
+
+    def __init__(self, worker: TokenizerWorker, kind: str, rid: str, model: str, logprobs: bool,
+                 top_n: int, echo: bool) -> None:
+        self.worker, self.kind, self.rid, self.model = worker, kind, rid, model
+        self.logprobs, self.top_n, self.echo = logprobs, top_n, echo
+        self.created = int(time.time())
+        self.sent: dict[int, int] = {}  # index -> characters of text already streamed
+        self.sent_lp: dict[int, int] = {}
+        self.started: set[int] = set()
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def _finish(self, out: dict) -> str | None:
+        fr = out["meta_info"]["finish_reason"]
+        return None if fr is None else ("length" if fr["type"] == "length" else "stop")
+
+    def _tok(self, tid: int) -> str:
+        return self.worker.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _lp_content(self, out: dict, start: int) -> list[dict] | dict:
+        lps = out["meta_info"].get("output_token_logprobs", [])[start:]
+        tops = out["meta_info"].get("output_top_logprobs", [])[start:]
+        if self.chat:
+            return [{"token": self._tok(t), "logprob": lp, "bytes": list(self._tok(t).encode()),
+                     "top_logprobs": [{"token": self._tok(tt), "logprob": tl, "bytes": list(self._tok(tt).encode())}
+                                      for tl, tt, _ in (tops[i] if i < len(tops) else [])][: self.top_n]}
+                    for i, (lp, t, _) in enumerate(lps)]
+        return {"tokens": [self._tok(t) for _, t, _ in lps], "token_logprobs": [lp for lp, _, _ in lps],
+                "top_logprobs": [{self._tok(tt): tl for tl, tt, _ in top[: self.top_n]} for top in tops],
+                "text_offset": []}
+
+    def _echo_prefix(self, out: dict) -> str:
+        return self.worker.tokenizer.decode([t for _, t, _ in out["meta_info"].get("input_token_logprobs", [])],
+                                            skip_special_tokens=False) if self.echo else ""
+
+    def chunk(self, out: dict) -> dict:
+        i = out["index"]
+        new_text = out["text"][self.sent.get(i, 0):]
+        self.sent[i] = len(out["text"])
+        lp_start = self.sent_lp.get(i, 0)
+        self.sent_lp[i] = len(out["output_ids"])
+        first = i not in self.started
+        self.started.add(i)
+        if self.chat:
+            delta: dict[str, Any] = {"content": new_text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": i, "delta": delta, "finish_reason": self._finish(out),
+                      "logprobs": {"content": self._lp_content(out, lp_start)} if self.logprobs else None}
+            return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [choice]}
+        text = (self._echo_prefix(out) if first else "") + new_text
+        choice = {"index": i, "text": text, "finish_reason": self._finish(out),
+                  "logprobs": self._lp_content(out, lp_start) if self.logprobs else None}
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def usage(self, collector: Collector) -> dict:
+        outs = [o.to_dict() for o in collector.outputs]
+        prompt = sum(len(o.state.prompt_ids) for o in collector.outputs[:: max(1, _n_of(collector))])
+        completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        cached = sum(o["meta_info"]["cached_tokens"] for o in outs[:: max(1, _n_of(collector))])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def usage_chunk(self, collector: Collector) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage(collector)}
+
+    def final(self, collector: Collector) -> dict:
+        choices = []
+        for i, o in enumerate(collector.outputs):
+            out = o.to_dict()
+            if self.chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": out["text"]},
+                          "finish_reason": self._finish(out),
+                          "logprobs": {"content": self._lp_content(out, 0)} if self.logprobs else None}
+            else:
+                choice = {"index": i, "text": self._echo_prefix(out) + out["text"],
+                          "finish_reason": self._finish(out),
+                          "logprobs": self._lp_content(out, 0) if self.logprobs else None}
+            choices.append(choice)
+        return {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(collector)}
+
+
+def _n_of(collector: Collector) -> int:
+    """Children per prompt: states of one prompt share its prompt_ids object."""
+    outs = collector.outputs
+    n = 1
+    while n < len(outs) and outs[n].state.prompt_ids is outs[0].state.prompt_ids:
+        n += 1
+    return n

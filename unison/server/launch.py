@@ -1,0 +1,83 @@
+"""`unison serve`: the launcher owns the core and its registry; N uvicorn workers are the frontends.
+
+The launcher has no frontend of its own: with N = 1 uvicorn runs the app in this process, with
+N > 1 in N worker processes sharing the port; either way each attaches through the registry (one
+code path). Ready means the core lists N attached frontends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import uvicorn
+
+from unison.config import EngineConfig
+from unison.core_process import CoreProcess
+from unison.server.app import ENV, create_app
+
+log = logging.getLogger("unison.server")
+
+
+def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
+          served_model_name: str | None, max_queued_requests: int | None) -> int:
+    from unison.model.loader import resolve_model_dir
+
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    model_dir = str(resolve_model_dir(config.model_path))
+    core = CoreProcess(config, model_dir, publish=True)
+    try:
+        core.wait_published(config.startup_timeout)
+        settings = {
+            "registry_path": str(core.registry_path), "owner_pid": os.getpid(), "api_key": api_key,
+            "served_model_name": served_model_name or _default_name(config.model_path, model_dir),
+            "max_queued_requests": max_queued_requests,
+        }
+        os.environ[ENV] = json.dumps(settings)
+        workers = config.tokenizer_worker_num
+        watcher = threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
+                                   args=(host, port, workers, api_key, config.startup_timeout, core))
+        watcher.start()
+        app: Any = create_app(settings) if workers == 1 else "unison.server.app:create_app"
+        uvicorn.run(app, host=host, port=port, workers=None if workers == 1 else workers,
+                    factory=workers > 1, log_level=config.log_level, timeout_graceful_shutdown=5)
+    finally:
+        core.stop()
+    return 0 if core.proc.returncode in (0, -signal.SIGTERM) else 1
+
+
+def _default_name(model_path: str | None, model_dir: str) -> str:
+    if model_path is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(model_path))
+
+
+def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None, timeout: float,
+                         core: CoreProcess) -> None:
+    """Log the URL once every worker has attached; stop the launch if that does not happen."""
+    url = f"http://{host}:{port}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and core.proc.poll() is None:
+        try:
+            req = urllib.request.Request(f"{url}/get_server_info", headers=headers)
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if len(json.load(r)["frontends"]) >= workers:
+                    log.warning("Unison ready at %s with %d frontend worker(s). Try:\n  curl %s/v1/completions "
+                                "-H 'Content-Type: application/json'%s -d '{\"prompt\": \"The capital of France is\", "
+                                "\"max_tokens\": 8, \"temperature\": 0}'", url, workers, url,
+                                " -H \"Authorization: Bearer $API_KEY\"" if api_key else "")
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    log.error("the server did not get ready: %d worker(s) did not attach to the engine",
+              workers)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,89 @@
+"""OpenAI request bodies (pydantic, as FastAPI wants) and their mapping onto SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from unison.sampling_params import SamplingParams
+
+
+class _Base(BaseModel):
+    # Unknown fields are kept (and logged) rather than rejected, as vLLM does.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    # Extra sampling fields, as vLLM and SGLang accept them.
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(
+            max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            sampling_seed=self.seed, skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Base):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Base):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: Literal["invalid_request_error", "authentication_error", "not_found_error",
+                  "server_error", "service_unavailable"] = "invalid_request_error"
+    param: str | None = None
+    code: int | None = None
