@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	$(VENV)/bin/unison generate --stream --chat --max-new-tokens 64 \
-		"Write one sentence about the city of Paris."
+	$(VENV)/bin/unison serve
 
 test: install
 	$(PY) -m pytest -q tests

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from unison.protocol import (
 log = logging.getLogger("unison.core")
 
 IDLE_POLL_MS = 100
+STATS_INTERVAL = 10.0
 MAX_MESSAGES_PER_POLL = 4096  # a flood of messages can delay a step, never starve it
 
 
@@ -53,6 +55,7 @@ class CoreServer:
         self.paused = False
         self.stopping = False
         self.latency = LatencyMetrics()
+        self._stats_at, self._stats_gen = time.monotonic(), 0
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -82,8 +85,21 @@ class CoreServer:
                 self.poll_once()
                 if self.core.has_work and not self.paused:
                     self.send_outputs(self.core.step())
+                    self.log_stats()
         finally:
             self.close()
+
+    def log_stats(self) -> None:
+        """One line every STATS_INTERVAL seconds while busy."""
+        now = time.monotonic()
+        if now - self._stats_at < STATS_INTERVAL:
+            return
+        gen = self.core.stats["generation_tokens"]
+        sched, pool = self.core.scheduler, self.core.pool
+        log.info("running %d, waiting %d, KV %.0f%% (%d/%d blocks), %.1f gen tok/s",
+                 len(sched.running), len(sched.waiting), 100 * pool.num_used / pool.num_blocks,
+                 pool.num_used, pool.num_blocks, (gen - self._stats_gen) / (now - self._stats_at))
+        self._stats_at, self._stats_gen = now, gen
 
     def close(self) -> None:
         registry.unlink(self.args.registry_path)
