@@ -336,3 +336,27 @@ def test_killed_core_raises_engine_dead_error():
         assert time.monotonic() - t0 < 3
         with pytest.raises(EngineDeadError):
             e.generate(PROMPTS[0])
+
+
+def test_prefix_cache_reuses_a_shared_prefix(engine):
+    prefix = engine.tokenizer.encode(" ".join(PROMPTS) * 8)[:300]
+    assert len(prefix) == 300
+    params = {"temperature": 0, "max_new_tokens": 8}
+    engine.generate(input_ids=prefix + engine.tokenizer.encode(" First question?"), sampling_params=params)
+    second = prefix + engine.tokenizer.encode(" Second question?")
+    hit = engine.generate(input_ids=second, sampling_params=params, return_logprob=True, top_logprobs_num=5)
+    assert hit["meta_info"]["cached_tokens"] >= 288  # 300 tokens: 18 whole blocks of 16
+    wait_idle(engine)
+    assert engine.flush_cache()
+    assert engine.get_server_info()["kv_blocks_cached"] == 0
+    miss = engine.generate(input_ids=second, sampling_params=params, return_logprob=True, top_logprobs_num=5)
+    assert miss["meta_info"]["cached_tokens"] == 0
+    assert_greedy_close(miss["output_ids"], top_dicts(miss), hit["output_ids"], top_dicts(hit))
+
+
+def test_flush_cache_is_refused_while_requests_run(engine):
+    stream = engine.generate(PROMPTS[0], {"max_new_tokens": 200, "ignore_eos": True}, stream=True)
+    next(stream)
+    with pytest.raises(RuntimeError, match="cannot flush the prefix cache while 1 request"):
+        engine.flush_cache()
+    stream.close()

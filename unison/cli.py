@@ -20,10 +20,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
         if f.name in _SERVE_OWN:
             continue
+        flag = f"--{f.name.replace('_', '-')}"
+        if hints[f.name] is bool:
+            group.add_argument(flag, action="store_const", const=True, default=None)
+            continue
         kind = next(t for t in (int, float, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
         default = None if f.default is MISSING else f.default
-        group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None,
-                           help=f"default: {default}")
+        group.add_argument(flag, type=kind, default=None, help=f"default: {default}")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, typing.Any]:

@@ -19,6 +19,7 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV capacity in tokens; None: a default that fits the host
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # token budget of one step: long prompts are prefilled in chunks
+    disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
     startup_timeout: float = 300.0  # seconds to wait for the core to load the model
     log_level: str = "warning"
 

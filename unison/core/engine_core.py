@@ -9,6 +9,7 @@ import torch
 
 from unison.config import EngineConfig
 from unison.core.block_pool import BlockPool
+from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 from unison.core.sampler import Sampler, top_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
@@ -31,9 +32,10 @@ class EngineCore:
         self.context_length = min(config.context_length or model_limit, model_limit)
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
         self.pool = BlockPool(self.runner.num_blocks)
+        cache = None if config.disable_radix_cache else RadixCache(self.pool, config.block_size)
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
-            token_budget=config.chunked_prefill_size, context_length=self.context_length,
+            token_budget=config.chunked_prefill_size, context_length=self.context_length, cache=cache,
         )
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
@@ -42,6 +44,12 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks only the prefix cache holds: free to evict when requests need room."""
+        cache = self.scheduler.cache
+        return 0 if cache is None else sum(1 for b in cache.blocks() if self.pool.refs[b] == 1)
 
     def info(self) -> dict:
         return {
@@ -118,7 +126,7 @@ class EngineCore:
         sample_rows, sample_reqs, row = [], [], 0
         for it in items:
             n_rows = it.num_new - it.logits_start
-            out = ReqOutput(it.req.rid)
+            out = ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens)
             if it.req.wants_prompt_logprobs:
                 self._prompt_logprobs(it, logits[row: row + n_rows], out)
             if it.sample:

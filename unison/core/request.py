@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from unison.protocol import CoreSamplingParams, Generate
 
@@ -23,6 +24,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     next_prompt_logprob: int = -1  # next prompt position whose logprob is owed (see __post_init__)
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cache_node: Any = None  # the radix cache node this request holds locked
     finish: str | None = None
     matched: int | None = None
 

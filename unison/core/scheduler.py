@@ -3,7 +3,7 @@
 There is no prefill or decode phase: each request has `num_computed_tokens` and `num_tokens`, and
 every step closes part of that gap within a token budget (so long prompts are prefilled in chunks
 beside running decodes). Running requests go first; when KV blocks run out the latest arrival is
-preempted (its blocks freed, recomputed later); then waiting requests are admitted FCFS.
+preempted (its blocks freed, recomputed later); then waiting requests are admitted FCFS, each starting after the longest prefix the radix cache holds.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from unison.core.block_pool import BlockPool
+from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 
 
@@ -26,8 +27,9 @@ class ScheduledItem:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
-                 context_length: int) -> None:
+                 context_length: int, cache: RadixCache | None = None) -> None:
         self.pool = pool
+        self.cache = cache
         self.block_size = block_size
         self.max_running = max_running
         self.token_budget = token_budget
@@ -83,8 +85,10 @@ class Scheduler:
             break
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
             req = self.waiting[0]
+            self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
+                self._free(req, cache=False)
                 break
             self.running.append(self.waiting.popleft())
             items.append(self._item(req, n))
@@ -102,8 +106,26 @@ class Scheduler:
                 logits_start = min(logits_start, lo - req.num_computed_tokens)
         return ScheduledItem(req, n, logits_start, sample)
 
+    def _match_prefix(self, req: Request) -> None:
+        """Start `req` after its longest cached prefix (at least one token is left to compute)."""
+        if self.cache is None or req.block_table:
+            return
+        limit = req.num_tokens - 1
+        if req.wants_prompt_logprobs:  # rows before the first owed logprob are not recomputed
+            limit = min(limit, max(req.next_prompt_logprob - 1, 0))
+        blocks, node = self.cache.match(req.token_ids[:limit])
+        for b in blocks:
+            self.pool.refs[b] += 1
+        self.cache.lock(node)
+        req.cache_node, req.block_table = node, blocks
+        req.num_computed_tokens = len(blocks) * self.block_size
+        if req.num_preemptions == 0:
+            req.cached_tokens = req.num_computed_tokens
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks_for(num_tokens) - len(req.block_table)
+        if need > self.pool.num_free and self.cache is not None:
+            self.cache.evict(need - self.pool.num_free)
         if need > self.pool.num_free:
             return False
         if need > 0:
@@ -112,21 +134,39 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._free(req)
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _free(self, req: Request) -> None:
+    def _free(self, req: Request, cache: bool = True) -> None:
+        """Give back the request's blocks, first offering their computed prefix to the cache."""
+        if self.cache is not None:
+            if cache:
+                self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table)
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+                req.cache_node = None
         self.pool.release(req.block_table)
         req.block_table = []
+        req.num_computed_tokens = 0
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
         self._free(req)
 
+    def flush_cache(self) -> None:
+        if self.has_work:
+            raise RuntimeError(f"cannot flush the prefix cache while {len(self.running)} request(s) run "
+                               f"and {len(self.waiting)} wait; retry when the engine is idle")
+        if self.cache is not None:
+            self.cache.reset()
+
     def check_integrity(self) -> None:
-        self.pool.check_integrity(req.block_table for req in self)
+        tables = [req.block_table for req in self]
+        if self.cache is not None:
+            self.cache.check_integrity()
+            tables.append(self.cache.blocks())
+        self.pool.check_integrity(tables)
         held = [req.rid for req in self.waiting if req.block_table]
         if held:
             raise AssertionError(f"waiting requests hold KV blocks: {held}")

@@ -212,7 +212,8 @@ class CoreServer:
             self.core.check_integrity()
             return True
         if op == "flush_cache":
-            return True  # nothing is cached across requests yet
+            self.core.scheduler.flush_cache()
+            return True
         if op in ("pause", "continue"):
             self.paused = op == "pause"
             return self.paused
@@ -232,7 +233,8 @@ class CoreServer:
             "paused": self.paused,
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
-            "kv_blocks_used": self.core.pool.num_used,
+            "kv_blocks_used": self.core.pool.num_used - self.core.cached_blocks,
+            "kv_blocks_cached": self.core.cached_blocks,
             "num_preemptions": sched.num_preemptions,
             "stats": dict(self.core.stats),
             "histograms": self.latency.to_dict(),

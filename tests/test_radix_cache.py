@@ -1,0 +1,146 @@
+"""RadixCache and the scheduler's use of it, on a tiny block pool with exact block ids (no model)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unison.core.block_pool import BlockPool
+from unison.core.radix_cache import RadixCache
+from unison.core.request import Request
+from unison.core.scheduler import Scheduler
+from unison.protocol import CoreSamplingParams
+
+BS = 2
+
+
+def make(num_blocks: int = 8) -> tuple[BlockPool, RadixCache]:
+    pool = BlockPool(num_blocks)
+    return pool, RadixCache(pool, BS)
+
+
+def owned(pool: BlockPool, tokens: list[int]) -> list[int]:
+    """Blocks a finished request held for `tokens` (one reference, its own)."""
+    return pool.allocate(-(-len(tokens) // BS))
+
+
+def check(pool: BlockPool, cache: RadixCache, *tables: list[int]) -> None:
+    cache.check_integrity()
+    pool.check_integrity([*tables, cache.blocks()])
+
+
+def test_insert_then_match_returns_the_same_blocks():
+    pool, cache = make()
+    blocks = owned(pool, [1, 2, 3, 4, 5])  # [0, 1, 2]: the last block is partial
+    assert cache.insert([1, 2, 3, 4, 5], blocks) == 0
+    pool.release(blocks)  # the request is done: the tree keeps its two full blocks
+    assert pool.refs == [1, 1, 0, 0, 0, 0, 0, 0] and list(pool.free) == [3, 4, 5, 6, 7, 2]
+    assert cache.match([1, 2, 3, 4, 9])[0] == [0, 1]
+    assert cache.match([1, 2, 3])[0] == [0]  # only whole blocks match
+    assert cache.match([9, 9])[0] == []
+    check(pool, cache)
+
+
+def test_partial_edge_match_splits_the_node():
+    pool, cache = make()
+    blocks = owned(pool, [1, 2, 3, 4, 5, 6])
+    cache.insert([1, 2, 3, 4, 5, 6], blocks)
+    pool.release(blocks)
+    assert len(list(cache._nodes())) == 1
+    got, node = cache.match([1, 2, 3, 4, 7, 7])
+    assert got == [0, 1] and node.tokens == (1, 2, 3, 4) and node.blocks == [0, 1]
+    [tail] = node.children.values()
+    assert tail.tokens == (5, 6) and tail.blocks == [2]
+    check(pool, cache)
+
+
+def test_insert_of_a_shared_prefix_reports_the_duplicates():
+    pool, cache = make()
+    a = owned(pool, [1, 2, 3, 4])
+    cache.insert([1, 2, 3, 4], a)
+    pool.release(a)
+    b = owned(pool, [1, 2, 3, 4, 5, 6])  # computed separately: [2, 3, 4]
+    assert b == [2, 3, 4]
+    assert cache.insert([1, 2, 3, 4, 5, 6], b) == 2  # blocks 2, 3 duplicate 0, 1; 4 is adopted
+    pool.release(b)
+    assert cache.match([1, 2, 3, 4, 5, 6])[0] == [0, 1, 4]
+    assert sorted(pool.free) == [2, 3, 5, 6, 7]
+    check(pool, cache)
+
+
+def test_locked_nodes_are_not_evicted_and_eviction_is_lru():
+    pool, cache = make(num_blocks=6)
+    for prompt in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 8, 8]):
+        blocks = owned(pool, prompt)
+        cache.insert(prompt, blocks)
+        pool.release(blocks)
+    # Ages: [1,2,3,4] oldest. Touch it, then lock [5,6,...] as a running request would.
+    cache.match([1, 2, 3, 4])
+    blocks, node = cache.match([5, 6, 7, 8])
+    for b in blocks:
+        pool.refs[b] += 1
+    cache.lock(node)
+    assert cache.evict(2) == 2
+    assert cache.match([9, 9, 8, 8])[0] == []  # the least recently used unlocked leaf went first
+    assert cache.match([5, 6, 7, 8])[0] == [2, 3]
+    assert cache.evict(10) == 2  # only [1,2,3,4] was left to evict
+    assert cache.match([5, 6, 7, 8])[0] == [2, 3]
+    check(pool, cache, blocks)
+    cache.unlock(node)
+    pool.release(blocks)
+    assert cache.evict(10) == 2 and pool.num_free == 6
+    check(pool, cache)
+
+
+def _req(rid: str, tokens: list[int], max_new: int = 4) -> Request:
+    return Request(b"fe", rid, list(tokens), len(tokens), CoreSamplingParams(max_new_tokens=max_new))
+
+
+def _finish_step(sched: Scheduler) -> list[Request]:
+    """Pretend to run one step: computed counters advance, finished requests leave."""
+    items = sched.schedule()
+    for it in items:
+        it.req.num_computed_tokens += it.num_new
+        if it.sample:
+            it.req.token_ids.append(100)
+            if it.req.num_output_tokens >= it.req.params.max_new_tokens:
+                sched.finish(it.req)
+    return [it.req for it in items]
+
+
+def test_scheduler_reuses_a_finished_requests_prefix():
+    pool = BlockPool(16)
+    sched = Scheduler(pool, block_size=BS, max_running=4, token_budget=64, context_length=64,
+                      cache=RadixCache(pool, BS))
+    first = _req("a", [1, 2, 3, 4, 5, 6, 7], max_new=1)
+    sched.add(first)
+    _finish_step(sched)
+    assert not sched.has_work
+    second = _req("b", [1, 2, 3, 4, 5, 6, 8, 9])
+    sched.add(second)
+    [item] = sched.schedule()
+    assert second.cached_tokens == 6 and item.num_new == 2
+    assert second.block_table[:3] == [0, 1, 2]  # the first request's three full blocks
+    sched.check_integrity()
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]),
+                          st.lists(st.integers(0, 3), min_size=1, max_size=12)), max_size=40))
+def test_random_admit_finish_abort_evict_keep_the_invariants(ops):
+    pool = BlockPool(12)
+    sched = Scheduler(pool, block_size=BS, max_running=3, token_budget=8, context_length=64,
+                      cache=RadixCache(pool, BS))
+    for i, (op, tokens) in enumerate(ops):
+        if op == "add":
+            sched.add(_req(str(i), tokens, max_new=3))
+        elif op == "step":
+            _finish_step(sched)
+        elif op == "abort" and (reqs := list(sched)):
+            sched.remove(reqs[len(tokens) % len(reqs)])
+        sched.check_integrity()
+    while sched.has_work:
+        _finish_step(sched)
+        sched.check_integrity()
+    sched.flush_cache()
+    assert pool.num_free == 12

@@ -1,0 +1,153 @@
+"""RadixCache: a radix tree of token ids over KV blocks, so shared prefixes are computed once.
+
+Edges hold whole blocks: a node's `tokens` is a multiple of block_size long and `blocks` has one
+block id per block_size tokens. The tree holds one reference (BlockPool.refs) on each of its
+blocks; a request using a cached prefix holds one more, and locks the path so it is not evicted.
+Unlocked leaves are evicted in least-recently-used order when the pool runs short.
+
+Contract:
+  match(tokens)            -> (blocks, node): the longest cached prefix in whole blocks; the
+                              caller takes a reference on each block and lock()s the node.
+  insert(tokens, blocks)   -> how many leading blocks the tree already held (the caller's copies
+                              of those are duplicates it simply releases); the rest are adopted.
+  lock(node) / unlock(node)
+  evict(n)                 -> blocks freed, at most n.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from unison.core.block_pool import BlockPool
+
+_clock = itertools.count()  # a logical clock: deterministic LRU order, even within one step
+
+
+class Node:
+    __slots__ = ("parent", "tokens", "blocks", "children", "lock_ref", "last_access")
+
+    def __init__(self, parent: Node | None, tokens: tuple[int, ...], blocks: list[int]) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.blocks = blocks
+        self.children: dict[tuple[int, ...], Node] = {}  # keyed by the child's first block
+        self.lock_ref = 0
+        self.last_access = next(_clock)
+
+
+class RadixCache:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.root = Node(None, (), [])
+        self.root.lock_ref = 1  # never evicted
+
+    def _key(self, tokens: tuple[int, ...] | list[int], i: int = 0) -> tuple[int, ...]:
+        return tuple(tokens[i: i + self.block_size])
+
+    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
+        bs, node, blocks, i = self.block_size, self.root, [], 0
+        usable = len(tokens) // bs * bs
+        while i < usable:
+            child = node.children.get(self._key(tokens, i))
+            if child is None:
+                break
+            n = self._common_blocks(child.tokens, tokens, i)
+            if n < len(child.blocks):
+                child = self._split(child, n)
+            blocks.extend(child.blocks)
+            i += len(child.tokens)
+            node = child
+            node.last_access = next(_clock)
+        return blocks, node
+
+    def _common_blocks(self, edge: tuple[int, ...], tokens: list[int], start: int) -> int:
+        bs, n = self.block_size, 0
+        while (n + 1) * bs <= len(edge) and start + (n + 1) * bs <= len(tokens) \
+                and edge[n * bs: (n + 1) * bs] == tuple(tokens[start + n * bs: start + (n + 1) * bs]):
+            n += 1
+        return n
+
+    def _split(self, node: Node, n_blocks: int) -> Node:
+        """Cut `node` after n_blocks: a new parent holds the head, `node` keeps the tail."""
+        cut = n_blocks * self.block_size
+        head = Node(node.parent, node.tokens[:cut], node.blocks[:n_blocks])
+        head.lock_ref = node.lock_ref
+        head.last_access = node.last_access
+        node.parent.children[self._key(head.tokens)] = head
+        node.parent = head
+        node.tokens, node.blocks = node.tokens[cut:], node.blocks[n_blocks:]
+        head.children[self._key(node.tokens)] = node
+        return head
+
+    def insert(self, tokens: list[int], blocks: list[int]) -> int:
+        """Cache the whole blocks of `tokens` (KV in `blocks`); returns how many it had already."""
+        bs = self.block_size
+        n_full = min(len(tokens) // bs, len(blocks))
+        matched, node = self.match(tokens[: n_full * bs])
+        have = len(matched)
+        if have < n_full:
+            rest = tokens[have * bs: n_full * bs]
+            child = Node(node, tuple(rest), list(blocks[have:n_full]))
+            node.children[self._key(child.tokens)] = child
+            for b in child.blocks:
+                self.pool.refs[b] += 1  # the tree's own reference
+        return have
+
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix cache: unlock without lock"
+            node = node.parent
+
+    def evict(self, n_blocks: int) -> int:
+        """Free up to n_blocks by evicting unlocked leaves, least recently used first."""
+        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < n_blocks:
+            _, _, leaf = heapq.heappop(heap)
+            self.pool.release(leaf.blocks)
+            freed += sum(1 for b in leaf.blocks if self.pool.refs[b] == 0)
+            parent = leaf.parent
+            del parent.children[self._key(leaf.tokens)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def reset(self) -> None:
+        self.evict(self.num_blocks)
+
+    def _nodes(self) -> Iterator[Node]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _leaves(self) -> Iterator[Node]:
+        return (n for n in self._nodes() if not n.children)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(n.blocks) for n in self._nodes())
+
+    def blocks(self) -> list[int]:
+        return [b for n in self._nodes() for b in n.blocks]
+
+    def num_evictable(self) -> int:
+        return sum(len(n.blocks) for n in self._nodes() if n.lock_ref == 0)
+
+    def check_integrity(self) -> None:
+        for node in self._nodes():
+            assert len(node.tokens) == len(node.blocks) * self.block_size, "edge length mismatch"
+            assert node.parent.children.get(self._key(node.tokens)) is node, "broken parent link"
+            locks = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= locks, f"node locked less ({node.lock_ref}) than its children ({locks})"
