@@ -20,6 +20,7 @@ class EngineConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # token budget of one step: long prompts are prefilled in chunks
     disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
     startup_timeout: float = 300.0  # seconds to wait for the core to load the model
     log_level: str = "warning"
 
@@ -32,6 +33,8 @@ class EngineConfig:
         _check(self.max_total_tokens is None or self.max_total_tokens >= self.block_size,
                "max_total_tokens", f"must be >= block_size ({self.block_size})")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _check(self.schedule_policy in ("fcfs", "lpm", "fair"), "schedule_policy",
+               f"must be fcfs, lpm or fair, got {self.schedule_policy!r}")
         _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "must be 'cpu' or 'cuda[:N]'")
 
     @classmethod

@@ -133,13 +133,13 @@ class Engine:
                  sampling_params: dict | list[dict] | SamplingParams | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                  return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 rid: str | list[str] | None = None) -> dict | list[dict] | Iterator[dict]:
+                 rid: str | list[str] | None = None, priority: int = 0) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict) or a list (a flat list of P * n dicts)."""
         if _running_loop() is not None:
             warnings.warn("Engine.generate blocks the running event loop; use async_generate there",
                           RuntimeWarning, stacklevel=2)
         batch, states = self._submit(prompt, sampling_params, input_ids, return_logprob,
-                                     logprob_start_len, top_logprobs_num, rid)
+                                     logprob_start_len, top_logprobs_num, rid, priority)
         collector = Collector(states, batch)
         if stream:
             return self._stream_sync(collector)
@@ -152,11 +152,11 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                              return_logprob: bool = False, logprob_start_len: int = -1,
                              top_logprobs_num: int = 0, rid: str | list[str] | None = None,
-                             ) -> dict | list[dict] | AsyncIterator[dict]:
+                             priority: int = 0) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
         batch, states = await asyncio.to_thread(
             self._submit, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-            top_logprobs_num, rid)
+            top_logprobs_num, rid, priority)
         collector = Collector(states, batch)
         if stream:
             return self._stream_async(collector)
@@ -165,7 +165,7 @@ class Engine:
         return collector.results()
 
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                top_logprobs_num, rid) -> tuple[bool, list[ReqState]]:
+                top_logprobs_num, rid, priority) -> tuple[bool, list[ReqState]]:
         worker = self._worker()
         batch, prompts, id_lists = _normalize_prompts(prompt, input_ids)
         params = _per_prompt(sampling_params, len(prompts) or len(id_lists), "sampling_params")
@@ -177,8 +177,10 @@ class Engine:
             raise ValueError(f"logprob_start_len must be -1 (none) or >= 0, got {logprob_start_len!r}")
         ids = [worker.prepare(p, i, sp) for p, i, sp in
                zip(prompts or [None] * len(id_lists), id_lists or [None] * len(prompts), params)]
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         states = self._h.loop.run(worker.submit(ids, params, rids, return_logprob, logprob_start_len,
-                                                top_logprobs_num))
+                                                top_logprobs_num, priority))
         return batch, states
 
     def _stream_sync(self, collector: Collector) -> Iterator[dict]:

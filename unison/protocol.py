@@ -54,6 +54,7 @@ class Generate(msgspec.Struct, tag=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return prompt logprobs from this position
+    priority: int = 0  # higher is admitted first
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -36,6 +36,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, context_length=self.context_length, cache=cache,
+            policy=config.schedule_policy,
         )
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide

@@ -63,6 +63,17 @@ class RadixCache:
             node.last_access = next(_clock)
         return blocks, node
 
+    def match_len(self, tokens: list[int]) -> int:
+        """Tokens of the longest cached prefix, without touching the tree (for ordering only)."""
+        node, i = self.root, 0
+        while (child := node.children.get(self._key(tokens, i))) is not None:
+            n = self._common_blocks(child.tokens, tokens, i)
+            i += n * self.block_size
+            if n < len(child.blocks):
+                break
+            node = child
+        return i
+
     def _common_blocks(self, edge: tuple[int, ...], tokens: list[int], start: int) -> int:
         bs, n = self.block_size, 0
         while (n + 1) * bs <= len(edge) and start + (n + 1) * bs <= len(tokens) \

@@ -19,6 +19,7 @@ class Request:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    priority: int = 0  # higher is admitted first
     arrival: float = field(default_factory=time.monotonic)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -39,7 +40,7 @@ class Request:
             frontend=frontend, rid=msg.rid, token_ids=list(msg.input_ids),
             num_prompt_tokens=len(msg.input_ids), params=msg.params,
             return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
+            logprob_start_len=msg.logprob_start_len, priority=msg.priority,
         )
 
     @property

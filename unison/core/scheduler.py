@@ -3,18 +3,27 @@
 There is no prefill or decode phase: each request has `num_computed_tokens` and `num_tokens`, and
 every step closes part of that gap within a token budget (so long prompts are prefilled in chunks
 beside running decodes). Running requests go first; when KV blocks run out the latest arrival is
-preempted (its blocks freed, recomputed later); then waiting requests are admitted FCFS, each starting after the longest prefix the radix cache holds.
+preempted (its blocks freed, recomputed later); then waiting requests are admitted in the
+policy's order, each starting after the longest prefix the radix cache holds:
+
+  fcfs  arrival order
+  lpm   longest cached prefix first (SGLang's), then arrival
+  fair  round-robin over frontends, so one that floods the engine cannot starve the others
+Within each, a higher `priority` goes first; preempted requests always go first.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from unison.core.block_pool import BlockPool
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
+
+POLICIES = ("fcfs", "lpm", "fair")
 
 
 @dataclass(slots=True)
@@ -27,9 +36,15 @@ class ScheduledItem:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
-                 context_length: int, cache: RadixCache | None = None) -> None:
+                 context_length: int, cache: RadixCache | None = None, policy: str = "fcfs") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
         self.pool = pool
         self.cache = cache
+        self.policy = policy
+        self.last_served: dict[bytes, int] = {}  # frontend -> admission tick (fair)
+        self.ticks = itertools.count()
+        self.admissions: deque[tuple[bytes, str]] = deque(maxlen=1024)  # (frontend, rid), newest last
         self.block_size = block_size
         self.max_running = max_running
         self.token_budget = token_budget
@@ -84,13 +99,16 @@ class Scheduler:
                 continue
             break
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
-            req = self.waiting[0]
+            req = self._next_waiting()
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._free(req, cache=False)
                 break
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(req)
+            self.running.append(req)
+            self.last_served[req.frontend] = next(self.ticks)
+            self.admissions.append((req.frontend, req.rid))
             items.append(self._item(req, n))
             budget -= n
         return items
@@ -105,6 +123,20 @@ class Scheduler:
             if lo < min(end, req.num_prompt_tokens - 1):
                 logits_start = min(logits_start, lo - req.num_computed_tokens)
         return ScheduledItem(req, n, logits_start, sample)
+
+    def _next_waiting(self) -> Request:
+        """The request to admit next (it stays queued until admission succeeds)."""
+        head = self.waiting[0]
+        if head.num_preemptions and not head.block_table:
+            return head  # preempted work resumes first, whatever the policy
+        candidates: Iterable[Request] = self.waiting
+        if self.policy == "fair":
+            fronts = {r.frontend for r in self.waiting}
+            turn = min(fronts, key=lambda f: self.last_served.get(f, -1))
+            candidates = [r for r in self.waiting if r.frontend == turn]
+        if self.policy == "lpm" and self.cache is not None:
+            return max(candidates, key=lambda r: (r.priority, self.cache.match_len(r.token_ids), -r.arrival))
+        return max(candidates, key=lambda r: (r.priority, -r.arrival))
 
     def _match_prefix(self, req: Request) -> None:
         """Start `req` after its longest cached prefix (at least one token is left to compute)."""

@@ -51,6 +51,7 @@ class CoreServer:
         self.cap = args.config["tokenizer_worker_num"]
         self.frontends: dict[bytes, Frontend] = {}
         self.by_pidfd: dict[int, Frontend] = {}
+        self.worker_ids: dict[bytes, int] = {}  # kept after detach: admission records name them
         self.next_worker_id = 0
         self.paused = False
         self.stopping = False
@@ -183,6 +184,7 @@ class CoreServer:
         fe = Frontend(ident, self.next_worker_id, msg.pid, pidfd)
         self.next_worker_id += 1
         self.frontends[ident] = fe
+        self.worker_ids[ident] = fe.worker_id
         if pidfd is not None and pidfd != self.owner_pidfd:
             self.by_pidfd[pidfd] = fe
             self.poller.register(pidfd, zmq.POLLIN)
@@ -238,6 +240,7 @@ class CoreServer:
             "num_preemptions": sched.num_preemptions,
             "stats": dict(self.core.stats),
             "histograms": self.latency.to_dict(),
+            "admissions": [[self.worker_ids.get(f, -1), rid] for f, rid in sched.admissions],
             "frontends": [
                 {"pid": fe.pid, "worker_id": fe.worker_id, "requests_in_flight": inflight.get(fe.ident, 0)}
                 for fe in self.frontends.values()

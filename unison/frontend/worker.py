@@ -241,7 +241,8 @@ class TokenizerWorker:
 
     async def submit(self, prompt_ids: list[list[int]], params: list[SamplingParams],
                      rids: list[str | None], return_logprob: bool = False,
-                     logprob_start_len: int = -1, top_logprobs_num: int = 0) -> list[ReqState]:
+                     logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                     priority: int = 0) -> list[ReqState]:
         """Queue validated prompts (each expanded n times); returns their states in order."""
         self.check_alive()
         states, msgs = [], []
@@ -251,7 +252,8 @@ class TokenizerWorker:
                 child = base if sp.n == 1 else f"{base}-{i}"
                 states.append(ReqState(child, ids, sp, self.tokenizer, return_logprob, logprob_start_len))
                 msgs.append(Generate(child, ids, sp.to_core(self.info["vocab_size"], i), return_logprob,
-                                     top_logprobs_num, logprob_start_len if return_logprob else -1))
+                                     top_logprobs_num, logprob_start_len if return_logprob else -1,
+                                     priority))
         counts = Counter(s.rid for s in states)
         clash = sorted(r for r, c in counts.items() if c > 1 or r in self.states)
         if clash:

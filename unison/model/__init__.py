@@ -1,1 +1,1 @@
-"""The model: location and GGUF conversion (loader, gguf), Llama-family compute (llama), ModelRunner."""
+"""The model: location and GGUF conversion (loader, gguf), Llama compute (llama), ModelRunner."""

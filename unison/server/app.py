@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -21,32 +22,42 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unison import registry
 from unison.errors import EngineDeadError
 from unison.frontend.worker import TokenizerWorker
 from unison.output import Collector
+from unison.sampling_params import SamplingParams
 from unison.server.metrics import render_metrics
 from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from unison.sampling_params import SamplingParams
 
 log = logging.getLogger("unison.server")
 
 ENV = "UNISON_SERVER"  # JSON: registry path, owner pid, api key, served model name
 
 
+def _kind(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error",
+            503: "service_unavailable"}.get(status, "invalid_request_error")
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {401: "authentication_error", 404: "not_found_error",
-                             503: "service_unavailable"}.get(status, "invalid_request_error")
+        self.kind = kind or _kind(status)
+
+
+def error_body(status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, kind, param), status_code=status)
 
 
 def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
@@ -76,20 +87,19 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
             raise HTTPError(503, f"the engine is not running: {worker.dead}")
         return worker
 
-    @app.middleware("http")
-    async def auth_and_tag(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return error_response(401, "missing or invalid API key", "authentication_error")
-        response = await call_next(request)
-        response.headers["x-unison-worker-pid"] = str(os.getpid())
-        return response
+    app.add_middleware(_AuthAndTag, api_key=api_key)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError):
         return error_response(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(_: Request, e: StarletteHTTPException):
+        # FastAPI's own errors (unknown route, wrong method, an unparsable body) in OpenAI's shape.
+        message = str(e.detail)
+        if isinstance(e.__cause__, UnicodeDecodeError):
+            message = f"the request body is not valid UTF-8 JSON: {e.__cause__}"
+        return error_response(e.status_code, message, _kind(e.status_code))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
@@ -107,6 +117,12 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError):
         return error_response(503, f"the engine is not running: {e}", "service_unavailable")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        # A bug here: still an OpenAI-shaped body (uvicorn logs the traceback).
+        return error_response(500, f"internal server error: {type(e).__name__}: {e}",
+                              "server_error")
 
     def check_model(name: str | None) -> None:
         if name not in (None, served_name):
@@ -172,6 +188,8 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         if body.response_format and body.response_format.get("type") != "text":
             raise HTTPError(400, "response_format other than text is not supported yet",
                             param="response_format")
+        if body.top_logprobs and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         text = worker.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         params = body.sampling_params(default_max_tokens=worker.info["context_length"])
@@ -196,6 +214,7 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         if (text is None) == (input_ids is None):
             raise HTTPError(400, "give exactly one of text and input_ids")
         ids = [worker.prepare(text, input_ids, params)]
+        check_queue(worker)
         rlp = bool(body.get("return_logprob", False))
         states = await worker.submit(ids, [params], [body.get("rid")], rlp,
                                      int(body.get("logprob_start_len", -1)),
@@ -203,9 +222,12 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         collector = Collector(states, batch=False)
         if body.get("stream"):
             async def sse() -> AsyncIterator[bytes]:
-                async for chunks in _follow(worker, collector):
-                    for c in chunks:
-                        yield _sse(c)
+                try:
+                    async for chunks in _follow(worker, collector):
+                        for c in chunks:
+                            yield _sse(c)
+                except (EngineDeadError, ValueError) as e:
+                    yield _stream_error(e)
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
         await _wait(request, worker, collector)
@@ -214,24 +236,59 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
     async def _run(request: Request, worker: TokenizerWorker, ids: list[list[int]], params: SamplingParams,
                    body: Any, *, kind: str, logprobs: bool, top_n: int, echo: bool = False):
         check_queue(worker)
-        states = await worker.submit(ids, [params] * len(ids), [None] * len(ids), logprobs or echo,
+        states = await worker.submit(ids, [params] * len(ids), [None] * len(ids), logprobs,
                                      0 if echo else -1, top_n)
         collector = Collector(states, batch=True)
         rid = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
-        fmt = _Formatter(worker, kind, rid, served_name, logprobs, top_n, echo)
+        fmt = _Formatter(worker, kind, rid, served_name, logprobs, top_n, echo,
+                         [s.prompt_ids for s in states])
         if body.stream:
             async def sse() -> AsyncIterator[bytes]:
-                async for chunks in _follow(worker, collector):
-                    for c in chunks:
-                        yield _sse(fmt.chunk(c))
-                if body.include_usage:
-                    yield _sse(fmt.usage_chunk(collector))
+                try:
+                    async for chunks in _follow(worker, collector):
+                        for c in chunks:
+                            yield _sse(fmt.chunk(c))
+                    if body.include_usage:
+                        yield _sse(fmt.usage_chunk(collector))
+                except (EngineDeadError, ValueError) as e:
+                    yield _stream_error(e)
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
         await _wait(request, worker, collector)
         return fmt.final(collector)
 
     return app
+
+
+class _AuthAndTag:
+    """Checks the API key and tags every response with this worker's pid.
+
+    Plain ASGI rather than @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the
+    client's disconnect from Request.is_disconnected(), so an abandoned non-streaming request
+    would run on to its last token.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+        self.pid = str(os.getpid()).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-unison-worker-pid", self.pid)]
+            await send(message)
+
+        if self.api_key and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                response = error_response(401, "missing or invalid API key; send 'Authorization: "
+                                               "Bearer <key>'", "authentication_error")
+                return await response(scope, receive, tagged)
+        await self.app(scope, receive, tagged)
 
 
 def _exit_when_engine_dies() -> None:
@@ -282,38 +339,48 @@ async def _follow(worker: TokenizerWorker, collector: Collector) -> AsyncIterato
 
 async def _wait(request: Request, worker: TokenizerWorker, collector: Collector) -> None:
     """Wait for a non-streaming request, aborting it if the client disconnects meanwhile."""
-    follow = _follow(worker, collector)
-    pending = asyncio.ensure_future(follow.__anext__())
+    async def drain() -> None:
+        async for _ in _follow(worker, collector):
+            pass
+
+    # One task runs the generator to its end; cancelling it runs _follow's abort. (Closing the
+    # generator from here instead fails: it is still running inside that task.)
+    task = asyncio.ensure_future(drain())
     try:
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=0.5)
+            done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
-                try:
-                    pending.result()
-                except StopAsyncIteration:
-                    return
-                pending = asyncio.ensure_future(follow.__anext__())
-            elif await request.is_disconnected():
+                return task.result()
+            if await request.is_disconnected():
                 raise HTTPError(499, "client disconnected")
     finally:
-        pending.cancel()
-        await follow.aclose()
+        task.cancel()
 
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+def _stream_error(e: Exception) -> bytes:
+    """A failure after the 200 status line went out is reported in the stream, as vLLM does."""
+    if isinstance(e, EngineDeadError):
+        return _sse(error_body(503, f"the engine is not running: {e}", "service_unavailable"))
+    return _sse(error_body(400, str(e)))
+
+
 class _Formatter:
     """Engine outputs -> OpenAI completion / chat responses and stream chunks."""
 
     def __init__(self, worker: TokenizerWorker, kind: str, rid: str, model: str, logprobs: bool,
-                 top_n: int, echo: bool) -> None:
+                 top_n: int, echo: bool, prompt_ids: list[list[int]]) -> None:
         self.worker, self.kind, self.rid, self.model = worker, kind, rid, model
         self.logprobs, self.top_n, self.echo = logprobs, top_n, echo
+        self.prompt_ids = prompt_ids  # per choice index
         self.created = int(time.time())
         self.sent: dict[int, int] = {}  # index -> characters of text already streamed
         self.sent_lp: dict[int, int] = {}
+        self.sent_prompt_lp: dict[int, int] = {}  # echo: prompt logprobs streamed, chunk by chunk
+        self.text_offset: dict[int, int] = {}  # index -> text offset of the next logprob token
         self.started: set[int] = set()
 
     @property
@@ -327,21 +394,35 @@ class _Formatter:
     def _tok(self, tid: int) -> str:
         return self.worker.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def _lp_content(self, out: dict, start: int) -> list[dict] | dict:
+    def _lp_content(self, out: dict, i: int, start: int) -> list[dict] | dict:
         lps = out["meta_info"].get("output_token_logprobs", [])[start:]
         tops = out["meta_info"].get("output_top_logprobs", [])[start:]
         if self.chat:
             return [{"token": self._tok(t), "logprob": lp, "bytes": list(self._tok(t).encode()),
                      "top_logprobs": [{"token": self._tok(tt), "logprob": tl, "bytes": list(self._tok(tt).encode())}
-                                      for tl, tt, _ in (tops[i] if i < len(tops) else [])][: self.top_n]}
-                    for i, (lp, t, _) in enumerate(lps)]
-        return {"tokens": [self._tok(t) for _, t, _ in lps], "token_logprobs": [lp for lp, _, _ in lps],
-                "top_logprobs": [{self._tok(tt): tl for tl, tt, _ in top[: self.top_n]} for top in tops],
-                "text_offset": []}
+                                      for tl, tt, _ in (tops[k] if k < len(tops) else [])][: self.top_n]}
+                    for k, (lp, t, _) in enumerate(lps)]
+        if self.echo:  # the echoed prompt's tokens come first, as in vLLM; the first has no logprob
+            plps = out["meta_info"].get("input_token_logprobs", [])
+            done = self.sent_prompt_lp.get(i, 0)
+            self.sent_prompt_lp[i] = len(plps)
+            tops = out["meta_info"].get("input_top_logprobs", [])[done:] + tops
+            lps = plps[done:] + lps
+        tokens = [self._tok(t) for _, t, _ in lps]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self.text_offset.get(i, 0)))
+        self.text_offset[i] = offsets.pop()
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in lps],
+                "top_logprobs": [None if lp is None else  # the echoed first token has none
+                                 {self._tok(tt): tl for tl, tt, _ in
+                                  (tops[k] if k < len(tops) else [])[: self.top_n]}
+                                 for k, (lp, _, _) in enumerate(lps)],
+                "text_offset": offsets}
 
-    def _echo_prefix(self, out: dict) -> str:
-        return self.worker.tokenizer.decode([t for _, t, _ in out["meta_info"].get("input_token_logprobs", [])],
-                                            skip_special_tokens=False) if self.echo else ""
+    def _echo_prefix(self, i: int) -> str:
+        # From the prompt itself: with chunked prefill its logprobs arrive over several chunks.
+        if not self.echo:
+            return ""
+        return self.worker.tokenizer.decode(self.prompt_ids[i], skip_special_tokens=False)
 
     def chunk(self, out: dict) -> dict:
         i = out["index"]
@@ -356,12 +437,13 @@ class _Formatter:
             if first:
                 delta["role"] = "assistant"
             choice = {"index": i, "delta": delta, "finish_reason": self._finish(out),
-                      "logprobs": {"content": self._lp_content(out, lp_start)} if self.logprobs else None}
+                      "logprobs": ({"content": self._lp_content(out, i, lp_start)}
+                                   if self.logprobs else None)}
             return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model, "choices": [choice]}
-        text = (self._echo_prefix(out) if first else "") + new_text
+        text = (self._echo_prefix(i) if first else "") + new_text
         choice = {"index": i, "text": text, "finish_reason": self._finish(out),
-                  "logprobs": self._lp_content(out, lp_start) if self.logprobs else None}
+                  "logprobs": self._lp_content(out, i, lp_start) if self.logprobs else None}
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [choice]}
 
@@ -385,11 +467,12 @@ class _Formatter:
             if self.chat:
                 choice = {"index": i, "message": {"role": "assistant", "content": out["text"]},
                           "finish_reason": self._finish(out),
-                          "logprobs": {"content": self._lp_content(out, 0)} if self.logprobs else None}
+                          "logprobs": ({"content": self._lp_content(out, i, 0)}
+                                       if self.logprobs else None)}
             else:
-                choice = {"index": i, "text": self._echo_prefix(out) + out["text"],
+                choice = {"index": i, "text": self._echo_prefix(i) + out["text"],
                           "finish_reason": self._finish(out),
-                          "logprobs": self._lp_content(out, 0) if self.logprobs else None}
+                          "logprobs": self._lp_content(out, i, 0) if self.logprobs else None}
             choices.append(choice)
         return {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(collector)}

@@ -33,6 +33,8 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     model_dir = str(resolve_model_dir(config.model_path))
     core = CoreProcess(config, model_dir, publish=True)
+    failure: list[str] = []  # why the server stopped on its own, when it did
+    stopping = threading.Event()
     try:
         core.wait_published(config.startup_timeout)
         settings = {
@@ -42,14 +44,24 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
         }
         os.environ[ENV] = json.dumps(settings)
         workers = config.tokenizer_worker_num
-        watcher = threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
-                                   args=(host, port, workers, api_key, config.startup_timeout, core))
-        watcher.start()
+        threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
+                         args=(host, port, workers, api_key, config.startup_timeout, core,
+                               failure)).start()
+        threading.Thread(target=_stop_when_core_exits, daemon=True, name="unison-core-watch",
+                         args=(core, stopping, failure)).start()
+        # With one worker uvicorn runs here and, once shut down, re-raises the SIGTERM it caught
+        # under the handler it found: the default one would kill the launcher before it stops
+        # the core and reports. The signal is handled by then.
+        signal.signal(signal.SIGTERM, lambda *_: None)
         app: Any = create_app(settings) if workers == 1 else "unison.server.app:create_app"
         uvicorn.run(app, host=host, port=port, workers=None if workers == 1 else workers,
                     factory=workers > 1, log_level=config.log_level, timeout_graceful_shutdown=5)
     finally:
+        stopping.set()
         core.stop()
+    if failure:
+        log.error("the server stopped: %s", failure[0])
+        return 1
     return 0 if core.proc.returncode in (0, -signal.SIGTERM) else 1
 
 
@@ -59,8 +71,20 @@ def _default_name(model_path: str | None, model_dir: str) -> str:
     return os.path.basename(os.path.normpath(model_path))
 
 
+def _stop_when_core_exits(core: CoreProcess, stopping: threading.Event, failure: list[str]) -> None:
+    """The core died (killed, crashed): nothing can be served. Say why and stop the workers."""
+    code = core.proc.wait()
+    if stopping.is_set():
+        return  # the launcher stopped it
+    how = (f"killed by {signal.Signals(-code).name}" if code < 0
+           else f"exit code {code}; see its log above")
+    failure.append(f"the engine core (pid {core.pid}) exited ({how})")
+    log.error("%s; stopping the server", failure[0])
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None, timeout: float,
-                         core: CoreProcess) -> None:
+                         core: CoreProcess, failure: list[str]) -> None:
     """Log the URL once every worker has attached; stop the launch if that does not happen."""
     url = f"http://{host}:{port}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -78,6 +102,8 @@ def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None
         except OSError:
             pass
         time.sleep(0.2)
-    log.error("the server did not get ready: %d worker(s) did not attach to the engine",
-              workers)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if core.proc.poll() is None:  # else the core watcher reports
+        failure.append(f"the server did not get ready: {workers} worker(s) did not attach to the "
+                       f"engine within {timeout:.0f} s")
+        log.error("%s", failure[0])
+        os.kill(os.getpid(), signal.SIGTERM)

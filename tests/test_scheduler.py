@@ -1,4 +1,4 @@
-"""RadixCache and the scheduler's use of it, on a tiny block pool with exact block ids (no model)."""
+"""Scheduler, RadixCache and BlockPool on a tiny pool with exact block ids (no model)."""
 
 from __future__ import annotations
 
@@ -144,3 +144,45 @@ def test_random_admit_finish_abort_evict_keep_the_invariants(ops):
         sched.check_integrity()
     sched.flush_cache()
     assert pool.num_free == 12
+
+
+def _policy_sched(policy: str) -> Scheduler:
+    pool = BlockPool(64)
+    return Scheduler(pool, block_size=BS, max_running=2, token_budget=16, context_length=64,
+                     cache=RadixCache(pool, BS), policy=policy)
+
+
+def _admitted(sched: Scheduler, steps: int) -> list[str]:
+    for _ in range(steps):
+        _finish_step(sched)
+    return [rid for _, rid in sched.admissions]
+
+
+def test_fair_policy_admits_a_small_frontend_between_a_floods_requests():
+    for policy, expect_b_early in (("fair", True), ("fcfs", False)):
+        sched = _policy_sched(policy)
+        for i in range(100):
+            sched.add(Request(b"A", f"a{i}", [1, 2, 3, 4], 4, CoreSamplingParams(max_new_tokens=2)))
+        for i in range(4):
+            sched.add(Request(b"B", f"b{i}", [5, 6], 2, CoreSamplingParams(max_new_tokens=1)))
+        order = _admitted(sched, 12)
+        b_at = [order.index(f"b{i}") if f"b{i}" in order else None for i in range(4)]
+        if expect_b_early:
+            assert None not in b_at and max(b_at) < 10, (policy, order)
+        else:
+            assert b_at == [None] * 4, (policy, order)  # B waits behind A's queue
+
+
+def test_priority_and_longest_prefix_order_admission():
+    sched = _policy_sched("fcfs")
+    for rid, prio in (("low", 0), ("high", 5), ("mid", 1)):
+        sched.add(Request(b"A", rid, [1, 2, 3], 3, CoreSamplingParams(max_new_tokens=1), priority=prio))
+    assert _admitted(sched, 1) == ["high", "mid"]
+    lpm = _policy_sched("lpm")
+    done = Request(b"A", "seed", [7, 7, 7, 7, 7, 7, 1], 7, CoreSamplingParams(max_new_tokens=1))
+    lpm.add(done)
+    _finish_step(lpm)  # caches the blocks of [7, 7, 7, 7, 7, 7]
+    lpm.add(Request(b"A", "cold", [9, 9, 9, 9, 9], 5, CoreSamplingParams(max_new_tokens=1)))
+    lpm.add(Request(b"A", "warm", [7, 7, 7, 7, 8], 5, CoreSamplingParams(max_new_tokens=1)))
+    _finish_step(lpm)
+    assert [rid for _, rid in lpm.admissions][1:] == ["warm", "cold"]
