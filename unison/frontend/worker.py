@@ -119,6 +119,9 @@ class ReqState:
             self.push(Delta(error=error))
 
 
+GOODBYE_LINGER_MS = 200
+
+
 class TokenizerWorker:
     def __init__(self, model_dir: str | Path, endpoint: str, token: str, core_pid: int) -> None:
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -199,19 +202,21 @@ class TokenizerWorker:
 
     async def close(self, goodbye: bool = True, why: str = "this frontend was shut down") -> None:
         self.on_dead = None  # a chosen end, not a death to react to
+        linger = 0
         if goodbye and self.dead is None and self._sock is not None:
             try:
                 await self._sock.send(encode(Goodbye()), zmq.NOBLOCK)
+                linger = GOODBYE_LINGER_MS  # let it leave: the core frees our slot at once
             except zmq.ZMQError:
                 pass
         self._mark_dead(why)
         if self._recv_task is not None:
             self._recv_task.cancel()
-        self._close_socket()
+        self._close_socket(linger)
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger: int = 0) -> None:
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger)
             self._ctx.term()
             self._sock = None
 

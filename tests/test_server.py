@@ -1,0 +1,785 @@
+"""`unison serve` end to end: the launcher, its uvicorn workers and the core as real processes.
+
+Driven by the official openai client (sync and async) and plain HTTP; greedy outputs and token
+counts are checked against an Engine in this process with the server's model and core config.
+Then the faults: bad requests, overload, client disconnects, SIGTERM with requests in flight and
+the core killed by kill -9. The time each fault took to handle is printed at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from unison import Engine, registry
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "sk-unison-test"
+PROMPT = "The capital of France is"
+PROMPTS = ["The capital of France is", "1 + 1 ="]
+CHAT = [{"role": "user", "content": "What is the capital of Italy?"}]
+HELLO = [{"role": "user", "content": "hello"}]
+LONG_TEXT = "Once upon a time, in a small village by the sea, " * 12  # ~150 tokens: prefill chunks
+GREEDY = {"temperature": 0, "max_new_tokens": 16}
+LONG = {"max_tokens": 2000, "ignore_eos": True}  # runs far longer than any check below
+COMP, CHAT_URL = "/v1/completions", "/v1/chat/completions"
+FIGURES: dict[str, float] = {}  # seconds each fault took to handle
+
+
+# ---- the server under test ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`unison serve` in a subprocess, ready once the core lists every worker as a frontend."""
+
+    def __init__(self, *args: str, workers: int = 1, api_key: str | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log")
+        cmd = [sys.executable, "-m", "unison.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--tokenizer-worker-num", str(workers),
+               "--num-threads", "1", *(["--api-key", api_key] if api_key else []), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.registry = registry.registry_path(self.proc.pid)
+        self.pids = {self.proc.pid}
+        try:
+            self.info = self._wait_ready(workers)
+            endpoint = registry.read(self.registry).endpoint
+            self.runtime_dir = Path(endpoint.removeprefix("ipc://")).parent
+        except BaseException:
+            self.kill()
+            raise
+        self.core_pid = self.info["core_pid"]
+        self.worker_pids = {f["pid"] for f in self.info["frontends"]}
+        self.pids |= {self.core_pid, *self.worker_pids}
+
+    def _wait_ready(self, workers: int, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n"
+                                     f"{self.output()}")
+            try:
+                r = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=5)
+                if r.status_code == 200 and len(r.json()["frontends"]) == workers:
+                    return r.json()
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the server did not get ready:\n{self.output()}"
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=30)
+
+    def post(self, path: str, body: Any = None) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60)
+
+    def server_info(self) -> dict:
+        r = self.get("/get_server_info")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_freed(self, timeout: float) -> None:
+        """Until nothing runs, waits or holds a KV block; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info()
+            if info["num_running"] == info["num_waiting"] == info["kv_blocks_used"] == 0:
+                return
+            assert time.monotonic() < deadline, f"not freed within {timeout} s: {info}"
+            time.sleep(0.02)
+
+    def wait_running(self, n: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.server_info()["num_running"] < n:
+            assert time.monotonic() < deadline, f"{n} requests never ran: {self.server_info()}"
+            time.sleep(0.02)
+
+    def wait_exit(self, timeout: float) -> tuple[int, float]:
+        t0 = time.monotonic()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the launcher did not exit within {timeout:.1f} s:\n"
+                                 f"{self.output()}") from None
+        return code, time.monotonic() - t0
+
+    def stop(self) -> float:
+        """SIGTERM: exit code 0 within 10 s, nothing left behind; returns the seconds it took."""
+        if self.proc.poll() is not None:
+            return math.nan
+        self.proc.send_signal(signal.SIGTERM)
+        code, took = self.wait_exit(10.0)
+        assert code == 0, f"exit code {code}:\n{self.output()}"
+        self.assert_gone()
+        return took
+
+    def assert_gone(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (alive := {p for p in self.pids if registry.pid_alive(p)}) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, f"processes left behind: {alive}\n{self.output()}"
+        assert not self.registry.exists(), f"registry {self.registry} left behind"
+        assert not self.runtime_dir.exists(), f"runtime dir {self.runtime_dir} left behind"
+
+    def kill(self) -> None:
+        """After a failure: leave nothing running for the next test."""
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                if registry.pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        registry.unlink(self.registry)
+        if hasattr(self, "runtime_dir"):
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def _serve(name: str, *args: str, **kw: Any):
+    server = Server(*args, **kw)
+    try:
+        yield server
+    finally:
+        try:
+            FIGURES[f"SIGTERM to exit, idle ({name})"] = server.stop()
+        finally:
+            if server.proc.poll() is None:
+                server.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from _serve("1 worker", "--chunked-prefill-size", "64")
+
+
+@pytest.fixture(scope="module")
+def server2():
+    yield from _serve("2 workers", "--chunked-prefill-size", "64", workers=2, api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def small_queue_server():
+    yield from _serve("1 worker, queue of 2", "--max-queued-requests", "2",
+                      "--chunked-prefill-size", "64")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # The servers' core config: same chunking and threads, so greedy runs compute alike.
+    with Engine(num_threads=1, chunked_prefill_size=64) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                       timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report(request):
+    yield
+    if not FIGURES:
+        return
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print("\nfault handling times (2 shared cores):")
+        for name, seconds in FIGURES.items():
+            print(f"  {name}: {seconds:.2f} s")
+
+
+@pytest.fixture(autouse=True)
+def idle_after(request):
+    """Every test on a shared server leaves it idle: nothing running, no KV block held."""
+    yield
+    for name in ("server", "server2", "small_queue_server"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).wait_freed(timeout=10)
+
+
+def complete(client: openai.OpenAI, prompt: Any = PROMPT, **kw: Any):
+    return client.completions.create(model=MODEL, prompt=prompt, **{"temperature": 0, **kw})
+
+
+def chat(client: openai.OpenAI, messages: list = CHAT, **kw: Any):
+    return client.chat.completions.create(model=MODEL, messages=messages,
+                                          **{"temperature": 0, **kw})
+
+
+USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def assert_openai_error(r: httpx.Response, status: int, *fragments: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body  # never a raw pydantic dump ("detail", "loc", "input")
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == status and isinstance(err["message"], str) and err["type"]
+    for f in fragments:
+        assert f.lower() in err["message"].lower(), (f, err["message"])
+    return err
+
+
+def offsets_of(tokens: list[str]) -> list[int]:
+    return [len("".join(tokens[:k])) for k in range(len(tokens))]
+
+
+# ---- 1. the OpenAI API, one worker ----------------------------------------------------------
+
+
+def test_completion_greedy_and_usage_match_engine(server, client, engine):
+    want = engine.generate(PROMPT, GREEDY)
+    meta = want["meta_info"]
+    r = complete(client, max_tokens=16)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert r.choices[0].text == want["text"]
+    assert r.choices[0].finish_reason == "length" and r.choices[0].index == 0
+    assert r.usage.prompt_tokens == meta["prompt_tokens"]
+    assert r.usage.completion_tokens == meta["completion_tokens"]
+    assert r.usage.total_tokens == meta["prompt_tokens"] + meta["completion_tokens"]
+
+    chunks = list(complete(client, max_tokens=16, **USAGE))
+    assert len(chunks) > 2 and len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == want["text"]
+    finishes = [c.choices[0].finish_reason for c in chunks[:-1]]
+    assert finishes == [None] * (len(finishes) - 1) + ["length"]
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == meta["completion_tokens"]
+    assert last.usage.prompt_tokens == meta["prompt_tokens"]
+
+
+def test_chat_greedy_and_usage_match_engine(server, client, engine):
+    want = engine.generate(engine.tokenizer.apply_chat_template(CHAT), GREEDY)
+    meta = want["meta_info"]
+    finish = "length" if meta["finish_reason"]["type"] == "length" else "stop"
+    r = chat(client, max_tokens=16)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want["text"]
+    assert r.choices[0].finish_reason == finish
+    assert r.usage.prompt_tokens == meta["prompt_tokens"]
+    assert r.usage.completion_tokens == meta["completion_tokens"]
+
+    chunks = list(chat(client, max_tokens=16, **USAGE))
+    deltas = [c.choices[0].delta for c in chunks[:-1]]
+    assert deltas[0].role == "assistant" and all(d.role is None for d in deltas[1:])
+    assert "".join(d.content or "" for d in deltas) == want["text"]
+    assert chunks[-2].choices[0].finish_reason == finish
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == meta["completion_tokens"]
+    assert chunks[-1].usage.prompt_tokens == meta["prompt_tokens"]
+
+
+@pytest.mark.parametrize("form", ["string", "strings", "token ids", "token-id lists"])
+def test_completion_prompt_forms(server, client, engine, form):
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    prompt = {"string": PROMPTS[0], "strings": PROMPTS, "token ids": ids[0],
+              "token-id lists": ids}[form]
+    n = 2 if form in ("strings", "token-id lists") else 1
+    want = engine.generate(input_ids=ids[:n], sampling_params=GREEDY)  # the server's batch
+    r = complete(client, prompt, max_tokens=16)
+    assert [c.index for c in r.choices] == list(range(n))
+    assert [c.text for c in r.choices] == [w["text"] for w in want]
+    assert r.usage.prompt_tokens == sum(len(i) for i in ids[:n])
+    assert r.usage.completion_tokens == sum(w["meta_info"]["completion_tokens"] for w in want)
+
+
+def test_n_2(server, client, engine):
+    sampled = {"max_tokens": 8, "temperature": 0.8, "seed": 1234}
+    want = engine.generate(PROMPT, {"n": 2, "max_new_tokens": 8, "temperature": 0.8,
+                                    "sampling_seed": 1234})
+    r = complete(client, n=2, **sampled)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [w["text"] for w in want]  # child i: seed + i
+    assert r.usage.prompt_tokens == want[0]["meta_info"]["prompt_tokens"]  # once, as OpenAI
+    assert r.usage.completion_tokens == sum(w["meta_info"]["completion_tokens"] for w in want)
+
+    chunks = list(complete(client, n=2, **sampled, **USAGE))
+    texts = ["", ""]
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [w["text"] for w in want]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    r = chat(client, n=2, logprobs=True, top_logprobs=2, **sampled)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.message.content and 0 < len(c.logprobs.content) <= 8
+        assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+
+
+def test_completion_logprobs_match_engine(server, client, engine):
+    want = engine.generate(PROMPT, GREEDY, return_logprob=True, top_logprobs_num=2)
+    meta = want["meta_info"]
+
+    def tok(t: int) -> str:
+        return engine.tokenizer.decode([t], skip_special_tokens=False)
+
+    lp = complete(client, max_tokens=16, logprobs=2).choices[0].logprobs
+    assert lp.tokens == [tok(t) for t in want["output_ids"]]
+    want_lps = [x for x, _, _ in meta["output_token_logprobs"]]
+    assert lp.token_logprobs == pytest.approx(want_lps, abs=1e-4)
+    assert len(lp.top_logprobs) == len(meta["output_top_logprobs"])
+    for got, top in zip(lp.top_logprobs, meta["output_top_logprobs"], strict=True):
+        assert got == pytest.approx({tok(t): x for x, t, _ in top}, abs=1e-4)
+    assert lp.text_offset == offsets_of(lp.tokens)
+
+    streamed = [c.choices[0].logprobs for c in complete(client, max_tokens=16, logprobs=2,
+                                                        stream=True)]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
+def test_chat_logprobs_match_engine(server, client, engine):
+    want = engine.generate(engine.tokenizer.apply_chat_template(CHAT), GREEDY,
+                           return_logprob=True, top_logprobs_num=2)
+    meta = want["meta_info"]
+    content = chat(client, max_tokens=16, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert len(content) == len(want["output_ids"])
+    for got, (x, _, _), top in zip(content, meta["output_token_logprobs"],
+                                   meta["output_top_logprobs"], strict=True):
+        assert got.logprob == pytest.approx(x, abs=1e-4)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([t[0] for t in top], abs=1e-4)
+        assert got.bytes == list(got.token.encode())
+    streamed = chat(client, max_tokens=16, logprobs=True, top_logprobs=2, stream=True)
+    assert [t.token for c in streamed for t in c.choices[0].logprobs.content] == \
+        [t.token for t in content]
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_TEXT], ids=["short", "chunked prefill"])
+def test_echo_with_logprobs(server, client, engine, prompt):
+    want = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 4}, return_logprob=True,
+                           logprob_start_len=0, top_logprobs_num=1)
+    n_prompt = want["meta_info"]["prompt_tokens"]
+    r = complete(client, prompt, max_tokens=4, echo=True, logprobs=1)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == prompt + want["text"]
+    assert len(lp.tokens) == n_prompt + len(want["output_ids"])
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing before it
+    want_lps = [x for x, _, _ in want["meta_info"]["input_token_logprobs"][1:]]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(want_lps, abs=1e-4)
+    assert lp.text_offset == offsets_of(lp.tokens)
+    assert r.usage.prompt_tokens == n_prompt
+
+    # Streamed, the prompt's logprobs come over several prefill chunks; the echo is whole anyway.
+    chunks = [c.choices[0] for c in complete(client, prompt, max_tokens=4, echo=True, logprobs=1,
+                                             stream=True)]
+    assert "".join(c.text for c in chunks) == text
+    assert sum((c.logprobs.tokens for c in chunks), []) == lp.tokens
+
+    plain = complete(client, prompt, max_tokens=4, echo=True).choices[0]
+    assert plain.text == text and plain.logprobs is None
+
+
+def test_async_client(server, engine):
+    want = engine.generate(PROMPT, GREEDY)
+    want_chat = engine.generate(engine.tokenizer.apply_chat_template(CHAT), GREEDY)
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                      max_retries=0, timeout=60) as c:
+            r = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+            assert r.choices[0].text == want["text"]
+            stream = await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
+                                                     temperature=0, **USAGE)
+            chunks = [ch async for ch in stream]
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1])
+            assert text == want_chat["text"]
+            assert chunks[-1].usage.completion_tokens == want_chat["meta_info"]["completion_tokens"]
+            # Concurrent requests share steps: every one completes, with exact token counts.
+            outs = await asyncio.gather(*(
+                c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True}) for p in PROMPTS * 3))
+            for o in outs:
+                assert o.usage.completion_tokens == 6 and o.choices[0].finish_reason == "length"
+
+    asyncio.run(main())
+
+
+def test_info_routes(server, client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    r = server.get("/health")
+    assert r.status_code == 200 and r.content == b""
+    info = server.server_info()
+    assert info["core_pid"] == server.core_pid and info["owner_pid"] == server.proc.pid
+    # One worker: uvicorn runs in the launcher, which is then the only frontend.
+    assert [f["pid"] for f in info["frontends"]] == [server.proc.pid]
+    assert info["context_length"] == 8192 and info["config"]["chunked_prefill_size"] == 64
+    r = server.post("/flush_cache")
+    assert r.status_code == 200 and r.json() == {"success": True}
+    assert r.headers["x-unison-worker-pid"] == str(server.proc.pid)
+
+
+def _scrape(text: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}, checking each sample has a TYPE line."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            assert re.sub(r"(_bucket\{.*\}|_sum|_count)$", "", name) in types, line
+            samples[name] = float(value)
+    return samples
+
+
+HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds",
+              "e2e_request_latency_seconds")
+
+
+def test_metrics_count_requests(server, client):
+    r = server.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    before = _scrape(r.text)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_used",
+                 "kv_blocks_total", "prompt_tokens_total", "generation_tokens_total"):
+        assert f"unison_{name}" in before, name
+    out = complete(client, max_tokens=5, extra_body={"ignore_eos": True})
+    chunks = list(chat(client, max_tokens=3, extra_body={"ignore_eos": True}, **USAGE))
+    after = _scrape(server.get("/metrics").text)
+    assert after["unison_num_requests_running"] == after["unison_kv_blocks_used"] == 0
+    assert after["unison_kv_blocks_total"] == server.info["num_blocks"]
+    gen = after["unison_generation_tokens_total"] - before["unison_generation_tokens_total"]
+    assert gen == 5 + 3
+    prompt = after["unison_prompt_tokens_total"] - before["unison_prompt_tokens_total"]
+    assert prompt == out.usage.prompt_tokens + chunks[-1].usage.prompt_tokens
+    for h in HISTOGRAMS:
+        name = f"unison_{h}"
+        assert after[f"{name}_count"] - before[f"{name}_count"] == 2, h
+        assert after[f"{name}_sum"] > before[f"{name}_sum"]
+        buckets = [v for k, v in after.items() if k.startswith(f"{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == after[f"{name}_count"]
+
+
+def test_native_generate(server, engine):
+    params = {"temperature": 0, "max_new_tokens": 8}
+    want = engine.generate(PROMPT, params)
+    r = server.post("/generate", {"text": PROMPT, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["text"] == want["text"] and out["output_ids"] == want["output_ids"]
+    assert set(out["meta_info"]) == set(want["meta_info"])
+    for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"):
+        assert out["meta_info"][k] == want["meta_info"][k], k
+    ids = engine.tokenizer.encode(PROMPT)
+    by_ids = server.post("/generate", {"input_ids": ids, "sampling_params": params})
+    assert by_ids.json()["output_ids"] == want["output_ids"]
+
+    body = {"text": PROMPT, "sampling_params": params, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as s:
+        assert s.status_code == 200
+        assert s.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in s.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert len(chunks) > 1 and chunks[-1]["text"] == want["text"]
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert b["text"].startswith(a["text"])  # cumulative, as Engine.generate streams
+
+    r = server.post("/generate", {"text": PROMPT, "temperatur": 0})
+    assert_openai_error(r, 400, "temperatur")
+
+
+# ---- 2. two workers and an API key ----------------------------------------------------------
+
+
+def _from_both(server2: Server, send) -> dict[int, httpx.Response]:
+    """Send on fresh connections until both workers have answered (each connection hits one)."""
+    seen: dict[int, httpx.Response] = {}
+    for _ in range(50):
+        r = send()
+        seen.setdefault(int(r.headers["x-unison-worker-pid"]), r)
+        if len(seen) == 2:
+            break
+    assert set(seen) == server2.worker_pids, f"answered by {sorted(seen)} of {server2.worker_pids}"
+    return seen
+
+
+def test_two_workers_share_requests_and_agree(server2, engine):
+    assert server2.proc.pid not in server2.worker_pids  # N > 1: workers are their own processes
+    want = engine.generate(PROMPT, GREEDY)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    for pid, r in _from_both(server2, lambda: server2.post(COMP, body)).items():
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want["text"], pid
+        assert r.json()["usage"]["completion_tokens"] == want["meta_info"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", KEY], ids=["none", "wrong", "no Bearer"])
+def test_api_key_enforced_on_both_workers(server2, auth):
+    headers = {"Authorization": auth} if auth else {}
+    for route in ("/v1/models", "/get_server_info", "/metrics"):
+        send = functools.partial(httpx.get, server2.url + route, headers=headers)
+        for r in _from_both(server2, send).values():
+            err = assert_openai_error(r, 401, "api key")
+            assert err["type"] == "authentication_error"
+    send = functools.partial(httpx.post, server2.url + COMP, json={"prompt": "hi"}, headers=headers)
+    for r in _from_both(server2, send).values():
+        assert_openai_error(r, 401)
+
+
+def test_api_key_accepted_and_health_open(server2):
+    for r in _from_both(server2, lambda: httpx.get(f"{server2.url}/health")).values():
+        assert r.status_code == 200  # health needs no key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server2.url}/v1", api_key="wrong", max_retries=0).models.list()
+    with openai.OpenAI(base_url=f"{server2.url}/v1", api_key=KEY, max_retries=0) as ok:
+        assert complete(ok, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_metrics_agree_across_workers(server2):
+    server2.post(COMP, {"prompt": PROMPT, "max_tokens": 4})
+    server2.wait_freed(timeout=10)
+    a, b = (_scrape(r.text) for r in _from_both(server2, lambda: server2.get("/metrics")).values())
+    assert a == b  # engine-wide numbers live in the core
+    assert a["unison_num_frontends"] == 2 and a["unison_generation_tokens_total"] >= 4
+
+
+# ---- 3. errors ------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+ERRORS = [
+    ("temperature -1", COMP, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("top_p 2", COMP, {"prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ("max_tokens abc", COMP, {"prompt": "hi", "max_tokens": "abc"}, 400, "max_tokens"),
+    ("n 0", COMP, {"prompt": "hi", "n": 0}, 400, "n must"),
+    ("logprobs 50", COMP, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("no prompt", COMP, {"max_tokens": 3}, 400, "prompt"),
+    ("empty prompt list", COMP, {"prompt": []}, 400, "prompt"),
+    ("token id out of range", COMP, {"prompt": [10**9]}, 400, "token ids"),
+    ("prompt over the context", COMP, {"prompt": "hello " * 9000, "max_tokens": 1}, 400,
+     "context length"),
+    ("max_tokens over the context", COMP, {"prompt": "hi", "max_tokens": 9000}, 400,
+     "context length"),
+    ("unknown model", COMP, {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+    ("chat temperature -1", CHAT_URL, {"messages": HELLO, "temperature": -1}, 400, "temperature"),
+    ("chat unknown model", CHAT_URL, {"messages": HELLO, "model": "gpt-4"}, 404, "gpt-4"),
+    ("chat over the context", CHAT_URL,
+     {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "context length"),
+    ("chat tools", CHAT_URL, {"messages": HELLO, "tools": TOOLS}, 400, "tool"),
+    ("chat bad role", CHAT_URL, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+    ("chat messages not a list", CHAT_URL, {"messages": "hello"}, 400, "messages"),
+    ("chat top_logprobs alone", CHAT_URL, {"messages": HELLO, "top_logprobs": 2}, 400, "logprobs"),
+    ("bad JSON", COMP, b'{"prompt": "hi",', 400, "JSON"),
+    ("invalid UTF-8", COMP, b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    ("chat invalid UTF-8", CHAT_URL, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}',
+     400, "UTF-8"),
+    ("body not an object", COMP, b"[1, 2]", 400, ""),
+    ("generate invalid UTF-8", "/generate", b'{"text": "\xff"}', 400, "JSON"),
+    ("generate unknown field", "/generate", {"text": "hi", "foo": 1}, 400, "foo"),
+    ("unknown route", "/v1/nothing", {}, 404, "not found"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, fragment", [e[1:] for e in ERRORS],
+                         ids=[e[0] for e in ERRORS])
+def test_errors_are_openai_shaped(server, route, body, status, fragment):
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + route, content=body, timeout=30,
+                       headers={"content-type": "application/json"})
+    else:
+        r = server.post(route, body)
+    assert r.status_code != 422
+    assert_openai_error(r, status, fragment)
+
+
+def test_unknown_fields_are_ignored(server, client):
+    r = server.post(COMP, {"prompt": "hi", "max_tokens": 2, "not_a_field": {"x": 1}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    r = server.post(CHAT_URL, {"messages": [{"role": "user", "content": "hi", "extra": 1}],
+                               "max_tokens": 2, "metadata": {"a": "b"}, "store": False})
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    assert "gpt-4" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        complete(client, temperature=-1)
+
+
+# ---- 4. overload ----------------------------------------------------------------------------
+
+
+def test_overload_sheds_extra_requests_at_once(small_queue_server):
+    s = small_queue_server
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, **LONG}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            held = []
+            for _ in range(2):  # these two fill the queue and keep generating
+                r = await c.send(c.build_request("POST", COMP, json=body), stream=True)
+                assert r.status_code == 200
+                held.append(r)
+            await asyncio.to_thread(s.wait_running, 2)
+
+            async def extra(route: str, payload: dict) -> tuple[httpx.Response, float]:
+                t0 = time.monotonic()
+                r = await c.post(route, json=payload)
+                return r, time.monotonic() - t0
+
+            extras = await asyncio.gather(
+                extra(COMP, body), extra(COMP, {**body, "stream": False}),
+                extra(CHAT_URL, {"messages": HELLO, **LONG}),
+                extra("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 99}}))
+            for r, took in extras:
+                assert_openai_error(r, 503, "overloaded", "max_queued_requests=2")
+                assert took < 2.0, f"a shed request took {took:.2f} s"
+            FIGURES["overload: slowest 503"] = max(took for _, took in extras)
+            for r in held:
+                await r.aclose()
+
+    asyncio.run(main())
+    # The accepted ones were aborted as their clients left; the queue takes requests again.
+    s.wait_freed(timeout=3)
+    assert s.post(COMP, {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+# ---- 5. client disconnects ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
+def test_client_disconnect_aborts_in_the_core(server, stream):
+    body = {"model": MODEL, "prompt": LONG_TEXT, "stream": stream, **LONG}
+    if stream:
+        with httpx.stream("POST", server.url + COMP, json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ") and next(lines) == ""
+            assert server.server_info()["num_running"] == 1
+        left = time.monotonic()
+    else:
+        gone: list[float] = []
+
+        def post() -> None:  # gives up after 2 s without an answer: closes its connection
+            with contextlib.suppress(httpx.ReadTimeout):
+                httpx.post(server.url + COMP, json=body, timeout=httpx.Timeout(30, read=2.0))
+                return
+            gone.append(time.monotonic())
+
+        t = threading.Thread(target=post)
+        t.start()
+        server.wait_running(1)
+        t.join(10)
+        assert gone, "the client did not time out: the request ended on its own"
+        left = gone[0]
+    server.wait_freed(timeout=3)
+    took = time.monotonic() - left
+    FIGURES[f"client disconnect ({'streaming' if stream else 'non-streaming'}) to KV freed"] = took
+    assert took < 3
+
+
+# ---- 6. SIGTERM with requests in flight -----------------------------------------------------
+
+
+def _in_flight(server: Server, n_stream: int, n_plain: int) -> tuple[list[threading.Thread], dict]:
+    """Start long requests in threads; returns them and what each client saw, once it ends."""
+    seen: dict[int, tuple] = {}
+
+    def stream(k: int) -> None:
+        body = {"prompt": PROMPT, "stream": True, **LONG}
+        try:
+            with httpx.stream("POST", server.url + COMP, json=body, headers=server.headers,
+                              timeout=30) as r:
+                seen[k] = ("stream", r.status_code, [x for x in r.iter_lines() if x][-2:])
+        except httpx.HTTPError as e:
+            seen[k] = ("stream", type(e).__name__)
+
+    def plain(k: int) -> None:
+        try:
+            r = server.post(COMP, {"prompt": PROMPT, **LONG})
+            seen[k] = ("plain", r.status_code, r.text)
+        except httpx.HTTPError as e:
+            seen[k] = ("plain", type(e).__name__)
+
+    threads = [threading.Thread(target=stream if k < n_stream else plain, args=(k,))
+               for k in range(n_stream + n_plain)]
+    for t in threads:
+        t.start()
+    server.wait_running(n_stream + n_plain)
+    return threads, seen
+
+
+def test_sigterm_with_requests_in_flight():
+    server = Server("--chunked-prefill-size", "64")
+    try:
+        threads, seen = _in_flight(server, 2, 1)
+        server.proc.send_signal(signal.SIGTERM)
+        code, took = server.wait_exit(10)
+        FIGURES["SIGTERM with 3 requests in flight to exit"] = took
+        assert code == 0, server.output()
+        server.assert_gone()
+        for t in threads:
+            t.join(5)
+        assert len(seen) == 3, f"a client hangs after the server exited: {seen}"
+        for s in seen.values():  # cut off (after the 5 s drain), never passed off as complete
+            assert len(s) == 2 or s[1] != 200 or s[2][-1:] != ["data: [DONE]"], s
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+# ---- 7. the core killed ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_core_killed_fails_clients_and_stops_the_launcher(workers):
+    server = Server("--chunked-prefill-size", "64", workers=workers, api_key=KEY)
+    try:
+        threads, seen = _in_flight(server, 2, 2)
+        t0 = time.monotonic()
+        os.kill(server.core_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(10)
+        FIGURES[f"core kill -9 to in-flight clients failed ({workers} worker(s))"] = \
+            time.monotonic() - t0
+        assert len(seen) == 4, f"a client hangs after the core died: {seen}"
+        code, _ = server.wait_exit(max(0.1, 10 - (time.monotonic() - t0)))
+        FIGURES[f"core kill -9 to launcher exit ({workers} worker(s))"] = time.monotonic() - t0
+        assert code != 0
+        log = server.output()
+        assert f"the engine core (pid {server.core_pid}) exited (killed by SIGKILL)" in log, log
+        server.assert_gone()
+        for s in seen.values():  # an error that says why, in the response or in the stream
+            assert len(s) == 3, s
+            if s[0] == "plain":
+                assert_openai_error(httpx.Response(s[1], text=s[2]), 503, "engine is not running")
+            else:
+                assert s[1] == 200 and s[2][1] == "data: [DONE]", s
+                error = json.loads(s[2][0].removeprefix("data: "))["error"]
+                assert error["code"] == 503 and "engine is not running" in error["message"], s
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
