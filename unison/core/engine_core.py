@@ -134,6 +134,8 @@ class EngineCore:
                 sample_rows.append(row + n_rows - 1)
                 sample_reqs.append(it.req)
             it.req.num_computed_tokens += it.num_new
+            if it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
+                self.scheduler.cache_computed(it.req)
             outputs[it.req.frontend].append(out)
             row += n_rows
         self.stats["steps"] += 1

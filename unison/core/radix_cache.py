@@ -43,6 +43,7 @@ class RadixCache:
         self.block_size = block_size
         self.root = Node(None, (), [])
         self.root.lock_ref = 1  # never evicted
+        self.num_evicted = 0  # blocks evicted so far (a statistic)
 
     def _key(self, tokens: tuple[int, ...] | list[int], i: int = 0) -> tuple[int, ...]:
         return tuple(tokens[i: i + self.block_size])
@@ -127,6 +128,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             self.pool.release(leaf.blocks)
             freed += sum(1 for b in leaf.blocks if self.pool.refs[b] == 0)
+            self.num_evicted += len(leaf.blocks)
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:

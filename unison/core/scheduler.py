@@ -186,6 +186,11 @@ class Scheduler:
         self.running.remove(req)
         self._free(req)
 
+    def cache_computed(self, req: Request) -> None:
+        """Offer a prefill chunk's finished blocks now, so requests sharing the prefix need not wait."""
+        if self.cache is not None:
+            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table)
+
     def flush_cache(self) -> None:
         if self.has_work:
             raise RuntimeError(f"cannot flush the prefix cache while {len(self.running)} request(s) run "

@@ -238,6 +238,7 @@ class CoreServer:
             "kv_blocks_used": self.core.pool.num_used - self.core.cached_blocks,
             "kv_blocks_cached": self.core.cached_blocks,
             "num_preemptions": sched.num_preemptions,
+            "num_evicted_blocks": sched.cache.num_evicted if sched.cache else 0,
             "stats": dict(self.core.stats),
             "histograms": self.latency.to_dict(),
             "admissions": [[self.worker_ids.get(f, -1), rid] for f, rid in sched.admissions],

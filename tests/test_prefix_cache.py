@@ -1,0 +1,46 @@
+"""The prefix cache with the model: reuse across turns, and identical outputs under memory pressure
+where both eviction and preemption happen."""
+
+from __future__ import annotations
+
+from tests.test_engine import PROMPTS, top_dicts, wait_idle
+from tests.utils import assert_greedy_close
+from unison import Engine
+
+PARAMS = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+
+def test_multi_turn_chat_reuses_the_previous_turn():
+    with Engine(num_threads=1) as engine:
+        tok = engine.tokenizer
+        turn1 = [{"role": "user", "content": "Tell me about the moon in two sentences."}]
+        prompt1 = tok.encode(tok.apply_chat_template(turn1))
+        reply = engine.generate(input_ids=prompt1, sampling_params={"temperature": 0, "max_new_tokens": 24})
+        turn2 = turn1 + [{"role": "assistant", "content": reply["text"]},
+                         {"role": "user", "content": "And about the sun?"}]
+        second = engine.generate(tok.apply_chat_template(turn2), {"temperature": 0, "max_new_tokens": 8})
+        assert second["meta_info"]["cached_tokens"] >= len(prompt1) // 16 * 16
+        wait_idle(engine)
+        engine.check_integrity()
+
+
+def _requests(tokenizer) -> list[list[int]]:
+    groups = [tokenizer.encode(" ".join(PROMPTS) * 3)[:160], tokenizer.encode(" ".join(reversed(PROMPTS)) * 3)[:160]]
+    return [g + tokenizer.encode(f" Question {i}: {PROMPTS[i]}") for g in groups for i in range(4)]
+
+
+def test_outputs_are_identical_under_eviction_and_preemption():
+    # 24 blocks of 16 tokens: a 10-block shared prefix plus four requests' own blocks overflow it.
+    with Engine(num_threads=1, max_total_tokens=384, chunked_prefill_size=64) as engine:
+        prompts = _requests(engine.tokenizer)
+        cached = engine.generate(input_ids=prompts, sampling_params=PARAMS, return_logprob=True, top_logprobs_num=5)
+        info = wait_idle(engine)
+        engine.check_integrity()
+    assert info["num_preemptions"] > 0, "the small pool should force preemption"
+    assert info["num_evicted_blocks"] > 0, "the small pool should force eviction"
+    assert any(o["meta_info"]["cached_tokens"] > 0 for o in cached)
+    with Engine(num_threads=1, disable_radix_cache=True) as engine:
+        plain = engine.generate(input_ids=prompts, sampling_params=PARAMS, return_logprob=True, top_logprobs_num=5)
+        assert all(o["meta_info"]["cached_tokens"] == 0 for o in plain)
+    for ref, got in zip(plain, cached):
+        assert_greedy_close(ref["output_ids"], top_dicts(ref), got["output_ids"], top_dicts(got))
