@@ -13,6 +13,7 @@ class EngineConfig:
     tokenizer_worker_num: int = 1  # frontends that may be attached at once, the in-process one included
     device: str = "cpu"
     dtype: str = "auto"  # fp32 on CPU; the checkpoint's dtype (or bf16) on CUDA
+    load_format: str = "auto"  # "dummy": a tiny random model with the real tokenizer (benchmarks)
     num_threads: int | None = None  # torch threads in the core; frontends stay single-threaded
     context_length: int | None = None  # None: the model's own limit
     block_size: int = 16  # tokens per KV block
@@ -33,6 +34,7 @@ class EngineConfig:
         _check(self.max_total_tokens is None or self.max_total_tokens >= self.block_size,
                "max_total_tokens", f"must be >= block_size ({self.block_size})")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.schedule_policy in ("fcfs", "lpm", "fair"), "schedule_policy",
                f"must be fcfs, lpm or fair, got {self.schedule_policy!r}")
         _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "must be 'cpu' or 'cuda[:N]'")

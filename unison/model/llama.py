@@ -307,3 +307,27 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                cfg: ModelConfig | None = None) -> LlamaModel:
     cfg = cfg or ModelConfig.from_dir(model_dir)
     return LlamaModel(cfg, load_weights(model_dir), device, dtype)
+
+
+def dummy_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, LlamaModel]:
+    """A tiny random model with the real vocabulary: the forward costs next to nothing, so
+    benchmarks of the frontends are not limited by the model."""
+    import dataclasses
+
+    tiny = dataclasses.replace(cfg, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                               tie_word_embeddings=True, qk_norm=False)
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "model.embed_tokens.weight": (tiny.vocab_size, 64), "model.norm.weight": (64,),
+        "model.layers.0.input_layernorm.weight": (64,),
+        "model.layers.0.post_attention_layernorm.weight": (64,),
+        "model.layers.0.self_attn.q_proj.weight": (64, 64),
+        "model.layers.0.self_attn.k_proj.weight": (32, 64),
+        "model.layers.0.self_attn.v_proj.weight": (32, 64),
+        "model.layers.0.self_attn.o_proj.weight": (64, 64),
+        "model.layers.0.mlp.gate_proj.weight": (128, 64), "model.layers.0.mlp.up_proj.weight": (128, 64),
+        "model.layers.0.mlp.down_proj.weight": (64, 128),
+    }
+    weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
+    return tiny, LlamaModel(tiny, weights, device, dtype)

@@ -1,0 +1,108 @@
+"""Frontend cost: how much CPU the per-request Python work takes per streamed token.
+
+The core runs a tiny random model (`load_format="dummy"`: the real tokenizer and vocabulary, a
+forward that costs next to nothing), so the frontends are the bottleneck. W attached processes
+share the streams; each reports its own CPU time (getrusage: all threads) and tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import resource
+import time
+from typing import Any
+
+from unison import Engine
+
+PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def _stream_all(engine: Engine, streams: int, requests: int, tokens: int) -> int:
+    params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}
+    queue = list(range(requests))
+    total = 0
+
+    async def client() -> None:
+        nonlocal total
+        while queue:
+            queue.pop()
+            last = None
+            async for last in await engine.async_generate(PROMPT, params, stream=True):
+                pass  # the consumer does nothing
+            total += len(last["output_ids"])
+
+    await asyncio.gather(*(client() for _ in range(streams)))
+    return total
+
+
+def _frontend(parent: int, streams: int, requests: int, tokens: int, ready, go, results) -> None:
+    engine = Engine.attach_tokenizer_worker(parent)
+    try:
+        asyncio.run(_stream_all(engine, 2, 4, 8))  # warm up the code paths
+        ready.put(os.getpid())
+        go.wait()
+        cpu0, t0 = _cpu_seconds(), time.perf_counter()
+        n = asyncio.run(_stream_all(engine, streams, requests, tokens))
+        results.put({"tokens": n, "cpu_s": _cpu_seconds() - cpu0, "wall_s": time.perf_counter() - t0,
+                     "requests": requests})
+    finally:
+        engine.shutdown()
+
+
+def run(workers: int, streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    with Engine(model_path=model_path, load_format="dummy", tokenizer_worker_num=workers + 1,
+                max_running_requests=max(streams, 64)):
+        procs = [ctx.Process(target=_frontend, args=(os.getpid(), streams // workers, requests // workers,
+                                                     tokens, ready, go, results))
+                 for _ in range(workers)]
+        for p in procs:
+            p.start()
+        try:
+            for _ in procs:
+                ready.get(timeout=120)
+            t0 = time.perf_counter()
+            go.set()
+            outs = [results.get(timeout=600) for _ in procs]
+            wall = time.perf_counter() - t0
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+    tokens_total = sum(o["tokens"] for o in outs)
+    cpu = sum(o["cpu_s"] for o in outs)
+    return {"workers": workers, "requests_s": sum(o["requests"] for o in outs) / wall,
+            "tokens_s": tokens_total / wall, "us_per_token": 1e6 * cpu / tokens_total,
+            "tokens": tokens_total, "wall_s": wall}
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = [run(w, args.streams, args.requests, args.tokens, args.model_path)
+            for w in (int(x) for x in args.workers.split(","))]
+    print(f"{'workers':>7} {'req/s':>8} {'tok/s':>9} {'frontend µs/tok':>16}  (cores here: {os.cpu_count()})")
+    for r in rows:
+        print(f"{r['workers']:>7} {r['requests_s']:>8.1f} {r['tokens_s']:>9.0f} {r['us_per_token']:>16.1f}")
+    if len(rows) > 1:
+        print(f"scaling {rows[-1]['workers']} vs {rows[0]['workers']} frontends: "
+              f"{rows[-1]['tokens_s'] / rows[0]['tokens_s']:.2f}x tokens/s")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("frontend", help="frontend CPU per streamed token, with a dummy model")
+    p.add_argument("--workers", default="1,2", help="comma-separated frontend process counts")
+    p.add_argument("--streams", type=int, default=64, help="concurrent streams in all")
+    p.add_argument("--requests", type=int, default=256, help="requests in all")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--model-path", default=None, help="its tokenizer and vocabulary are used")
+    p.set_defaults(func=main)
