@@ -9,6 +9,7 @@ another process that owns only a frontend attached to that engine's core.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -55,6 +56,29 @@ class _LoopThread:
             self.loop.close()
 
 
+class _LoopWaker:
+    """Wakes the streams awaited on one caller loop: one cross-thread call per burst of tokens,
+    not one per stream (64 streams would otherwise cost 64 self-pipe writes per step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[asyncio.Event] = []
+
+    def wake(self, event: asyncio.Event) -> None:
+        with self.lock:
+            self.pending.append(event)
+            if len(self.pending) > 1:
+                return  # a flush is scheduled already
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            events, self.pending = self.pending, []
+        for event in events:
+            event.set()
+
+
 class _Handle:
     """What an Engine owns; closed once, by shutdown(), the garbage collector, or exit."""
 
@@ -83,6 +107,7 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         self._h = _Handle()
+        self._wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:
             self._start_owner()
@@ -119,6 +144,7 @@ class Engine:
         self.config = EngineConfig(**info.config)
         self.model_dir = info.model_dir
         self._h = _Handle()
+        self._wakers = weakref.WeakKeyDictionary()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:
             self._connect(info.endpoint, info.token, info.core_pid, ATTACH_TIMEOUT, lambda: None)
@@ -200,7 +226,10 @@ class Engine:
 
     async def _stream_async(self, collector: Collector) -> AsyncIterator[dict]:
         loop, wake = asyncio.get_running_loop(), asyncio.Event()
-        collector.set_waker(lambda: loop.call_soon_threadsafe(wake.set))
+        waker = self._wakers.get(loop)
+        if waker is None:
+            waker = self._wakers[loop] = _LoopWaker(loop)
+        collector.set_waker(functools.partial(waker.wake, wake))
         try:
             while True:
                 for chunk in collector.drain():
