@@ -91,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 
-    from unison.bench import frontend, offline, prefix
+    from unison.bench import frontend, offline, prefix, serve
 
     bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline.add_parser(bench_sub)
     frontend.add_parser(bench_sub)
     prefix.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,136 @@
+"""Prompt sources for the serving benchmarks: seeded random text, or a ShareGPT-format JSON file.
+
+Both give `SampleRequest`s of text (the client needs no tokenizer). Random prompts are common
+English words, one word ≈ one token for BPE vocabularies; ShareGPT lengths are counted with a
+`tokenizer.json` when one is given, else estimated (words and punctuation marks).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# Short, frequent words: nearly all are a single token (with their leading space) in the
+# vocabularies of Llama, Qwen, Mistral, GPT-2 and their kin.
+WORDS = tuple(dict.fromkeys("""
+the of and to in is was for that on as with by he at from his it an were are which this be or
+has had not first one their its new after who they have her she two been other when there all
+during into school time may years more most only over city some world would where later up such
+used many can state about national out known university united then made also three while team
+city under part between well year people found both government became these film world work
+second through city century area no series before than life day well so river back state we
+great small head early light long place made home water room mother family house point side
+hand night word kind number sound good give tell name line right turn show large spell air end
+does move play real little round open start story food sea near land girl boy child old change
+book paper music food money car table door window tree field road town market game music art
+story word answer study learn plant cover food sun four between state keep eye never last let
+thought city tree cross farm hard start might story saw far sea draw left late run while press
+close night real life few north open seem together next white children begin got walk example
+ease paper group always music those both mark often letter until mile river car feet care
+second enough plain girl usual young ready above ever red list though feel talk bird soon body
+dog family direct pose leave song measure door product black short class wind question happen
+complete ship half rock order fire south problem piece told knew pass since top whole king
+space heard best hour better true during hundred five remember step early hold west ground
+interest reach fast verb sing listen six table travel less morning ten simple several toward
+war lay against pattern slow center love person money serve appear road map rain rule govern
+pull cold notice voice unit power town fine certain fly fall lead cry dark machine note wait
+plan figure star box noun field rest correct able pound done beauty drive stood contain front
+teach week final gave green oh quick develop ocean warm free minute strong special mind behind
+clear tail produce fact street inch multiply nothing course stay wheel full force blue object
+decide surface deep moon island foot system busy test record boat common gold possible plane
+dry wonder laugh thousand ago ran check game shape equate hot miss brought heat snow tire bring
+yes distant fill east paint language among
+""".split()))
+
+
+@dataclass
+class SampleRequest:
+    prompt: str
+    prompt_len: int  # tokens, as well as the client can tell
+    output_len: int  # max_tokens to ask for
+
+
+def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
+    # vLLM's random dataset: uniform in [mean * (1 - r), mean * (1 + r)], inclusive.
+    lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    seed: int = 0) -> list[SampleRequest]:
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    ins = _lengths(rng, n, input_len, range_ratio)
+    outs = _lengths(rng, n, output_len, range_ratio)
+    return [SampleRequest(" ".join(rng.choices(WORDS, k=i)), i, o)
+            for i, o in zip(ins, outs, strict=True)]
+
+
+_PIECES = re.compile(r"\w+|[^\w\s]")
+
+
+def estimate_tokens(text: str) -> int:
+    """Words and punctuation marks: close to a BPE count for prose, low for code."""
+    return len(_PIECES.findall(text))
+
+
+def load_tokenizer_counter(path: str) -> Callable[[str], int]:
+    """Token counter from a `tokenizer.json` (or a directory holding one)."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {path}")
+    tok = Tokenizer.from_file(str(p))
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def _first_exchange(conversation: list[dict]) -> tuple[str, str] | None:
+    for i, turn in enumerate(conversation[:-1]):
+        if turn.get("from") in ("human", "user"):
+            reply = conversation[i + 1]
+            if reply.get("from") in ("gpt", "assistant", "chatgpt", "bard"):
+                return turn.get("value") or "", reply.get("value") or ""
+            return None
+    return None
+
+
+def sharegpt_requests(path: str, n: int, seed: int = 0, output_len: int | None = None,
+                      count_tokens: Callable[[str], int] | None = None, min_len: int = 4,
+                      max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[SampleRequest]:
+    """vLLM's ShareGPT sampling: shuffle with the seed, keep the first human turn as the prompt
+    and the reply's length as the output length (or `output_len` for all), skip pairs with
+    fewer than 4 tokens either side, a prompt over 1,024 or a total over 2,048. When fewer than
+    `n` pass, the kept ones are drawn again (seeded) to make up the number."""
+    count = count_tokens or estimate_tokens
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    pairs = [pair for entry in data
+             if isinstance(entry, dict) and len(entry.get("conversations") or []) >= 2
+             and (pair := _first_exchange(entry["conversations"])) is not None]
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
+    kept: list[SampleRequest] = []
+    for prompt, reply in pairs:
+        if len(kept) == n:
+            break
+        prompt_len = count(prompt)
+        out_len = output_len if output_len is not None else count(reply)
+        if prompt_len < min_len or (output_len is None and out_len < min_len):
+            continue
+        if prompt_len > max_prompt_len or prompt_len + out_len > max_total_len:
+            continue
+        kept.append(SampleRequest(prompt, prompt_len, out_len))
+    if not kept:
+        raise ValueError(f"{path}: no conversation passes the length filters")
+    if len(kept) < n:
+        kept += [SampleRequest(r.prompt, r.prompt_len, r.output_len)
+                 for r in rng.choices(kept, k=n - len(kept))]
+    return kept
