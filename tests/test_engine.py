@@ -360,3 +360,15 @@ def test_flush_cache_is_refused_while_requests_run(engine):
     with pytest.raises(RuntimeError, match="cannot flush the prefix cache while 1 request"):
         engine.flush_cache()
     stream.close()
+
+
+def test_kv_cache_that_does_not_fit_is_a_clear_error():
+    with pytest.raises(EngineDeadError, match="does not fit"):
+        Engine(num_threads=1, kv_cache_memory_gb=100_000)
+
+
+def test_kv_capacity_from_a_memory_budget_is_reported():
+    with Engine(num_threads=1, kv_cache_memory_gb=0.5) as e:
+        info = e.get_server_info()
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K and V) x 4 bytes = 46,080 bytes per token.
+    assert info["max_total_tokens"] == (1 << 29) // (46080 * 16) * 16

@@ -17,7 +17,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads in the core; frontends stay single-threaded
     context_length: int | None = None  # None: the model's own limit
     block_size: int = 16  # tokens per KV block
-    max_total_tokens: int | None = None  # KV capacity in tokens; None: a default that fits the host
+    max_total_tokens: int | None = None  # KV capacity in tokens; None: from kv_cache_memory_gb
+    kv_cache_memory_gb: float | None = None  # None: a quarter of free memory (at most 8 GiB) on CPU
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # token budget of one step: long prompts are prefilled in chunks
     disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
@@ -33,6 +34,8 @@ class EngineConfig:
         _check(self.context_length is None or self.context_length >= 2, "context_length", "must be >= 2")
         _check(self.max_total_tokens is None or self.max_total_tokens >= self.block_size,
                "max_total_tokens", f"must be >= block_size ({self.block_size})")
+        _check(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb",
+               "must be > 0")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.schedule_policy in ("fcfs", "lpm", "fair"), "schedule_policy",

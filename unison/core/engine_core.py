@@ -27,7 +27,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model_dir, device=config.device, dtype=config.dtype, block_size=config.block_size,
             max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
-            load_format=config.load_format,
+            load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
         )
         model_limit = self.runner.context_length
         self.context_length = min(config.context_length or model_limit, model_limit)

@@ -67,7 +67,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
                  block_size: int = 16, num_blocks: int | None = None,
                  max_total_tokens: int | None = None, num_threads: int | None = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", kv_cache_memory_gb: float | None = None):
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"block_size ({block_size}) and num_blocks ({num_blocks}) "
                              "must be >= 1")
@@ -83,8 +83,13 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
         if num_blocks is None:
-            num_blocks = (-(-max_total_tokens // block_size) if max_total_tokens
-                          else self._default_num_blocks())
+            if max_total_tokens:
+                num_blocks = -(-max_total_tokens // block_size)
+            elif kv_cache_memory_gb:
+                num_blocks = max(1, int(kv_cache_memory_gb * (1 << 30)) // self.bytes_per_block)
+            else:
+                num_blocks = self._default_num_blocks()
+        self._check_fits(num_blocks)
         self.num_blocks = num_blocks
         c = self.config
         shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
@@ -111,6 +116,17 @@ class ModelRunner:
         c = self.config
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
         return per_token * self.block_size * self.dtype.itemsize
+
+    def _check_fits(self, num_blocks: int) -> None:
+        """Fail at start, with the numbers, rather than by the OOM killer in the middle of a run."""
+        need = num_blocks * self.bytes_per_block
+        free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                else _available_memory())
+        if need > free:
+            raise ValueError(
+                f"the KV cache ({num_blocks * self.block_size} tokens, {need / (1 << 30):.2f} GiB) does "
+                f"not fit in the {free / (1 << 30):.2f} GiB left after loading the model; lower "
+                "max_total_tokens or kv_cache_memory_gb")
 
     def _default_num_blocks(self) -> int:
         # CPU: a quarter of available memory, at most 8 GiB (pages are touched only when used).
