@@ -215,6 +215,9 @@ def test_closing_a_stream_aborts_and_frees(engine):
     assert engine.get_server_info()["num_running"] == 1
     stream.close()
     wait_idle(engine, timeout=3)
+    unread = engine.generate(PROMPTS[2], {"max_new_tokens": 500, "ignore_eos": True}, stream=True)
+    unread.close()  # never iterated: still aborted
+    wait_idle(engine, timeout=3)
 
 
 def test_async_generate_and_cancel(engine):

@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,49 @@ class _LoopWaker:
             events, self.pending = self.pending, []
         for event in events:
             event.set()
+
+
+class _Stream:
+    """A sync stream of output dicts. Closing it, or dropping it, aborts what is unfinished, even
+    before the first item was read (a bare generator would not run its cleanup then)."""
+
+    def __init__(self, gen: Iterator[dict], abort: Callable[[], None]) -> None:
+        self._gen = gen
+        self._finalizer = weakref.finalize(self, abort)
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        self._finalizer()
+
+
+class _AsyncStream:
+    """The async counterpart of _Stream."""
+
+    def __init__(self, gen: AsyncIterator[dict], abort: Callable[[], None]) -> None:
+        self._gen = gen
+        self._finalizer = weakref.finalize(self, abort)
+
+    def __aiter__(self) -> _AsyncStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+        self._finalizer()
+
+
+def _abort(h: _Handle, collector: Collector) -> None:
+    for rid in collector.unfinished_rids():
+        if not h.closed and h.loop.thread.is_alive():
+            h.loop.submit(h.worker.abort(rid))
 
 
 class _Handle:
@@ -168,7 +211,7 @@ class Engine:
                                      logprob_start_len, top_logprobs_num, rid, priority)
         collector = Collector(states, batch)
         if stream:
-            return self._stream_sync(collector)
+            return _Stream(self._stream_sync(collector), self._aborter(collector))
         for _ in self._stream_sync(collector):
             pass
         return collector.results()
@@ -185,7 +228,7 @@ class Engine:
             top_logprobs_num, rid, priority)
         collector = Collector(states, batch)
         if stream:
-            return self._stream_async(collector)
+            return _AsyncStream(self._stream_async(collector), self._aborter(collector))
         async for _ in self._stream_async(collector):
             pass
         return collector.results()
@@ -242,10 +285,10 @@ class Engine:
             self._abort_unfinished(collector)
 
     def _abort_unfinished(self, collector: Collector) -> None:
-        h = self._h
-        for rid in collector.unfinished_rids():
-            if not h.closed and h.loop.thread.is_alive():
-                h.loop.submit(h.worker.abort(rid))
+        _abort(self._h, collector)
+
+    def _aborter(self, collector: Collector) -> Callable[[], None]:
+        return functools.partial(_abort, self._h, collector)
 
     def abort_request(self, rid: str) -> None:
         """Abort one of this frontend's requests (a request of another frontend is never touched)."""
