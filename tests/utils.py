@@ -1,4 +1,4 @@
-"""Shared test helpers: the one rule for comparing greedy outputs, and the Hugging Face reference."""
+"""Test helpers: the one rule for comparing greedy outputs, and the Hugging Face reference."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def _top(logprobs: dict[int, float], n: int = TOP_N) -> list[int]:
 
 def assert_greedy_close(ref_ids: list[int], ref_top: list[dict[int, float]], got_ids: list[int],
                         got_top: list[dict[int, float]] | None = None, name: str = "") -> None:
-    """Token-exact, or diverging only at a near-tie of the reference (as vLLM's check_logprobs_close).
+    """Token-exact, or diverging only at a near-tie of the reference (vLLM's check_logprobs_close).
 
     At the first position where the tokens differ, the reference's top-2 logprob gap must be
     < MAX_GAP and each side's token must be in the other's top-5 (only the got token in the
@@ -35,8 +35,8 @@ def assert_greedy_close(ref_ids: list[int], ref_top: list[dict[int, float]], got
         if got_top is not None and r not in _top(got_top[i]):
             problems.append(f"reference token {r} not in got top-{TOP_N} {_top(got_top[i])}")
         if problems:
-            raise AssertionError(f"{where}greedy outputs diverge at position {i}: reference token {r}, "
-                                 f"got {g}, gap {gap:.4f}: {'; '.join(problems)}\n"
+            raise AssertionError(f"{where}greedy outputs diverge at position {i}: reference token "
+                                 f"{r}, got {g}, gap {gap:.4f}: {'; '.join(problems)}\n"
                                  f"  reference: {ref_ids}\n  got:       {got_ids}")
         return
     if len(ref_ids) != len(got_ids):
@@ -53,13 +53,14 @@ def hf_model():
     from unison.model.loader import default_gguf_path
 
     path = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
     return model.eval()
 
 
 def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int,
                  ) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Greedy continuations by transformers: (ids, top-5 logprobs per generated position) per prompt.
+    """Greedy continuations by transformers: (ids, top-5 logprobs at each new position) per prompt.
 
     Generates exactly max_new_tokens (no stop on EOS), one prompt at a time: no padding, so the
     reference is transformers at its plainest.
@@ -71,7 +72,8 @@ def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int,
 
     model = hf_model()
     # transformers renamed past_key_values to cache; accept either version
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    params = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
     results = []
     with torch.inference_mode():
         for prompt in prompts_ids:

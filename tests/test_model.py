@@ -1,0 +1,364 @@
+"""The model against transformers: GGUF conversion, greedy parity, batching, loader errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.utils import assert_greedy_close, hf_model, hf_reference
+from unison.model import loader
+from unison.model.loader import resolve_model_dir
+from unison.model import runner as runner_module
+from unison.model.runner import BatchItem, ModelRunner
+
+NEW_TOKENS = 32
+# Logits (magnitude ~20) of the same tokens computed in batches of different shapes: the GEMMs
+# round differently, by up to ~1.5e-4 here; a real bug (mask, position, slot) is off by >0.01.
+LOGITS_TOL = {"rtol": 1e-4, "atol": 3e-4}
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which plants convert sunlight into chemical energy. "
+    "It takes place mainly in the leaves, where",
+]
+CHATS = [
+    "What is the capital of Japan?",
+    "Write a haiku about autumn leaves.",
+    "Explain in one sentence why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chats = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                     add_generation_prompt=True) for c in CHATS]
+    return [tok(text, add_special_tokens=False)["input_ids"] for text in TEXTS + chats]
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: Path) -> ModelRunner:
+    runner = ModelRunner(model_dir, num_blocks=128)
+    runner.warmup()
+    return runner
+
+
+@pytest.fixture(scope="module")
+def reference(prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+    return hf_reference(prompts, NEW_TOKENS)
+
+
+class Blocks:
+    """The simplest allocator: consecutive fresh blocks per request."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.next = runner, 0
+
+    def table(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // self.runner.block_size)
+        assert self.next + n <= self.runner.num_blocks
+        self.next += n
+        return list(range(self.next - n, self.next))
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, **LOGITS_TOL, msg=lambda m: f"{what}: {m}")
+
+
+def top_logprobs(logits: torch.Tensor, n: int = 5) -> list[dict[int, float]]:
+    values, indices = torch.log_softmax(logits.float(), dim=-1).topk(n)
+    return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int):
+    """All requests together: one forward prefills every prompt, then they decode in lockstep."""
+    blocks = Blocks(runner)
+    tables = [blocks.table(len(p) + new_tokens) for p in prompts]
+    outs: list[tuple[list[int], list[dict[int, float]]]] = [([], []) for _ in prompts]
+    batch = [BatchItem(list(p), 0, t, len(p) - 1) for p, t in zip(prompts, tables)]
+    for _ in range(new_tokens):
+        logits = runner.forward(batch)
+        assert logits.shape == (len(prompts), runner.vocab_size) and logits.dtype == torch.float32
+        for (ids, tops), top, row in zip(outs, top_logprobs(logits), logits):
+            ids.append(int(row.argmax()))
+            tops.append(top)
+        batch = [BatchItem([ids[-1]], b.start_pos + len(b.token_ids), b.block_table, 0)
+                 for b, (ids, _) in zip(batch, outs)]
+    return outs
+
+
+def test_converted_tensors_equal_transformers_gguf_loader(model_dir: Path):
+    from safetensors.torch import load_file
+
+    ours = load_file(model_dir / "model.safetensors")
+    theirs = hf_model().state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: transformers lists it anyway
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "generation_config.json"):
+        assert (model_dir / f).is_file(), f
+
+
+def test_greedy_matches_transformers(runner: ModelRunner, prompts, reference):
+    got = greedy(runner, prompts, NEW_TOKENS)
+    for i, ((ref_ids, ref_top), (got_ids, got_top)) in enumerate(zip(reference, got)):
+        assert_greedy_close(ref_ids, ref_top, got_ids, got_top, name=f"prompt {i}")
+
+
+def test_first_step_logprobs_match_transformers(runner: ModelRunner, prompts, reference):
+    blocks = Blocks(runner)
+    for prompt, (_, ref_top) in zip(prompts, reference):
+        logits = runner.forward([BatchItem(prompt, 0, blocks.table(len(prompt)), len(prompt) - 1)])
+        logprobs = torch.log_softmax(logits[0], dim=-1)
+        for token, ref in ref_top[0].items():
+            assert abs(logprobs[token].item() - ref) < 1e-3, (token, logprobs[token].item(), ref)
+
+
+def test_chunked_batched_forward_equals_alone(runner: ModelRunner, prompts):
+    """Staggered requests, prompts prefilled 16 tokens at a time beside other requests' decodes,
+    give the logits each request gets alone in one forward (teacher-forced, all positions)."""
+    seqs = [p + [42, 17, 1000, 7, 99] for p in prompts[:2] + prompts[4:]]
+    blocks = Blocks(runner)
+    alone = [runner.forward([BatchItem(s, 0, blocks.table(len(s)), 0)]) for s in seqs]
+
+    tables = [blocks.table(len(s)) for s in seqs]
+    prompt_lens = [len(s) - 5 for s in seqs]
+    done, got = [0] * len(seqs), [[] for _ in seqs]
+    for step in range(200):
+        batch, owners = [], []
+        for i, s in enumerate(seqs):
+            if step < i or done[i] == len(s):  # request i arrives at step i
+                continue
+            n = min(16, prompt_lens[i] - done[i]) if done[i] < prompt_lens[i] else 1
+            # odd requests want prompt logprobs (all rows); even ones only the last row
+            logits_start = 0 if i % 2 else n - 1
+            batch.append(BatchItem(s[done[i]: done[i] + n], done[i], tables[i], logits_start))
+            owners.append((i, done[i] + logits_start, n - logits_start))
+            done[i] += n
+        if not batch:
+            break
+        logits = runner.forward(batch)
+        assert logits.shape[0] == sum(n for *_, n in owners)
+        for (i, first, n), rows in zip(owners, logits.split([n for *_, n in owners])):
+            got[i].append((first, rows))
+    for i, s in enumerate(seqs):
+        for first, rows in got[i]:
+            assert_logits_close(rows, alone[i][first: first + len(rows)],
+                                f"request {i} from position {first}")
+        assert got[i][-1][0] + len(got[i][-1][1]) == len(s)
+
+
+@pytest.mark.parametrize("chunk_bytes", [runner_module.DECODE_CHUNK_BYTES, 1])
+def test_decode_of_mixed_lengths_equals_alone(runner: ModelRunner, prompts, chunk_bytes,
+                                              monkeypatch):
+    """Decodes over very different context lengths (padded in separate groups, and split into
+    chunks: 1 byte = one request per chunk) in one step, and decodes of one length group."""
+    monkeypatch.setattr(runner_module, "DECODE_CHUNK_BYTES", chunk_bytes)
+    long = [t for p in prompts for t in p] * 3
+    seqs = [prompts[0][:3], long[:300], prompts[1], long[:560], long[5:9]]
+    blocks = Blocks(runner)
+    tables = [blocks.table(len(s) + 1) for s in seqs]
+    for s, t in zip(seqs, tables):
+        runner.forward([BatchItem(s, 0, t, len(s))])
+    batch = [BatchItem([42 + i], len(s), t, 0) for i, (s, t) in enumerate(zip(seqs, tables))]
+    for items in (batch, [batch[0], batch[2], batch[4]]):
+        together = runner.forward(items)
+        for i, b in enumerate(items):
+            assert_logits_close(together[i: i + 1], runner.forward([b]), f"request {i}")
+
+
+def test_logits_only_where_asked(runner: ModelRunner, prompts):
+    blocks = Blocks(runner)
+    p = prompts[0]
+    none = runner.forward([BatchItem(p, 0, blocks.table(len(p)), len(p))])
+    assert none.shape == (0, runner.vocab_size)
+
+
+TINY = {  # small random models of each supported kind, saved by transformers
+    "llama-llama3-rope-untied": ("LlamaConfig", {"tie_word_embeddings": False, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "llama-linear-rope": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "mistral-sliding-window": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2-qkv-bias": ("Qwen2Config", {}),
+    "qwen3-qk-norm": ("Qwen3Config", {"head_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("kind", TINY)
+def test_architectures_match_transformers(kind: str, tmp_path: Path):
+    """Each architecture, prefilled in a chunk then decoded token by token, gives transformers'
+    logits at every position."""
+    import transformers
+
+    name, extra = TINY[kind]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, name)(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # random init is near-zero; widen it so positions and heads matter
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (24,)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+
+    runner = ModelRunner(tmp_path, num_blocks=8, block_size=4)
+    table = [5, 2, 7, 0, 3, 1]  # scattered blocks, 4 tokens each
+    got = [runner.forward([BatchItem(ids[:12], 0, table, 0)])]
+    got += [runner.forward([BatchItem([t], 12 + i, table, 0)]) for i, t in enumerate(ids[12:])]
+    assert_logits_close(torch.cat(got), ref, kind)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_tensors_map_to_hf(arch: str, tmp_path: Path):
+    """A GGUF written as llama.cpp writes one (q/k rows permuted for llama only) converts back to
+    the original tensors under their Hugging Face names."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from unison.model.gguf import hf_config, hf_state_dict, open_gguf
+
+    rng = np.random.default_rng(0)
+    hf = {"model.embed_tokens.weight": (32, 8), "model.norm.weight": (8,),
+          "lm_head.weight": (32, 8)}
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight":
+             "model.norm.weight", "output.weight": "lm_head.weight"}
+    layer = {"attn_norm.weight": ("input_layernorm.weight", (8,)),
+             "attn_q.weight": ("self_attn.q_proj.weight", (8, 8)),
+             "attn_k.weight": ("self_attn.k_proj.weight", (4, 8)),
+             "attn_v.weight": ("self_attn.v_proj.weight", (4, 8)),
+             "attn_output.weight": ("self_attn.o_proj.weight", (8, 8)),
+             "ffn_norm.weight": ("post_attention_layernorm.weight", (8,)),
+             "ffn_gate.weight": ("mlp.gate_proj.weight", (16, 8)),
+             "ffn_up.weight": ("mlp.up_proj.weight", (16, 8)),
+             "ffn_down.weight": ("mlp.down_proj.weight", (8, 16))}
+    layer |= {"qwen2": {f"attn_{x}.bias": (f"self_attn.{x}_proj.bias", (8 if x == "q" else 4,))
+                        for x in "qkv"},
+              "qwen3": {f"attn_{x}_norm.weight": (f"self_attn.{x}_norm.weight", (4,))
+                        for x in "qk"},
+              }.get(arch, {})
+    for g, (h, shape) in layer.items():
+        names[f"blk.0.{g}"] = f"model.layers.0.{h}"
+        hf[f"model.layers.0.{h}"] = shape
+    tensors = {h: rng.standard_normal(shape).astype(np.float32) for h, shape in hf.items()}
+
+    def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:  # convert_hf_to_gguf.py
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+            w.shape)
+
+    w = GGUFWriter(tmp_path / "m.gguf", arch)
+    for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", 8),
+                       ("feed_forward_length", 16), ("head_count", 2), ("head_count_kv", 1),
+                       ("vocab_size", 32), ("rope_freq_base", 1e6), ("layer_norm_rms_eps", 1e-6),
+                       ("bos_token_id", 1), ("eos_token_id", 2)]:
+        getattr(w, f"add_{key}")(value)
+    for g, h in names.items():
+        t = tensors[h]
+        if arch == "llama" and g.endswith(("attn_q.weight", "attn_k.weight")):
+            t = llama_cpp_permute(t, 2 if "attn_q" in g else 1)
+        w.add_tensor(g, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    reader = open_gguf(tmp_path / "m.gguf")
+    config = hf_config(reader)
+    assert config["model_type"] == arch and not config["tie_word_embeddings"]
+    heads = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    assert heads == (2, 1, 4)
+    converted = hf_state_dict(reader, config)
+    assert set(converted) == set(tensors)
+    for h, t in tensors.items():
+        np.testing.assert_array_equal(converted[h], t, err_msg=h)
+
+
+# --- loader ------------------------------------------------------------------------------
+
+
+def test_resolve_cached_is_fast_and_stable(model_dir: Path):
+    t = time.perf_counter()
+    assert resolve_model_dir(None) == model_dir
+    assert time.perf_counter() - t < 2.0
+    assert resolve_model_dir(str(model_dir)) == model_dir  # a directory is used as is
+    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dirs
+
+
+def test_missing_path():
+    with pytest.raises(FileNotFoundError, match="/no/such/model.gguf"):
+        resolve_model_dir("/no/such/model.gguf")
+
+
+def test_not_a_gguf_file(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "model.gguf"
+    bad.write_text("hello, not a model")
+    with pytest.raises(ValueError, match="model.gguf"):
+        resolve_model_dir(bad)
+
+
+def test_corrupt_gguf(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="broken.gguf"):
+        resolve_model_dir(bad)
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def test_unsupported_architecture(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        resolve_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelRunner(tmp_path, num_blocks=4)
+
+
+def test_missing_and_corrupt_weights(tmp_path: Path, model_dir: Path):
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        ModelRunner(tmp_path, num_blocks=4)
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        ModelRunner(tmp_path, num_blocks=4)
+
+
+def test_concurrent_conversion_runs_once(tmp_path: Path, monkeypatch):
+    """Racing resolvers convert once; each sees only the complete, published directory."""
+    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF" + b"\0" * 64)
+    calls = []
+
+    def fake_convert(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(out_dir)
+        time.sleep(0.3)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr("unison.model.gguf.convert_gguf", fake_convert)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(loader.resolve_model_dir(src)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 3
+    assert (results[0] / "config.json").is_file() and results[0].parent.parent == tmp_path / "cache"
