@@ -7,6 +7,8 @@ thread fails the module (the model cache is expected to stay).
 from __future__ import annotations
 
 import glob
+import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -17,12 +19,24 @@ import pytest
 from unison.model.loader import resolve_model_dir
 
 
+def _ours(path: str) -> bool:
+    """Registries and runtime dirs are named by their owner's pid. Ours: owned by this process,
+    a descendant, or a process that is gone (then nothing cleaned it up). A live process of
+    someone else's (another test run on this machine) is not ours to judge."""
+    m = re.match(r"unison[_-](\d+)", os.path.basename(path))
+    if m is None:
+        return True
+    pid = int(m.group(1))
+    me = psutil.Process()
+    return pid == me.pid or not psutil.pid_exists(pid) or pid in {p.pid for p in me.children(recursive=True)}
+
+
 def _leftovers() -> dict[str, set]:
     return {
         "processes": {p.pid for p in psutil.Process().children(recursive=True)
                       if p.status() != psutil.STATUS_ZOMBIE},
-        "registries": set(glob.glob("/dev/shm/unison_*")),
-        "runtime dirs": set(glob.glob("/tmp/unison-*")),
+        "registries": {p for p in glob.glob("/dev/shm/unison_*") if _ours(p)},
+        "runtime dirs": {p for p in glob.glob("/tmp/unison-*") if _ours(p)},
         "threads": {t.name for t in threading.enumerate() if t.name.startswith("unison")},
     }
 

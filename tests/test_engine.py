@@ -227,12 +227,14 @@ def test_async_generate_and_cancel(engine):
 async def _async_generate_and_cancel(engine):
     out = await engine.async_generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0})
     assert out["text"].startswith(" Paris.")
-    chunks = [c async for c in await engine.async_generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0},
+    greedy8 = {"max_new_tokens": 8, "temperature": 0}
+    chunks = [c async for c in await engine.async_generate(PROMPTS[0], greedy8,
                                                            stream=True)]
     assert chunks[-1]["text"] == out["text"]
     outs = await asyncio.gather(*[engine.async_generate(p, GREEDY) for p in PROMPTS[:4]])
     assert [o["text"] for o in outs] == [o["text"] for o in engine.generate(PROMPTS[:4], GREEDY)]
-    task = asyncio.ensure_future(engine.async_generate(PROMPTS[1], {"max_new_tokens": 500, "ignore_eos": True}))
+    long = {"max_new_tokens": 500, "ignore_eos": True}
+    task = asyncio.ensure_future(engine.async_generate(PROMPTS[1], long))
     await asyncio.sleep(0.5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -293,7 +295,8 @@ def test_bad_input_raises_before_queueing(engine, kwargs, match):
 
 
 def test_duplicate_rid_is_rejected(engine):
-    stream = engine.generate(PROMPTS[0], {"max_new_tokens": 200, "ignore_eos": True}, stream=True, rid="dup-1")
+    long = {"max_new_tokens": 200, "ignore_eos": True}
+    stream = engine.generate(PROMPTS[0], long, stream=True, rid="dup-1")
     next(stream)
     with pytest.raises(ValueError, match="already in flight"):
         engine.generate(PROMPTS[1], {"max_new_tokens": 2}, rid="dup-1")

@@ -12,8 +12,8 @@ import torch
 
 from tests.utils import assert_greedy_close, hf_model, hf_reference
 from unison.model import loader
-from unison.model.loader import resolve_model_dir
 from unison.model import runner as runner_module
+from unison.model.loader import resolve_model_dir
 from unison.model.runner import BatchItem, ModelRunner
 
 NEW_TOKENS = 32
@@ -152,7 +152,7 @@ def test_chunked_batched_forward_equals_alone(runner: ModelRunner, prompts):
             break
         logits = runner.forward(batch)
         assert logits.shape[0] == sum(n for *_, n in owners)
-        for (i, first, n), rows in zip(owners, logits.split([n for *_, n in owners])):
+        for (i, first, _), rows in zip(owners, logits.split([n for *_, n in owners])):
             got[i].append((first, rows))
     for i, s in enumerate(seqs):
         for first, rows in got[i]:

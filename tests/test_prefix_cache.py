@@ -8,6 +8,7 @@ from tests.utils import assert_greedy_close
 from unison import Engine
 
 PARAMS = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": 5}
 
 
 def test_multi_turn_chat_reuses_the_previous_turn():
@@ -25,7 +26,7 @@ def test_multi_turn_chat_reuses_the_previous_turn():
 
 
 def _requests(tokenizer) -> list[list[int]]:
-    groups = [tokenizer.encode(" ".join(PROMPTS) * 3)[:160], tokenizer.encode(" ".join(reversed(PROMPTS)) * 3)[:160]]
+    groups = [tokenizer.encode(" ".join(order) * 3)[:160] for order in (PROMPTS, PROMPTS[::-1])]
     return [g + tokenizer.encode(f" Question {i}: {PROMPTS[i]}") for g in groups for i in range(4)]
 
 
@@ -33,14 +34,14 @@ def test_outputs_are_identical_under_eviction_and_preemption():
     # 24 blocks of 16 tokens: a 10-block shared prefix plus four requests' own blocks overflow it.
     with Engine(num_threads=1, max_total_tokens=384, chunked_prefill_size=64) as engine:
         prompts = _requests(engine.tokenizer)
-        cached = engine.generate(input_ids=prompts, sampling_params=PARAMS, return_logprob=True, top_logprobs_num=5)
+        cached = engine.generate(input_ids=prompts, sampling_params=PARAMS, **LOGPROBS)
         info = wait_idle(engine)
         engine.check_integrity()
     assert info["num_preemptions"] > 0, "the small pool should force preemption"
     assert info["num_evicted_blocks"] > 0, "the small pool should force eviction"
     assert any(o["meta_info"]["cached_tokens"] > 0 for o in cached)
     with Engine(num_threads=1, disable_radix_cache=True) as engine:
-        plain = engine.generate(input_ids=prompts, sampling_params=PARAMS, return_logprob=True, top_logprobs_num=5)
+        plain = engine.generate(input_ids=prompts, sampling_params=PARAMS, **LOGPROBS)
         assert all(o["meta_info"]["cached_tokens"] == 0 for o in plain)
     for ref, got in zip(plain, cached):
         assert_greedy_close(ref["output_ids"], top_dicts(ref), got["output_ids"], top_dicts(got))

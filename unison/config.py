@@ -40,7 +40,8 @@ class EngineConfig:
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.schedule_policy in ("fcfs", "lpm", "fair"), "schedule_policy",
                f"must be fcfs, lpm or fair, got {self.schedule_policy!r}")
-        _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "must be 'cpu' or 'cuda[:N]'")
+        _check(self.device == "cpu" or self.device.startswith("cuda"), "device",
+               "must be 'cpu' or 'cuda[:N]'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -27,7 +27,8 @@ SHUTDOWN_GRACE = 4.0
 
 class CoreProcess:
     def __init__(self, config: EngineConfig, model_dir: str, publish: bool) -> None:
-        self.runtime_dir = tempfile.mkdtemp(prefix="unison-")  # 0700; short: ipc paths < 107 bytes
+        # 0700; short (ipc paths < 107 bytes); named by the owner so a leftover can be traced
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")
         self.endpoint = f"ipc://{self.runtime_dir}/core.sock"
         self.token = secrets.token_hex(16)
         self.registry_path = registry.free_registry_path(os.getpid()) if publish else None

@@ -257,8 +257,7 @@ class Engine:
         collector.set_waker(wake.set)
         try:
             while True:
-                for chunk in collector.drain():
-                    yield chunk
+                yield from collector.drain()
                 if collector.done:
                     return
                 while not wake.wait(0.1):  # short waits keep Ctrl-C deliverable

@@ -35,8 +35,8 @@ async def _stream_all(engine: Engine, streams: int, requests: int, tokens: int) 
         while queue:
             queue.pop()
             last = None
-            async for last in await engine.async_generate(PROMPT, params, stream=True):
-                pass  # the consumer does nothing
+            async for chunk in await engine.async_generate(PROMPT, params, stream=True):
+                last = chunk  # the consumer does nothing
             total += len(last["output_ids"])
 
     await asyncio.gather(*(client() for _ in range(streams)))

@@ -87,7 +87,8 @@ class HFBaseline:
     def throughput(self, prompts: list[list[int]], output_len: int) -> dict[str, float]:
         self.generate([prompts[0][:16]], 2)
         dt = self.generate(prompts, output_len)
-        return {"output_tok_s": len(prompts) * output_len / dt, "requests_s": len(prompts) / dt, "seconds": dt}
+        n = len(prompts)
+        return {"output_tok_s": n * output_len / dt, "requests_s": n / dt, "seconds": dt}
 
 
 def _row(name: str, ours: float, base: float | None, unit: str) -> str:

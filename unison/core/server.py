@@ -24,8 +24,22 @@ from unison import registry
 from unison.core.engine_core import EngineCore
 from unison.core.metrics import LatencyMetrics
 from unison.protocol import (
-    PROTOCOL_VERSION, Abort, Control, ControlReply, CoreArgs, EngineInfo, Generate, Goodbye,
-    Hello, Reject, ReqOutput, RequestStats, StepOutputs, Welcome, decode_to_core, encode,
+    PROTOCOL_VERSION,
+    Abort,
+    Control,
+    ControlReply,
+    CoreArgs,
+    EngineInfo,
+    Generate,
+    Goodbye,
+    Hello,
+    Reject,
+    ReqOutput,
+    RequestStats,
+    StepOutputs,
+    Welcome,
+    decode_to_core,
+    encode,
 )
 
 log = logging.getLogger("unison.core")

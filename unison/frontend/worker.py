@@ -22,13 +22,24 @@ import zmq
 import zmq.asyncio
 
 from unison.errors import EngineDeadError
-from unison.registry import pid_alive
 from unison.frontend.detokenizer import IncrementalDetokenizer
 from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import (
-    Abort, Control, ControlReply, Generate, Goodbye, Hello, Reject, ReqOutput, RequestStats, StepOutputs,
-    Welcome, decode_to_frontend, encode,
+    Abort,
+    Control,
+    ControlReply,
+    Generate,
+    Goodbye,
+    Hello,
+    Reject,
+    ReqOutput,
+    RequestStats,
+    StepOutputs,
+    Welcome,
+    decode_to_frontend,
+    encode,
 )
+from unison.registry import pid_alive
 from unison.sampling_params import SamplingParams
 
 
@@ -163,7 +174,9 @@ class TokenizerWorker:
                 msg = decode_to_frontend(await self._sock.recv())
                 if isinstance(msg, (Welcome, Reject)):
                     return msg
-            problem = alive() or (None if pid_alive(self.core_pid) else f"the core (pid {self.core_pid}) is not running")
+            problem = alive()
+            if problem is None and not pid_alive(self.core_pid):
+                problem = f"the core (pid {self.core_pid}) is not running"
             if problem:
                 self._close_socket()
                 raise EngineDeadError(problem)

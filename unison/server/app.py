@@ -394,12 +394,16 @@ class _Formatter:
     def _tok(self, tid: int) -> str:
         return self.worker.tokenizer.decode([tid], skip_special_tokens=False)
 
+    def _chat_lp(self, tid: int, logprob: float) -> dict:
+        token = self._tok(tid)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
     def _lp_content(self, out: dict, i: int, start: int) -> list[dict] | dict:
         lps = out["meta_info"].get("output_token_logprobs", [])[start:]
         tops = out["meta_info"].get("output_top_logprobs", [])[start:]
         if self.chat:
-            return [{"token": self._tok(t), "logprob": lp, "bytes": list(self._tok(t).encode()),
-                     "top_logprobs": [{"token": self._tok(tt), "logprob": tl, "bytes": list(self._tok(tt).encode())}
+            return [{**self._chat_lp(t, lp),
+                     "top_logprobs": [self._chat_lp(tt, tl)
                                       for tl, tt, _ in (tops[k] if k < len(tops) else [])][: self.top_n]}
                     for k, (lp, t, _) in enumerate(lps)]
         if self.echo:  # the echoed prompt's tokens come first, as in vLLM; the first has no logprob
