@@ -232,7 +232,8 @@ async def _async_generate_and_cancel(engine):
                                                            stream=True)]
     assert chunks[-1]["text"] == out["text"]
     outs = await asyncio.gather(*[engine.async_generate(p, GREEDY) for p in PROMPTS[:4]])
-    assert [o["text"] for o in outs] == [o["text"] for o in engine.generate(PROMPTS[:4], GREEDY)]
+    alone = await asyncio.to_thread(engine.generate, PROMPTS[:4], GREEDY)
+    assert [o["text"] for o in outs] == [o["text"] for o in alone]
     long = {"max_new_tokens": 500, "ignore_eos": True}
     task = asyncio.ensure_future(engine.async_generate(PROMPTS[1], long))
     await asyncio.sleep(0.5)
