@@ -823,3 +823,36 @@ def test_four_frontends_200_requests_match_greedy_alone(engine, references):
             name = f"frontend {seed} request {i} ({'streamed' if stream else 'whole'})"
             assert len(ids) == max_new, f"{name}: {len(ids)} tokens"
             assert_greedy_close(ref_ids[:max_new], ref_top, ids, tops, name=name)
+
+
+CTRL_C_CHILD = """
+import sys, time
+from unison import Engine
+engine = Engine.attach_tokenizer_worker(int(sys.argv[1]))
+print("attached", flush=True)
+try:
+    engine.generate("Once upon a time", {"max_new_tokens": 2000, "ignore_eos": True})
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+time.sleep(30)  # stay alive: the abort must come from Ctrl-C, not from this process's exit
+"""
+
+
+def test_ctrl_c_in_sync_generate_aborts_the_request(engine):
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C_CHILD, str(os.getpid())],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "attached"
+        wait_until(lambda: in_flight(engine.get_server_info(), child.pid) == 1, 10,
+                   "the child's request to be in flight")
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline().strip() == "interrupted"
+        t0 = time.monotonic()
+        wait_until(lambda: in_flight(engine.get_server_info(), child.pid) == 0, 3,
+                   "Ctrl-C to abort the request in the core")
+        figure("Ctrl-C to request aborted", time.monotonic() - t0)
+        assert child.poll() is None, "the child must still be alive"
+    finally:
+        child.kill()
+        child.wait()
