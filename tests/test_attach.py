@@ -828,7 +828,7 @@ def test_four_frontends_200_requests_match_greedy_alone(engine, references):
 CTRL_C_CHILD = """
 import sys, time
 from unison import Engine
-engine = Engine.attach_tokenizer_worker(int(sys.argv[1]))
+engine = Engine.attach_tokenizer_worker(int(sys.argv[1]), registry_file=sys.argv[2] or None)
 print("attached", flush=True)
 try:
     engine.generate("Once upon a time", {"max_new_tokens": 2000, "ignore_eos": True})
@@ -839,7 +839,8 @@ time.sleep(30)  # stay alive: the abort must come from Ctrl-C, not from this pro
 
 
 def test_ctrl_c_in_sync_generate_aborts_the_request(engine):
-    child = subprocess.Popen([sys.executable, "-c", CTRL_C_CHILD, str(os.getpid())],
+    owner, registry_file = attach_target(engine)  # this process may own more than one engine
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C_CHILD, str(owner), registry_file or ""],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "attached"

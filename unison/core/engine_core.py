@@ -124,28 +124,23 @@ class EngineCore:
         if not items:
             return {}
         logits = self.runner.forward([self._batch_item(it) for it in items])
-        outputs: Outputs = defaultdict(list)
-        sample_rows, sample_reqs, row = [], [], 0
-        for it in items:
+        outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
+        sampled: list[tuple[int, Request, ReqOutput]] = []  # (logits row, request, its output)
+        row = 0
+        for it, out in zip(items, outs):
             n_rows = it.num_new - it.logits_start
-            out = ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens)
             if it.req.wants_prompt_logprobs:
                 self._prompt_logprobs(it, logits[row: row + n_rows], out)
             if it.sample:
-                sample_rows.append(row + n_rows - 1)
-                sample_reqs.append(it.req)
+                sampled.append((row + n_rows - 1, it.req, out))
             it.req.num_computed_tokens += it.num_new
             if it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
                 self.scheduler.cache_computed(it.req)
-            outputs[it.req.frontend].append(out)
             row += n_rows
         self.stats["steps"] += 1
-        if sample_rows:
-            self._sample(logits[sample_rows], sample_reqs, outputs)
-        for it in items:
-            if it.req.num_computed_tokens == it.req.num_tokens and it.req.params.max_new_tokens == 0:
-                it.req.finish = "length"
-        return self._collect(items, outputs)
+        if sampled:
+            self._sample(logits[[r for r, _, _ in sampled]], sampled)
+        return self._collect(items, outs)
 
     def _batch_item(self, it: ScheduledItem) -> BatchItem:
         start = it.req.num_computed_tokens
@@ -172,20 +167,18 @@ class EngineCore:
             out.prompt_top_logprobs.extend(top_logprobs(rows, req.top_logprobs_num))
         req.next_prompt_logprob = hi + 1
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], outputs: Outputs) -> None:
-        result = self.sampler(logits, reqs)
-        by_rid = {o.rid: o for outs in outputs.values() for o in outs}
-        for i, req in enumerate(reqs):
+    def _sample(self, logits: torch.Tensor, sampled: list[tuple[int, Request, ReqOutput]]) -> None:
+        result = self.sampler(logits, [req for _, req, _ in sampled])
+        for i, (_, req, out) in enumerate(sampled):
             tok = result.token_ids[i]
             req.token_ids.append(tok)
-            out = by_rid[req.rid]
             out.token_ids.append(tok)
             if req.return_logprob and result.logprobs is not None:
                 out.logprobs.append(result.logprobs[i])
                 if req.top_logprobs_num and result.top_logprobs is not None:
                     out.top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
             self._check_finish(req, tok)
-        self.stats["generation_tokens"] += len(reqs)
+        self.stats["generation_tokens"] += len(sampled)
 
     def _check_finish(self, req: Request, tok: int) -> None:
         p = req.params
@@ -194,18 +187,19 @@ class EngineCore:
         elif req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.context_length:
             req.finish = "length"
 
-    def _collect(self, items: list[ScheduledItem], outputs: Outputs) -> Outputs:
-        for it in items:
+    def _collect(self, items: list[ScheduledItem], outs: list[ReqOutput]) -> Outputs:
+        """Finish what ended this step; group what there is to report by frontend."""
+        outputs: Outputs = defaultdict(list)
+        for it, out in zip(items, outs):
             req = it.req
-            if req.finish is None:
-                continue
-            self.scheduler.finish(req)
-            del self.requests[req.rid]
-            self.stats["prompt_tokens"] += req.num_prompt_tokens
-            for out in outputs[req.frontend]:
-                if out.rid == req.rid:
-                    out.finish, out.matched = req.finish, req.matched
-                    out.prompt_tokens = req.num_prompt_tokens
-        # Drop empty outputs (a mid-prompt chunk with nothing to report).
-        return {f: [o for o in outs if o.token_ids or o.finish or o.prompt_logprobs]
-                for f, outs in outputs.items()}
+            if req.finish is None and req.num_computed_tokens == req.num_tokens \
+                    and req.params.max_new_tokens == 0:
+                req.finish = "length"  # prompt only: done once the prompt is computed
+            if req.finish is not None:
+                self.scheduler.finish(req)
+                del self.requests[req.rid]
+                self.stats["prompt_tokens"] += req.num_prompt_tokens
+                out.finish, out.matched, out.prompt_tokens = req.finish, req.matched, req.num_prompt_tokens
+            if out.token_ids or out.finish or out.prompt_logprobs:  # not a silent mid-prompt chunk
+                outputs[req.frontend].append(out)
+        return outputs
