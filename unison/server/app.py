@@ -205,7 +205,7 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         worker = worker_of(request)
         body = await _json_body(request)
         allowed = {"text", "input_ids", "sampling_params", "stream", "return_logprob",
-                   "logprob_start_len", "top_logprobs_num", "rid"}
+                   "logprob_start_len", "top_logprobs_num", "rid", "priority"}
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
@@ -218,7 +218,7 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         rlp = bool(body.get("return_logprob", False))
         states = await worker.submit(ids, [params], [body.get("rid")], rlp,
                                      int(body.get("logprob_start_len", -1)),
-                                     int(body.get("top_logprobs_num", 0)))
+                                     int(body.get("top_logprobs_num", 0)), int(body.get("priority", 0)))
         collector = Collector(states, batch=False)
         if body.get("stream"):
             async def sse() -> AsyncIterator[bytes]:
@@ -237,7 +237,7 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
                    body: Any, *, kind: str, logprobs: bool, top_n: int, echo: bool = False):
         check_queue(worker)
         states = await worker.submit(ids, [params] * len(ids), [None] * len(ids), logprobs,
-                                     0 if echo else -1, top_n)
+                                     0 if echo else -1, top_n, body.priority)
         collector = Collector(states, batch=True)
         rid = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = _Formatter(worker, kind, rid, served_name, logprobs, top_n, echo,

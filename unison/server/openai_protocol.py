@@ -34,6 +34,7 @@ class _Base(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
+    priority: int = 0  # higher is admitted first (SGLang's convention)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
