@@ -81,23 +81,17 @@ class Scheduler:
         self._free(req)
 
     def schedule(self) -> list[ScheduledItem]:
-        budget, items, preempted = self.token_budget, [], False
+        budget, items, preemptions = self.token_budget, [], self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._grow(req, req.num_computed_tokens + n):
-                victim = self.running.pop()  # the latest arrival; never one scheduled already
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                items.append(self._item(req, n))
-                budget -= n
-                i += 1
-                continue
-            break
+            if not self._make_room(req, req.num_computed_tokens + n):
+                break  # req itself was preempted: nothing after it runs this step
+            items.append(self._item(req, n))
+            budget -= n
+            i += 1
+        preempted = self.num_preemptions > preemptions  # then admitting more would only thrash
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
             req = self._next_waiting()
             self._match_prefix(req)
@@ -137,6 +131,16 @@ class Scheduler:
         if self.policy == "lpm" and self.cache is not None:
             return max(candidates, key=lambda r: (r.priority, self.cache.match_len(r.token_ids), -r.arrival))
         return max(candidates, key=lambda r: (r.priority, -r.arrival))
+
+    def _make_room(self, req: Request, num_tokens: int) -> bool:
+        """Grow req's blocks, preempting the latest arrivals (never one scheduled already, as
+        they come before req) until it fits; False when req itself had to go."""
+        while not self._grow(req, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
 
     def _match_prefix(self, req: Request) -> None:
         """Start `req` after its longest cached prefix (at least one token is left to compute)."""

@@ -74,7 +74,7 @@ class ReqState:
         )
         self.created = time.monotonic()
         self.first_token_at: float | None = None
-        self.num_logprobs = 0
+        self.num_prompt_logprobs = 0
         self.finished = False
         self.deltas: deque[Delta] = deque()
         self.waker: Callable[[], None] | None = None
@@ -112,12 +112,12 @@ class ReqState:
         delta.logprobs = [(lp, t, None) for lp, t in zip(out.logprobs, ids)]
         delta.top_logprobs = [[(lp, t, None) for t, lp in top] for top in out.top_logprobs[:kept]]
         if out.prompt_logprobs:
-            start = max(self.logprob_start_len, 0) + self.num_logprobs
+            start = max(self.logprob_start_len, 0) + self.num_prompt_logprobs
             ids = self.prompt_ids[start: start + len(out.prompt_logprobs)]
             delta.prompt_logprobs = [(lp, t, None) for lp, t in zip(out.prompt_logprobs, ids)]
             delta.prompt_top_logprobs = [[(lp, t, None) for t, lp in top]
                                          for top in out.prompt_top_logprobs]
-            self.num_logprobs += len(out.prompt_logprobs)
+            self.num_prompt_logprobs += len(out.prompt_logprobs)
 
     def stats(self) -> RequestStats:
         now, n = time.monotonic(), len(self.detok.output_ids)
