@@ -857,3 +857,64 @@ def test_ctrl_c_in_sync_generate_aborts_the_request(engine):
     finally:
         child.kill()
         child.wait()
+
+
+STALLED_CHILD = """
+import sys
+from unison import Engine
+engine = Engine.attach_tokenizer_worker(int(sys.argv[1]), registry_file=sys.argv[2] or None)
+try:
+    for i, _ in enumerate(engine.generate("Once upon a time", {"max_new_tokens": 4000, "ignore_eos": True},
+                                          stream=True)):
+        if i == 2:
+            print("streaming", flush=True)
+    print("finished", flush=True)
+except RuntimeError as e:
+    print(f"error: {e}", flush=True)
+engine.shutdown()
+"""
+
+
+def test_a_stopped_frontend_cannot_stall_the_core():
+    """SIGSTOP of an attached process: its requests are aborted once it lags past the bound, the
+    owner's stream keeps its pace, and the stopped process learns why when it resumes."""
+    with Engine(tokenizer_worker_num=2, frontend_max_lag_s=1.0, **ENGINE_ARGS) as owner:
+        owner_pid, registry_file = attach_target(owner)
+        child = subprocess.Popen([sys.executable, "-c", STALLED_CHILD, str(owner_pid), registry_file or ""],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            stamps: list[float] = []
+            stop = threading.Event()
+            long = {"max_new_tokens": 4000, "ignore_eos": True}
+            stream = owner.generate("The three primary colors are", long, stream=True)
+
+            def read() -> None:
+                for _ in stream:
+                    stamps.append(time.monotonic())
+                    if stop.is_set():
+                        return
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            assert child.stdout.readline().strip() == "streaming"
+            child.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            wait_until(lambda: in_flight(owner.get_server_info(), child.pid) == 0, 4,
+                       "the stopped frontend's request to be aborted")
+            figure("SIGSTOP -> the stopped frontend's requests aborted (bound 1 s)", time.monotonic() - t0)
+            before = len(stamps)
+            time.sleep(1.0)
+            assert len(stamps) - before > 5, "the owner's stream must keep going while the child is stopped"
+            child.send_signal(signal.SIGCONT)
+            line = child.stdout.readline().strip()
+            assert line.startswith("error: ") and "fell behind" in line, line
+            assert child.wait(10) == 0
+            stop.set()
+            reader.join(10)
+            stream.close()
+            wait_until(lambda: _idle_with_owner_only(owner), 5, "the owner's engine to be idle")
+            owner.check_integrity()
+        finally:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait()

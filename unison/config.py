@@ -23,6 +23,10 @@ class EngineConfig:
     chunked_prefill_size: int = 512  # token budget of one step: long prompts are prefilled in chunks
     disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
+    # A frontend that has not processed its outputs for this long, or this many steps' worth,
+    # has its requests aborted: the core never waits for a stalled frontend.
+    frontend_max_lag_s: float = 2.0
+    frontend_max_unacked: int = 64
     startup_timeout: float = 300.0  # seconds to wait for the core to load the model
     log_level: str = "warning"
 
@@ -36,6 +40,8 @@ class EngineConfig:
                "max_total_tokens", f"must be >= block_size ({self.block_size})")
         _check(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb",
                "must be > 0")
+        _check(self.frontend_max_lag_s > 0, "frontend_max_lag_s", "must be > 0")
+        _check(self.frontend_max_unacked >= 1, "frontend_max_unacked", "must be >= 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.schedule_policy in ("fcfs", "lpm", "fair"), "schedule_policy",

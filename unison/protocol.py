@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, as msgspec Structs encoded with msgpack.
 
-frontend -> core: Hello, Generate, Abort, Control, RequestStats, Goodbye
+frontend -> core: Hello, Generate, Abort, Control, RequestStats, Ack, Goodbye
 core -> frontend: Welcome, Reject, StepOutputs, ControlReply
 
 Nothing is pickled. The core sees token ids, never text: stop strings, detokenizing and chat
@@ -76,6 +76,12 @@ class RequestStats(msgspec.Struct, tag=True):
     e2e: float
 
 
+class Ack(msgspec.Struct, tag=True):
+    """The frontend has processed every StepOutputs up to `seq`."""
+
+    seq: int
+
+
 class Goodbye(msgspec.Struct, tag=True):
     pass
 
@@ -99,7 +105,8 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     token_ids: list[int] = []
     finish: str | None = None  # stop | length | abort
     matched: int | None = None  # the stop token id, when finish == "stop"
-    error: str | None = None  # set with finish == "abort" when the core refused the request
+    error: str | None = None  # set with finish == "abort" when the core refused or dropped it
+    refused: bool = True  # the request was invalid (ValueError), not dropped while running
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[float] = []  # one per token in token_ids
@@ -110,6 +117,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
 
 class StepOutputs(msgspec.Struct, tag=True):
     outputs: list[ReqOutput]
+    seq: int = 0  # per frontend, from 1; acknowledged with Ack so the core can see who lags
 
 
 class ControlReply(msgspec.Struct, tag=True):
@@ -118,7 +126,7 @@ class ControlReply(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-ToCore = Union[Hello, Generate, Abort, Control, RequestStats, Goodbye]
+ToCore = Union[Hello, Generate, Abort, Control, RequestStats, Ack, Goodbye]
 ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply]
 
 encode = msgspec.msgpack.Encoder().encode

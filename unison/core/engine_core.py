@@ -100,11 +100,11 @@ class EngineCore:
         self._drop(req)
         return ReqOutput(rid, finish="abort")
 
-    def abort_frontend(self, frontend: bytes) -> int:
+    def abort_frontend(self, frontend: bytes) -> list[str]:
         reqs = [r for r in self.requests.values() if r.frontend == frontend]
         for req in reqs:
             self._drop(req)
-        return len(reqs)
+        return [r.rid for r in reqs]
 
     def _drop(self, req: Request) -> None:
         self.scheduler.remove(req)

@@ -26,6 +26,7 @@ from unison.core.metrics import LatencyMetrics
 from unison.protocol import (
     PROTOCOL_VERSION,
     Abort,
+    Ack,
     Control,
     ControlReply,
     CoreArgs,
@@ -56,6 +57,8 @@ class Frontend:
     pid: int
     pidfd: int | None
     outbox: deque[bytes] = field(default_factory=deque)
+    seq: int = 0  # StepOutputs sent so far
+    unacked: deque[tuple[int, float]] = field(default_factory=deque)  # (seq, sent at), oldest first
 
 
 class CoreServer:
@@ -139,6 +142,7 @@ class CoreServer:
             elif what in self.by_pidfd:
                 self.drop_frontend(self.by_pidfd[what], "its process exited")
         self.flush_outboxes()
+        self.abort_lagging()
 
     def drain(self) -> None:
         for _ in range(MAX_MESSAGES_PER_POLL):
@@ -158,7 +162,11 @@ class CoreServer:
 
     def handle(self, ident: bytes, msg: Any) -> None:
         fe = self.frontends.get(ident)
-        if isinstance(msg, Hello):
+        if isinstance(msg, Ack):
+            if fe is not None:
+                while fe.unacked and fe.unacked[0][0] <= msg.seq:
+                    fe.unacked.popleft()
+        elif isinstance(msg, Hello):
             self.hello(ident, msg)
         elif fe is None:
             if not isinstance(msg, Goodbye):  # it may trail its process's exit, seen first
@@ -167,11 +175,11 @@ class CoreServer:
         elif isinstance(msg, Generate):
             refusal = self.core.add(ident, msg)
             if refusal is not None:
-                self.send(fe, StepOutputs([refusal]))
+                self.send_step(fe, [refusal])
         elif isinstance(msg, Abort):
             out = self.core.abort(ident, msg.rid)
             if out is not None:
-                self.send(fe, StepOutputs([out]))
+                self.send_step(fe, [out])
         elif isinstance(msg, Control):
             self.send(fe, self.control(msg))
         elif isinstance(msg, RequestStats):
@@ -206,7 +214,7 @@ class CoreServer:
         self.send(fe, Welcome(fe.worker_id, self.core.info()))
 
     def drop_frontend(self, fe: Frontend, why: str) -> None:
-        aborted = self.core.abort_frontend(fe.ident)
+        aborted = len(self.core.abort_frontend(fe.ident))
         self.frontends.pop(fe.ident, None)
         if fe.pidfd is not None and fe.pidfd != self.owner_pidfd:
             self.by_pidfd.pop(fe.pidfd, None)
@@ -268,7 +276,31 @@ class CoreServer:
         for ident, outs in outputs.items():
             fe = self.frontends.get(ident)
             if fe is not None and outs:
-                self.send(fe, StepOutputs(outs))
+                self.send_step(fe, outs)
+
+    def send_step(self, fe: Frontend, outs: list[ReqOutput]) -> None:
+        fe.seq += 1
+        fe.unacked.append((fe.seq, time.monotonic()))
+        self.send(fe, StepOutputs(outs, fe.seq))
+
+    def abort_lagging(self) -> None:
+        """Abort the requests of a frontend that stopped processing its outputs (stopped, wedged
+        or swamped), so that it cannot hold KV blocks and batch slots indefinitely."""
+        cfg, now = self.args.config, time.monotonic()
+        busy = {req.frontend for req in self.core.requests.values()}
+        for fe in self.frontends.values():
+            if fe.ident not in busy or not fe.unacked:
+                continue
+            lag, count = now - fe.unacked[0][1], len(fe.unacked)
+            if lag <= cfg["frontend_max_lag_s"] and count <= cfg["frontend_max_unacked"]:
+                continue
+            why = (f"frontend {fe.worker_id} (pid {fe.pid}) fell behind: {count} outputs unprocessed "
+                   f"for {lag:.1f} s (frontend_max_unacked={cfg['frontend_max_unacked']}, "
+                   f"frontend_max_lag_s={cfg['frontend_max_lag_s']})")
+            rids = self.core.abort_frontend(fe.ident)
+            log.warning("%s; aborted its %d request(s)", why, len(rids))
+            fe.unacked.clear()
+            self.send_step(fe, [ReqOutput(rid, finish="abort", error=why, refused=False) for rid in rids])
 
     def send(self, fe: Frontend, msg: Any) -> None:
         fe.outbox.append(encode(msg))

@@ -26,6 +26,7 @@ from unison.frontend.detokenizer import IncrementalDetokenizer
 from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import (
     Abort,
+    Ack,
     Control,
     ControlReply,
     Generate,
@@ -100,7 +101,7 @@ class ReqState:
         if stopped:
             delta.finish_reason = {"type": "stop", "matched": self.detok.stop_matched}
         elif out.error is not None:
-            delta.error = ValueError(out.error)
+            delta.error = ValueError(out.error) if out.refused else RuntimeError(out.error)
         elif out.finish is not None:
             delta.finish_reason = {"type": out.finish, "matched": out.matched}
         self.finished = delta.finish_reason is not None or delta.error is not None
@@ -308,6 +309,7 @@ class TokenizerWorker:
             msg = decode_to_frontend(await self._sock.recv())
             if isinstance(msg, StepOutputs):
                 await self._on_outputs(msg.outputs)
+                await self._sock.send(encode(Ack(msg.seq)))
             elif isinstance(msg, ControlReply):
                 fut = self._controls.get(msg.cid)
                 if fut is not None and not fut.done():
