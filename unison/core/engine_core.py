@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 
 import torch
@@ -81,16 +82,26 @@ class EngineCore:
         return ReqOutput(msg.rid, finish="abort", error=problem)
 
     def _check(self, msg: Generate) -> str | None:
-        # The frontend validates; the core re-checks what would corrupt its own state.
-        n = len(msg.input_ids)
+        """The frontend validates for its users; the core re-checks everything that could crash a
+        step or corrupt its state, since a frontend may be buggy or not ours."""
+        n, vocab, p = len(msg.input_ids), self.runner.vocab_size, msg.params
         if n == 0:
             return "input_ids is empty"
-        if n + msg.params.max_new_tokens > self.context_length:
-            return (f"prompt ({n} tokens) + max_new_tokens ({msg.params.max_new_tokens}) exceeds the "
+        if not 0 <= p.max_new_tokens <= self.context_length - n:
+            return (f"prompt ({n} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
                     f"context length ({self.context_length})")
-        vocab = self.runner.vocab_size
-        if min(msg.input_ids) < 0 or max(msg.input_ids) >= vocab:
-            return f"input_ids must be token ids in [0, {vocab - 1}]"
+        ids = [*msg.input_ids, *p.stop_token_ids, *p.logit_bias]
+        if min(ids) < 0 or max(ids) >= vocab:
+            return f"token ids must be in [0, {vocab - 1}]"
+        numbers = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                   p.presence_penalty, *p.logit_bias.values())
+        if not all(math.isfinite(x) for x in numbers):
+            return "sampling parameters must be finite numbers"
+        if not (p.temperature >= 0 and 0 < p.top_p <= 1 and 0 <= p.min_p <= 1 and p.top_k >= -1
+                and p.repetition_penalty > 0 and 0 <= p.min_new_tokens and p.seed >= 0):
+            return "sampling parameters out of range"
+        if not 0 <= msg.top_logprobs_num <= 20 or msg.logprob_start_len < -1:
+            return "top_logprobs_num must be in [0, 20] and logprob_start_len >= -1"
         return None
 
     def abort(self, frontend: bytes, rid: str) -> ReqOutput | None:

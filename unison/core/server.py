@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 import shutil
 import signal
@@ -183,7 +184,8 @@ class CoreServer:
         elif isinstance(msg, Control):
             self.send(fe, self.control(msg))
         elif isinstance(msg, RequestStats):
-            self.latency.observe(msg.ttft, msg.tpot, msg.e2e)
+            if all(math.isfinite(x) and x >= 0 for x in (msg.ttft, msg.e2e, msg.tpot or 0.0)):
+                self.latency.observe(msg.ttft, msg.tpot, msg.e2e)
         elif isinstance(msg, Goodbye):
             self.drop_frontend(fe, "it said goodbye")
 
@@ -334,5 +336,5 @@ class CoreServer:
 def _pidfd(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
-    except (ProcessLookupError, AttributeError, OSError):
+    except (ProcessLookupError, AttributeError, OSError, ValueError, OverflowError):
         return None

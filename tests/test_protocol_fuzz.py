@@ -1,0 +1,148 @@
+"""The core survives whatever arrives on its socket: random and truncated frames, messages before
+Hello, and well-formed messages with hostile values. It drops them and keeps serving."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_engine import wait_idle
+from unison import Engine, protocol, registry
+
+FUZZ = settings(max_examples=60, derandomize=True, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(tokenizer_worker_num=2, num_threads=1, chunked_prefill_size=64) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def raw(engine):
+    """A bare DEALER that has said Hello with the registry's token."""
+    info = registry.read(registry.registry_path(os.getpid()))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(info.endpoint)
+    sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token=info.token)))
+    assert sock.poll(5000) and isinstance(protocol.decode_to_frontend(sock.recv()), protocol.Welcome)
+    yield sock
+    sock.send(protocol.encode(protocol.Goodbye()))
+    sock.close()
+    ctx.term()
+
+
+def still_serving(engine: Engine) -> None:
+    out = engine.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0})
+    assert out["text"].startswith(" Paris")
+
+
+def test_runtime_dir_and_registry_are_private(engine):
+    path = registry.registry_path(os.getpid())
+    assert path.stat().st_mode & 0o777 == 0o600
+    runtime = Path(registry.read(path).endpoint.removeprefix("ipc://")).parent
+    assert runtime.stat().st_mode & 0o777 == 0o700
+    assert runtime.stat().st_uid == os.getuid()
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_random_frames(engine, raw, frame):
+    raw.send(frame)
+    raw.send_multipart([frame, frame])  # a frame count the core does not expect
+
+
+@FUZZ
+@given(st.sampled_from([
+    protocol.Generate("x", [1, 2, 3], protocol.CoreSamplingParams()),
+    protocol.Control(1, "server_info"),
+    protocol.Abort("x"),
+    protocol.RequestStats(0.1, 0.01, 1.0),
+]), st.integers(1, 40))
+def test_truncated_messages(engine, raw, msg, cut):
+    data = protocol.encode(msg)
+    raw.send(data[: max(1, len(data) - cut)])
+
+
+finite = st.floats(allow_nan=True, allow_infinity=True, width=32)
+params = st.builds(
+    protocol.CoreSamplingParams,
+    max_new_tokens=st.integers(-5, 6), min_new_tokens=st.integers(-5, 8),
+    temperature=finite, top_p=finite, top_k=st.integers(-5, 10**6), min_p=finite,
+    repetition_penalty=finite, frequency_penalty=finite, presence_penalty=finite,
+    logit_bias=st.dictionaries(st.integers(-10, 10**6), finite, max_size=3),
+    seed=st.integers(0, 2**64 - 1), stop_token_ids=st.lists(st.integers(-10, 10**6), max_size=3),
+    ignore_eos=st.booleans(),
+)
+
+
+rids = itertools.count()
+
+
+@FUZZ
+@given(st.lists(st.integers(-10, 60_000), max_size=20), params, st.booleans(),
+       st.integers(-5, 10**6), st.integers(-5, 50), st.integers(-5, 5))
+def test_hostile_generate_values(engine, raw, ids, p, return_logprob, top_n, start, priority):
+    # Each runs to its end (no abort): whatever the core accepts must get through a step.
+    msg = protocol.Generate(f"fuzz-{next(rids)}", ids, p, return_logprob, top_n, start, priority)
+    raw.send(protocol.encode(msg))
+
+
+def test_messages_before_hello_are_dropped(engine):
+    info = registry.read(registry.registry_path(os.getpid()))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(info.endpoint)
+    try:
+        sock.send(protocol.encode(protocol.Generate("intruder", [1, 2, 3], protocol.CoreSamplingParams())))
+        sock.send(protocol.encode(protocol.Control(1, "server_info")))
+        assert not sock.poll(500), "a frontend that has not said Hello must get nothing"
+        sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token="guessed")))
+        assert sock.poll(5000)
+        assert isinstance(protocol.decode_to_frontend(sock.recv()), protocol.Reject)
+        assert all(fe["pid"] == os.getpid() for fe in engine.get_server_info()["frontends"])
+    finally:
+        sock.close()
+        ctx.term()
+
+
+P = protocol.CoreSamplingParams
+HOSTILE = [
+    protocol.Generate("h1", [1, 2, 3], P(max_new_tokens=2), True, 10**6),  # top-k beyond the vocab
+    protocol.Generate("h2", [1, 2, 3], P(max_new_tokens=2, temperature=float("nan"))),
+    protocol.Generate("h3", [1, 2, 3], P(max_new_tokens=2, top_p=float("inf"), top_k=10**9)),
+    protocol.Generate("h4", [1, 2, 3], P(max_new_tokens=-3)),
+    protocol.Generate("h5", [1, 2, 3], P(max_new_tokens=2, logit_bias={10**7: 1.0})),
+    protocol.Generate("h6", [1, 2, 3], P(max_new_tokens=2, stop_token_ids=[-1])),
+    protocol.Generate("h7", [1, 2, 3], P(max_new_tokens=2, min_new_tokens=-4)),
+    protocol.Generate("h8", [1, 2, 3], P(max_new_tokens=2), True, 3, -7),
+    protocol.Generate("h9", [1, 2, 3], P(max_new_tokens=2, repetition_penalty=0.0)),
+]
+
+
+@pytest.mark.parametrize("msg", HOSTILE, ids=[m.rid for m in HOSTILE])
+def test_hostile_values_are_refused(raw, msg):
+    raw.send(protocol.encode(msg))
+    while True:  # skip outputs of earlier tests' requests
+        assert raw.poll(5000), "the core did not answer"
+        reply = protocol.decode_to_frontend(raw.recv())
+        if isinstance(reply, protocol.StepOutputs) and any(o.rid == msg.rid for o in reply.outputs):
+            break
+    [out] = [o for o in reply.outputs if o.rid == msg.rid]
+    assert out.finish == "abort" and out.error and out.refused, out
+
+
+def test_the_core_kept_serving(engine, raw):
+    still_serving(engine)
+    wait_idle(engine)
+    engine.check_integrity()
