@@ -3,8 +3,10 @@ Hello, and well-formed messages with hostile values. It drops them and keeps ser
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,20 +27,29 @@ def engine():
         yield e
 
 
-@pytest.fixture(scope="module")
-def raw(engine):
-    """A bare DEALER that has said Hello with the registry's token."""
+@contextlib.contextmanager
+def dealer() -> Iterator[tuple[zmq.Socket, protocol.EngineInfo]]:
+    """A bare protocol client connected to this process's engine (it has not said Hello yet)."""
     info = registry.read(registry.registry_path(os.getpid()))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(info.endpoint)
-    sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token=info.token)))
-    assert sock.poll(5000) and isinstance(protocol.decode_to_frontend(sock.recv()), protocol.Welcome)
-    yield sock
-    sock.send(protocol.encode(protocol.Goodbye()))
-    sock.close()
-    ctx.term()
+    try:
+        yield sock, info
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.fixture(scope="module")
+def raw(engine):
+    """A bare DEALER that has said Hello with the registry's token."""
+    with dealer() as (sock, info):
+        sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token=info.token)))
+        assert sock.poll(5000) and isinstance(protocol.decode_to_frontend(sock.recv()), protocol.Welcome)
+        yield sock
+        sock.send(protocol.encode(protocol.Goodbye()))
 
 
 def still_serving(engine: Engine) -> None:
@@ -98,12 +109,7 @@ def test_hostile_generate_values(engine, raw, ids, p, return_logprob, top_n, sta
 
 
 def test_messages_before_hello_are_dropped(engine):
-    info = registry.read(registry.registry_path(os.getpid()))
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(info.endpoint)
-    try:
+    with dealer() as (sock, _):
         sock.send(protocol.encode(protocol.Generate("intruder", [1, 2, 3], protocol.CoreSamplingParams())))
         sock.send(protocol.encode(protocol.Control(1, "server_info")))
         assert not sock.poll(500), "a frontend that has not said Hello must get nothing"
@@ -111,9 +117,6 @@ def test_messages_before_hello_are_dropped(engine):
         assert sock.poll(5000)
         assert isinstance(protocol.decode_to_frontend(sock.recv()), protocol.Reject)
         assert all(fe["pid"] == os.getpid() for fe in engine.get_server_info()["frontends"])
-    finally:
-        sock.close()
-        ctx.term()
 
 
 P = protocol.CoreSamplingParams
