@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -83,7 +84,10 @@ class ReqState:
     def push(self, delta: Delta) -> None:
         self.deltas.append(delta)
         if self.waker is not None:
-            self.waker()
+            try:
+                self.waker()
+            except RuntimeError:  # the consumer's event loop is closed: nobody is waiting
+                self.waker = None
 
     def update(self, out: ReqOutput) -> bool:
         """Apply one core output; returns True when a stop string ended the request here."""
@@ -130,6 +134,8 @@ class ReqState:
             self.finished = True
             self.push(Delta(error=error))
 
+
+log = logging.getLogger("unison.frontend")
 
 GOODBYE_LINGER_MS = 200
 
@@ -320,7 +326,14 @@ class TokenizerWorker:
             state = self.states.get(out.rid)
             if state is None:
                 continue  # finished here already (a stop string, an abort)
-            stopped_here = state.update(out)
+            try:
+                stopped_here = state.update(out)
+            except Exception as e:  # one request's failure must not end the receive loop
+                log.exception("request %s failed in the frontend", out.rid)
+                state.fail(e)
+                del self.states[out.rid]
+                await self._sock.send(encode(Abort(out.rid)))
+                continue
             if state.finished:
                 del self.states[out.rid]
                 if state.first_token_at is not None:
