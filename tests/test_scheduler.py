@@ -110,7 +110,7 @@ def _finish_step(sched: Scheduler) -> list[Request]:
 
 def test_scheduler_reuses_a_finished_requests_prefix():
     pool = BlockPool(16)
-    sched = Scheduler(pool, block_size=BS, max_running=4, token_budget=64, context_length=64,
+    sched = Scheduler(pool, block_size=BS, max_running=4, token_budget=64,
                       cache=RadixCache(pool, BS))
     first = _req("a", [1, 2, 3, 4, 5, 6, 7], max_new=1)
     sched.add(first)
@@ -129,7 +129,7 @@ def test_scheduler_reuses_a_finished_requests_prefix():
                           st.lists(st.integers(0, 3), min_size=1, max_size=12)), max_size=40))
 def test_random_admit_finish_abort_evict_keep_the_invariants(ops):
     pool = BlockPool(12)
-    sched = Scheduler(pool, block_size=BS, max_running=3, token_budget=8, context_length=64,
+    sched = Scheduler(pool, block_size=BS, max_running=3, token_budget=8,
                       cache=RadixCache(pool, BS))
     for i, (op, tokens) in enumerate(ops):
         if op == "add":
@@ -148,7 +148,7 @@ def test_random_admit_finish_abort_evict_keep_the_invariants(ops):
 
 def _policy_sched(policy: str) -> Scheduler:
     pool = BlockPool(64)
-    return Scheduler(pool, block_size=BS, max_running=2, token_budget=16, context_length=64,
+    return Scheduler(pool, block_size=BS, max_running=2, token_budget=16,
                      cache=RadixCache(pool, BS), policy=policy)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import os
 import threading
 import warnings
@@ -27,8 +26,6 @@ from unison.errors import EngineDeadError
 from unison.frontend.worker import ReqState, TokenizerWorker
 from unison.output import Collector
 from unison.sampling_params import SamplingParams
-
-log = logging.getLogger("unison")
 
 ATTACH_TIMEOUT = 5.0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import defaultdict
 
@@ -16,8 +15,6 @@ from unison.core.sampler import Sampler, top_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import Generate, ReqOutput
-
-log = logging.getLogger("unison.core")
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
 
@@ -37,7 +34,7 @@ class EngineCore:
         cache = None if config.disable_radix_cache else RadixCache(self.pool, config.block_size)
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
-            token_budget=config.chunked_prefill_size, context_length=self.context_length, cache=cache,
+            token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy,
         )
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)

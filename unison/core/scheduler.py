@@ -36,7 +36,7 @@ class ScheduledItem:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
-                 context_length: int, cache: RadixCache | None = None, policy: str = "fcfs") -> None:
+                 cache: RadixCache | None = None, policy: str = "fcfs") -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
         self.pool = pool
@@ -48,7 +48,6 @@ class Scheduler:
         self.block_size = block_size
         self.max_running = max_running
         self.token_budget = token_budget
-        self.context_length = context_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -69,7 +69,7 @@ class CoreServer:
         self.cap = args.config["tokenizer_worker_num"]
         self.frontends: dict[bytes, Frontend] = {}
         self.by_pidfd: dict[int, Frontend] = {}
-        self.worker_ids: dict[bytes, int] = {}  # kept after detach: admission records name them
+        self.worker_ids: dict[bytes, int] = {}  # kept after detach while admission records name them
         self.next_worker_id = 0
         self.paused = False
         self.stopping = False
@@ -218,6 +218,8 @@ class CoreServer:
     def drop_frontend(self, fe: Frontend, why: str) -> None:
         aborted = len(self.core.abort_frontend(fe.ident))
         self.frontends.pop(fe.ident, None)
+        named = {f for f, _ in self.core.scheduler.admissions} | self.frontends.keys()
+        self.worker_ids = {f: w for f, w in self.worker_ids.items() if f in named}  # bounded
         if fe.pidfd is not None and fe.pidfd != self.owner_pidfd:
             self.by_pidfd.pop(fe.pidfd, None)
             self.poller.unregister(fe.pidfd)

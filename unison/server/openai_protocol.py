@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,11 +80,3 @@ class ChatCompletionRequest(_Base):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(default_max_tokens)
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: Literal["invalid_request_error", "authentication_error", "not_found_error",
-                  "server_error", "service_unavailable"] = "invalid_request_error"
-    param: str | None = None
-    code: int | None = None
