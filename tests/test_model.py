@@ -161,12 +161,17 @@ def test_chunked_batched_forward_equals_alone(runner: ModelRunner, prompts):
         assert got[i][-1][0] + len(got[i][-1][1]) == len(s)
 
 
-@pytest.mark.parametrize("chunk_bytes", [runner_module.DECODE_CHUNK_BYTES, 1])
-def test_decode_of_mixed_lengths_equals_alone(runner: ModelRunner, prompts, chunk_bytes,
-                                              monkeypatch):
-    """Decodes over very different context lengths (padded in separate groups, and split into
-    chunks: 1 byte = one request per chunk) in one step, and decodes of one length group."""
-    monkeypatch.setattr(runner_module, "DECODE_CHUNK_BYTES", chunk_bytes)
+@pytest.mark.parametrize("path", ["kernel", "torch", "torch-chunked"])
+def test_decode_of_mixed_lengths_equals_alone(runner: ModelRunner, prompts, path, monkeypatch):
+    """Decodes over very different context lengths in one step, and decodes of one length group:
+    through the C kernel, and through torch's path (padded in separate groups; split into chunks
+    of one request each)."""
+    if path == "kernel" and runner._kernel is None:
+        pytest.skip("no C compiler here: the runner uses torch's path")
+    if path != "kernel":
+        monkeypatch.setattr(runner, "_kernel", None)
+    if path == "torch-chunked":
+        monkeypatch.setattr(runner_module, "DECODE_CHUNK_BYTES", 1)
     long = [t for p in prompts for t in p] * 3
     seqs = [prompts[0][:3], long[:300], prompts[1], long[:560], long[5:9]]
     blocks = Blocks(runner)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_kernels
 from .llama import LlamaModel, ModelConfig, dummy_model, load_model
 
 log = logging.getLogger(__name__)
@@ -22,8 +23,8 @@ log = logging.getLogger(__name__)
 # cores are busy a preempted worker stalls every such op (50-100x slower, measured under load).
 SERIAL_ATTENTION_WORK = 8192
 
-# On CPU a decode group is split so that the K/V it gathers (8 MiB) is still in cache when SDPA
-# reads it: 1.7x faster attention at 64 requests x 300 tokens than one gather of all of them.
+# Torch's decode path (no C kernel): a decode group is split so that the K/V it gathers (8 MiB) is
+# still in cache when SDPA reads it: 1.7x faster at 64 requests x 300 tokens than one gather.
 DECODE_CHUNK_BYTES = 8 << 20
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +45,7 @@ class _Attn:
     rows: slice | Tensor  # a prefill's row range, or the rows of a group of decodes
     blocks: Tensor | None  # [items * width] blocks to gather; None: only the new tokens
     mask: Tensor | None  # additive, [n, width] or [items, 1, 1, width]; None: plain causal
+    lens: Tensor | None = None  # the C kernel's decodes: context lengths; blocks is [items, width]
 
 
 @dataclass(slots=True)
@@ -98,6 +100,8 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
                  num_blocks * self.bytes_per_block / (1 << 30))
         self._group = c.num_attention_heads // c.num_key_value_heads
+        use_kernel = self.device.type == "cpu" and self.dtype == torch.float32
+        self._kernel = cpu_kernels.load() if use_kernel else None
         self._step: _Step | None = None
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
         # page faults that make decode attention 3x slower on CPU.
@@ -199,6 +203,8 @@ class ModelRunner:
         return _Attn(rows, blocks, self._mask(q_pos, nblocks * bs))
 
     def _decode_meta(self, decode: list[tuple[int, BatchItem]], all_decode: bool) -> list[_Attn]:
+        if self._kernel is not None:
+            return [self._kernel_meta(decode, all_decode)] if decode else []
         # Contexts are padded to the longest of their group: group by length so that padding at
         # most doubles the work (or adds 256 tokens): a short request is not padded to long ones.
         bs = self.block_size
@@ -217,6 +223,18 @@ class ModelRunner:
             chunks += [self._decode_chunk(group[i: i + cap], in_order)
                        for i in range(0, len(group), cap)]
         return chunks
+
+    def _kernel_meta(self, decode: list[tuple[int, BatchItem]], all_decode: bool) -> _Attn:
+        # The kernel reads each request's own blocks up to its own length: no padding, no mask.
+        bs = self.block_size
+        lens = np.array([item.start_pos + 1 for _, item in decode], dtype=np.int64)
+        tables = np.zeros((len(decode), -(-int(lens.max()) // bs)), dtype=np.int64)
+        for i, (_, item) in enumerate(decode):
+            nb = -(-int(lens[i]) // bs)
+            tables[i, :nb] = item.block_table[:nb]
+        rows = (slice(0, len(decode)) if all_decode
+                else torch.tensor([row for row, _ in decode], dtype=torch.int64))
+        return _Attn(rows, torch.from_numpy(tables), None, torch.from_numpy(lens))
 
     def _decode_chunk_rows(self, width: int) -> int:
         if self.device.type != "cpu":
@@ -266,6 +284,10 @@ class ModelRunner:
         return out.view(n, heads * d)
 
     def _decode(self, a: _Attn, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        if a.lens is not None:
+            threads = 1 if self._step.serial else torch.get_num_threads()
+            return cpu_kernels.decode_attention(self._kernel, q.contiguous(), kc, vc, a.blocks, a.lens,
+                                                self.config.sliding_window, threads)
         # One SDPA for a group of single-token requests, contexts padded and masked. Each kv
         # head's query group stands in for the query length, so K/V are never repeated.
         b, heads, d = q.shape
