@@ -54,7 +54,7 @@ class SampleRequest:
     output_len: int  # max_tokens to ask for
 
 
-def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
+def sample_lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
     # vLLM's random dataset: uniform in [mean * (1 - r), mean * (1 + r)], inclusive.
     lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
@@ -65,8 +65,8 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float 
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
-    ins = _lengths(rng, n, input_len, range_ratio)
-    outs = _lengths(rng, n, output_len, range_ratio)
+    ins = sample_lengths(rng, n, input_len, range_ratio)
+    outs = sample_lengths(rng, n, output_len, range_ratio)
     return [SampleRequest(" ".join(rng.choices(WORDS, k=i)), i, o)
             for i, o in zip(ins, outs, strict=True)]
 

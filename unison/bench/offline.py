@@ -1,28 +1,76 @@
 """Offline benchmarks of the Engine API, each beside Hugging Face transformers in the same run.
 
 `unison bench latency`: load time, prefill tok/s of one long prompt, single-stream decode tok/s.
-`unison bench offline`: output tok/s of N concurrent requests with fixed input/output lengths.
+`unison bench offline`: N requests submitted at once (seeded random token ids, or ShareGPT
+conversations), fixed or ranged input / output lengths; requests/s, input / output / total tok/s,
+and the linear-layer ceiling of the run with the fraction of it achieved (see ceiling.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from unison import Engine
+from unison.bench import ceiling
+from unison.bench.datasets import sample_lengths, sharegpt_requests
+
+
+@dataclass
+class OfflineRequest:
+    input_ids: list[int]
+    output_len: int
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    # Ids from the ordinary part of the vocabulary: no special tokens inside prompts.
     rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
+    return [_random_ids(rng, length, vocab) for _ in range(n)]
+
+
+def _random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
+    # Ids from the ordinary part of the vocabulary: no special tokens inside prompts.
+    return [rng.randrange(1000, vocab - 1000) for _ in range(length)]
+
+
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
+                    seed: int) -> list[OfflineRequest]:
+    """vLLM's random dataset: lengths uniform in [len * (1 - r), len * (1 + r)], seeded."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    ins = sample_lengths(rng, n, input_len, range_ratio)
+    outs = sample_lengths(rng, n, output_len, range_ratio)
+    return [OfflineRequest(_random_ids(rng, i, vocab), o) for i, o in zip(ins, outs)]
+
+
+def load_requests(args: argparse.Namespace, engine: Engine) -> list[OfflineRequest]:
+    if args.dataset == "random":
+        return random_requests(args.num_prompts, args.input_len, args.output_len or 128, args.range_ratio,
+                               engine.get_server_info()["vocab_size"], args.seed)
+    if not args.dataset_path:
+        raise ValueError("--dataset sharegpt needs --dataset-path")
+    tok = engine.tokenizer
+    samples = sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.output_len,
+                                count_tokens=lambda text: len(tok.encode(text)))
+    return [OfflineRequest(tok.encode(s.prompt), s.output_len) for s in samples]
 
 
 def _greedy(n: int) -> dict[str, Any]:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 
+
+def _bar(total: int, unit: str, quiet: bool, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, desc=desc, disable=quiet, leave=False)
+
+
+# ---- Unison ---------------------------------------------------------------------------------
 
 def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
     vocab = engine.get_server_info()["vocab_size"]
@@ -42,14 +90,42 @@ def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) 
             "ttft_ms": 1e3 * (first - t0)}
 
 
-def unison_throughput(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    engine.generate(input_ids=prompts[0][:16], sampling_params=_greedy(2))
-    t0 = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=_greedy(output_len))
-    dt = time.perf_counter() - t0
-    out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"output_tok_s": out_tokens / dt, "requests_s": len(prompts) / dt, "seconds": dt}
+async def _generate_all(engine: Engine, reqs: list[OfflineRequest], quiet: bool,
+                        ignore_eos: bool) -> list[dict]:
+    bar = _bar(len(reqs), "req", quiet, "unison")
 
+    async def one(r: OfflineRequest) -> dict:
+        params = {**_greedy(r.output_len), "ignore_eos": ignore_eos}
+        out = await engine.async_generate(input_ids=r.input_ids, sampling_params=params)
+        bar.update(1)
+        return out
+    try:
+        return await asyncio.gather(*(one(r) for r in reqs))
+    finally:
+        bar.close()
+
+
+def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = True,
+                      ignore_eos: bool = True) -> dict[str, Any]:
+    engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params=_greedy(2))
+    before = engine.get_server_info()["step_shapes"]
+    t0 = time.perf_counter()
+    outs = asyncio.run(_generate_all(engine, reqs, quiet, ignore_eos))
+    dt = time.perf_counter() - t0
+    shapes = ceiling.subtract(engine.get_server_info()["step_shapes"], before)
+    out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {**_rates(len(reqs), sum(len(r.input_ids) for r in reqs), out_tokens, dt),
+            "step_shapes": shapes}
+
+
+def _rates(n: int, input_tokens: int, output_tokens: int, seconds: float) -> dict[str, float]:
+    return {"requests_s": n / seconds, "input_tok_s": input_tokens / seconds,
+            "output_tok_s": output_tokens / seconds,
+            "total_tok_s": (input_tokens + output_tokens) / seconds, "seconds": seconds,
+            "output_tokens": output_tokens}
+
+
+# ---- transformers ---------------------------------------------------------------------------
 
 class HFBaseline:
     """transformers on the same weights, greedy, batched with left padding."""
@@ -65,15 +141,23 @@ class HFBaseline:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.load_s = time.perf_counter() - t0
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> float:
+    def generate(self, prompts: list[list[int]], output_len: int, bar: Any = None) -> float:
         torch = self.torch
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        extra = {}
+        if bar is not None:  # a logits processor runs once per generated token: the progress tick
+            from transformers import LogitsProcessorList
+
+            def tick(_ids: Any, scores: Any) -> Any:
+                bar.update(1)
+                return scores
+            extra["logits_processor"] = LogitsProcessorList([tick])
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+                                min_new_tokens=output_len, do_sample=False, pad_token_id=0, **extra)
         return time.perf_counter() - t0
 
     def latency(self, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
@@ -84,17 +168,43 @@ class HFBaseline:
         t_long = self.generate([prompt[:32]], output_len)
         return {"prefill_tok_s": prompt_len / prefill, "decode_tok_s": (output_len - 1) / (t_long - t_short)}
 
-    def throughput(self, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-        self.generate([prompts[0][:16]], 2)
-        dt = self.generate(prompts, output_len)
-        n = len(prompts)
-        return {"output_tok_s": n * output_len / dt, "requests_s": n / dt, "seconds": dt}
+    def throughput(self, reqs: list[OfflineRequest], max_batch: int | None,
+                   quiet: bool = True) -> dict[str, float]:
+        """vLLM's HF backend: consecutive requests in batches of up to `max_batch`, each batch
+        generating its longest output for every row; only the requested tokens count."""
+        self.generate([reqs[0].input_ids[:16]], 2)
+        batches = [reqs[i: i + (max_batch or len(reqs))] for i in range(0, len(reqs), max_batch or len(reqs))]
+        bar = _bar(sum(max(r.output_len for r in b) for b in batches), "step", quiet, "hf")
+        try:
+            dt = sum(self.generate([r.input_ids for r in b], max(r.output_len for r in b), bar)
+                     for b in batches)
+        finally:
+            bar.close()
+        return _rates(len(reqs), sum(len(r.input_ids) for r in reqs), sum(r.output_len for r in reqs), dt)
 
+
+# ---- report ---------------------------------------------------------------------------------
 
 def _row(name: str, ours: float, base: float | None, unit: str) -> str:
-    ratio = f"  ({ours / base:.2f}x)" if base else ""
+    ratio = f"  ({ours / base:.2f}x)" if base and unit.endswith("/s") else ""
     base_s = f"{base:10.1f}" if base else f"{'-':>10}"
     return f"{name:<28}{ours:10.1f}{base_s}  {unit}{ratio}"
+
+
+ROWS = (("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"), ("ttft_ms", "ms"),
+        ("requests_s", "req/s"), ("input_tok_s", "tok/s"), ("output_tok_s", "tok/s"),
+        ("total_tok_s", "tok/s"), ("seconds", "s"))
+
+
+def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
+    lines = [f"{'metric':<28}{'unison':>10}{'hf':>10}", _row("engine ready", load_s, base.get("load_s"), "s")]
+    lines += [_row(key, ours[key], base.get(key), unit) for key, unit in ROWS if key in ours]
+    if "ceiling_s" in ours:
+        tok_s = ours["output_tokens"] / ours["ceiling_s"]
+        lines.append(f"linear-layer ceiling: {tok_s:.1f} output tok/s (the GEMMs alone take "
+                     f"{ours['ceiling_s']:.1f} s of the run's {ours['seconds']:.1f} s): "
+                     f"{100 * ours['ceiling_s'] / ours['seconds']:.0f}% of it achieved")
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -106,39 +216,53 @@ def main(args: argparse.Namespace) -> int:
         if args.bench == "latency":
             ours = unison_latency(engine, args.prompt_len, args.output_len, args.seed)
         else:
-            prompts = random_prompts(args.num_prompts, args.input_len,
-                                     engine.get_server_info()["vocab_size"], args.seed)
-            ours = unison_throughput(engine, prompts, args.output_len)
+            reqs = load_requests(args, engine)
+            ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
         model_dir = engine.model_dir
     finally:
         engine.shutdown()
+    if args.bench == "offline" and not args.no_ceiling:
+        ours["ceiling_s"] = ceiling.measure(model_dir, ours["step_shapes"], args.num_threads)
     base: dict[str, float] = {}
     if args.baseline == "hf":
         hf = HFBaseline(model_dir, args.num_threads)
         base = (hf.latency(args.prompt_len, args.output_len, args.seed) if args.bench == "latency"
-                else hf.throughput(prompts, args.output_len))
+                else hf.throughput(reqs, args.hf_max_batch_size, args.quiet))
         base["load_s"] = hf.load_s
-    print(f"{'metric':<28}{'unison':>10}{'hf':>10}")
-    print(_row("engine ready", load_s, base.get("load_s"), "s"))
-    for key, unit in (("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"), ("ttft_ms", "ms"),
-                      ("output_tok_s", "tok/s"), ("requests_s", "req/s"), ("seconds", "s")):
-        if key in ours:
-            print(_row(key, ours[key], base.get(key), unit))
+    print(report(ours, base, load_s))
+    if args.result_file:
+        ours.pop("step_shapes", None)
+        with open(args.result_file, "w") as f:
+            json.dump({"bench": args.bench, "args": vars(args) | {"func": None}, "unison": ours,
+                       "hf": base or None, "engine_ready_s": load_s}, f, indent=2)
     return 0
 
 
 def add_parser(sub: Any) -> None:
     for name, helptext in (("latency", "load time, long-prompt prefill and single-stream decode"),
-                           ("offline", "output throughput of many concurrent requests")):
+                           ("offline", "throughput of many requests submitted at once")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--model-path", default=None)
         p.add_argument("--num-threads", type=int, default=None)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--baseline", choices=["none", "hf"], default="none")
-        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--output-len", type=int, default=128 if name == "latency" else None,
+                       help="new tokens per request (offline default: 128; ShareGPT: each reply's length)")
+        p.add_argument("--result-file", default=None, help="write the figures as JSON here")
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
         if name == "latency":
             p.add_argument("--prompt-len", type=int, default=512)
         else:
             p.add_argument("--num-prompts", type=int, default=64)
+            p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+            p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON")
             p.add_argument("--input-len", type=int, default=128)
+            p.add_argument("--range-ratio", type=float, default=0.0,
+                           help="random lengths uniform in [len * (1 - r), len * (1 + r)]")
+            p.add_argument("--no-ignore-eos", action="store_true",
+                           help="let requests stop at EOS (then output lengths vary by engine)")
+            p.add_argument("--hf-max-batch-size", type=int, default=None,
+                           help="transformers batch size (default: all prompts in one batch)")
+            p.add_argument("--no-ceiling", action="store_true",
+                           help="skip timing the linear-layer ceiling after the run")
         p.set_defaults(func=main)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -17,6 +17,8 @@ from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import Generate, ReqOutput
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
+
+MAX_STEP_SHAPES = 4096  # distinct (tokens, logits rows) step shapes counted; later new ones are not
 
 
 class EngineCore:
@@ -40,6 +42,9 @@ class EngineCore:
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # How many forwards ran with each (tokens, logits rows): what `bench offline` times the
+        # model's GEMMs at to print the linear-layer ceiling of a run.
+        self.step_shapes: Counter[tuple[int, int]] = Counter()
 
     @property
     def has_work(self) -> bool:
@@ -60,6 +65,7 @@ class EngineCore:
             "block_size": self.config.block_size,
             "num_blocks": self.pool.num_blocks,
             "max_total_tokens": self.pool.num_blocks * self.config.block_size,
+            "step_shapes": [[t, rows, n] for (t, rows), n in sorted(self.step_shapes.items())],
         }
 
     def add(self, frontend: bytes, msg: Generate) -> ReqOutput | None:
@@ -146,6 +152,9 @@ class EngineCore:
                 self.scheduler.cache_computed(it.req)
             row += n_rows
         self.stats["steps"] += 1
+        shape = (sum(it.num_new for it in items), logits.shape[0])
+        if shape in self.step_shapes or len(self.step_shapes) < MAX_STEP_SHAPES:
+            self.step_shapes[shape] += 1
         if sampled:
             self._sample(logits[[r for r, _, _ in sampled]], sampled)
         return self._collect(items, outs)

@@ -1,0 +1,96 @@
+"""`unison bench offline | latency`: the ceiling arithmetic on synthetic timings, the request
+sources, and short real runs of the command (engine, transformers baseline, ceiling)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from unison.bench import ceiling
+from unison.bench.offline import random_requests
+
+
+def test_ceiling_total_of_shapes():
+    shapes = Counter({(512, 4): 2, (64, 64): 10, (8, 0): 3})  # rows 0: no LM head that step
+    assert ceiling.total(shapes, layers=lambda m: m / 1000, head=lambda m: m / 100) == pytest.approx(
+        2 * (0.512 + 0.04) + 10 * (0.064 + 0.64) + 3 * 0.008)
+
+
+def test_ceiling_timer_interpolates_only_between_measured_sizes():
+    measured: list[int] = []
+
+    def measure(m: int) -> float:
+        measured.append(m)
+        return 3.0 + 2.0 * m  # GEMM time is close to affine in the row count
+
+    few = {1, 7, 64}
+    at = ceiling._timer(few, measure)
+    assert sorted(measured) == [1, 7, 64] and at(7) == 17.0
+    measured.clear()
+    many = set(range(1, 600, 3))  # 200 sizes: a grid instead, endpoints included
+    at = ceiling._timer(many, measure)
+    assert 1 in measured and 598 in measured and len(measured) < 100
+    for m in many:
+        assert at(m) == pytest.approx(3.0 + 2.0 * m)
+    assert ceiling._timer(set(), measure)(5) == 0.0
+
+
+def test_ceiling_counts_only_the_run():
+    before = [[512, 1, 3], [64, 64, 10]]
+    after = [[1, 1, 2], [512, 1, 5], [64, 64, 10]]
+    assert ceiling.subtract(after, before) == Counter({(1, 1): 2, (512, 1): 2})
+
+
+def test_random_offline_requests():
+    reqs = random_requests(40, 100, 20, 0.5, vocab=49152, seed=3)
+    assert reqs == random_requests(40, 100, 20, 0.5, vocab=49152, seed=3)
+    assert all(50 <= len(r.input_ids) <= 150 and 10 <= r.output_len <= 30 for r in reqs)
+    assert all(1000 <= t < 49152 - 1000 for r in reqs for t in r.input_ids)
+    assert len({len(r.input_ids) for r in reqs}) > 10
+    with pytest.raises(ValueError):
+        random_requests(1, 10, 10, 1.0, vocab=49152, seed=0)
+
+
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "unison.cli", "bench", *args, "--quiet", "--num-threads", "1"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_offline_run_beside_transformers(tmp_path):
+    out = tmp_path / "result.json"
+    proc = _bench("offline", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                  "--range-ratio", "0.5", "--baseline", "hf", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "linear-layer ceiling" in proc.stdout and "output_tok_s" in proc.stdout
+    result = json.loads(out.read_text())
+    ours, hf = result["unison"], result["hf"]
+    # ignore_eos: both produce exactly the requested tokens, so their rates compare like for like
+    wanted = sum(r.output_len for r in random_requests(4, 16, 8, 0.5, vocab=49152, seed=0))
+    assert ours["output_tokens"] == hf["output_tokens"] == wanted
+    assert ours["output_tok_s"] == pytest.approx(wanted / ours["seconds"])
+    assert 0 < ours["ceiling_s"] < ours["seconds"]
+
+
+def test_offline_run_on_sharegpt(tmp_path):
+    data = [{"conversations": [{"from": "human", "value": f"Tell me a story about the number {i}."},
+                               {"from": "gpt", "value": "Once upon a time there was a number."}]}
+            for i in range(5)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "result.json"
+    proc = _bench("offline", "--dataset", "sharegpt", "--dataset-path", str(path), "--num-prompts", "3",
+                  "--no-ceiling", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads(out.read_text())["unison"]
+    assert ours["requests_s"] * ours["seconds"] == pytest.approx(3)
+    assert ours["output_tokens"] == 3 * 9  # each reply's token count, generated with ignore_eos
+
+
+def test_latency_run():
+    proc = _bench("latency", "--prompt-len", "48", "--output-len", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prefill_tok_s" in proc.stdout and "decode_tok_s" in proc.stdout
