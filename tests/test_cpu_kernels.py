@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from unison.model import cpu_kernels
+from unison.model.llama import TorchOps
 
-lib = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the runner uses torch's path")
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the runner uses torch's path")
 
 
 def reference(q, k_cache, v_cache, tables, lens, window):
@@ -49,14 +50,48 @@ def test_kernel_matches_reference(seqs, heads, kv_heads, head_dim, block_size, w
     for i, n in enumerate(lens.tolist()):
         tables[i, (n + block_size - 1) // block_size:] = num_blocks - 1
     q = torch.randn(seqs, heads, head_dim, generator=g)
-    got = cpu_kernels.decode_attention(lib, q, k_cache, v_cache, tables, lens, window, threads)
+    got = kernels.decode_attention(q, k_cache, v_cache, tables, lens, window, threads)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, window),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_is_cached_by_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path))
-    first = cpu_kernels._build()
+    first = cpu_kernels.build()
     assert first.parent == tmp_path / "kernels" and first.exists()
-    assert cpu_kernels._build() == first  # a second use loads the cached object
+    assert cpu_kernels.build() == first  # a second use loads the cached object
     assert list(first.parent.iterdir()) == [first]  # no temporary files left behind
+
+
+def test_fused_ops_match_torch_ops():
+    g = torch.Generator().manual_seed(1)
+    rows, dim = 70, 576  # over PARALLEL_ROWS: the threaded loop
+    for n in (rows, 3):
+        h, delta, w = (torch.randn(n, dim, generator=g), torch.randn(n, dim, generator=g),
+                       torch.randn(dim, generator=g))
+        h_ref = h.clone()
+        want = TorchOps.add_rms_norm(h_ref, delta, w, 1e-5)
+        torch.testing.assert_close(kernels.add_rms_norm(h, delta, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h, h_ref)  # the residual was added in place, the same
+        torch.testing.assert_close(kernels.add_rms_norm(h, None, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+
+    # Rotary embedding on q and k inside a fused QKV row (strided), leaving v untouched.
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    ref = qkv.clone()
+    angles = torch.randn(rows, d // 2, generator=g) * 10
+    cos, sin = angles.cos(), angles.sin()
+    for ops, x in ((kernels, qkv), (TorchOps, ref)):
+        ops.rope_(x[:, : heads * d], heads, d, cos, sin)
+        ops.rope_(x[:, heads * d: (heads + kv_heads) * d], kv_heads, d, cos, sin)
+    torch.testing.assert_close(qkv, ref, rtol=1e-6, atol=1e-6)
+
+    # The KV-cache write: rows of k and v (strided, from the QKV output) into scattered slots.
+    k, v = qkv[:, heads * d: (heads + kv_heads) * d], qkv[:, (heads + kv_heads) * d:]
+    k_cache, v_cache = torch.zeros(200, kv_heads, d), torch.zeros(200, kv_heads, d)
+    slots = torch.randperm(200, generator=g)[:rows]
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots].view(rows, -1), k) and torch.equal(v_cache[slots].view(rows, -1), v)
+    untouched = torch.ones(200, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -204,6 +206,9 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        # The C kernels where they apply (CPU, float32); torch ops elsewhere.
+        kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
+        self.ops: TorchOps | cpu_kernels.CpuKernels = kernels or TorchOps()
 
     @staticmethod
     def _layer(get: _WeightGetter, p: str) -> Layer:
@@ -222,35 +227,54 @@ class LlamaModel:
         )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, 1, head_dim / 2] for the given positions; computed once per step."""
+        """cos, sin [N, head_dim / 2] for the given positions; computed once per step."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(self.dtype)[:, None], freqs.sin().to(self.dtype)[:, None]
+        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
         """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids`."""
-        cfg, qs, kvs = self.cfg, self.q_size, self.kv_size
+        cfg, ops, qs, kvs, eps = self.cfg, self.ops, self.q_size, self.kv_size, self.cfg.rms_norm_eps
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = self.rope(positions)
         h = F.embedding(input_ids, self.embed)
         n = h.shape[0]
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
+            if layer.q_norm is not None:  # Qwen3: per-head norms before the rotation
+                qkv[:, :qs] = rms_norm(qkv[:, :qs].view(n, heads, d), layer.q_norm, eps).view(n, qs)
+                qkv[:, qs: qs + kvs] = rms_norm(qkv[:, qs: qs + kvs].view(n, kv_heads, d), layer.k_norm,
+                                                eps).view(n, kvs)
+            ops.rope_(qkv[:, :qs], heads, d, cos, sin)
+            ops.rope_(qkv[:, qs: qs + kvs], kv_heads, d, cos, sin)
             q = qkv[:, :qs].view(n, heads, d)
-            k = qkv[:, qs : qs + kvs].view(n, kv_heads, d)
-            v = qkv[:, qs + kvs :].view(n, kv_heads, d)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            h = h + layer.o_proj(attention(i, q, k, v.contiguous()))
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            k = qkv[:, qs: qs + kvs].view(n, kv_heads, d)
+            v = qkv[:, qs + kvs:].view(n, kv_heads, d)
+            x = ops.add_rms_norm(h, layer.o_proj(attention(i, q, k, v)), layer.post_norm, eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            x = ops.add_rms_norm(h, layer.down(F.silu(gate, inplace=True).mul_(up)), norms[i], eps)
         if logits_rows is not None:
-            h = h.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
-        return self.lm_head(rms_norm(h, self.norm, cfg.rms_norm_eps)).float()
+            x = x.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
+        return self.lm_head(x).float()
+
+
+class TorchOps:
+    """The per-layer small operations in torch: any device and dtype; the reference for the C
+    versions (cpu_kernels.CpuKernels has the same methods)."""
+
+    @staticmethod
+    def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        if delta is not None:
+            h.add_(delta)
+        return rms_norm(h, weight, eps)
+
+    @staticmethod
+    def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        x = x.view(x.shape[0], heads, head_dim)
+        x.copy_(apply_rope(x, cos[:, None], sin[:, None]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -25,6 +25,12 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
+// Blocks sit anywhere in the pool, and hardware prefetchers stop at page boundaries: while a
+// block's rows are used, each row's counterpart in the next block is fetched ahead.
+static inline void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+}
+
 static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
@@ -37,14 +43,18 @@ static inline __attribute__((always_inline)) void attend_heads(
         int64_t first, int64_t len, float *out, int64_t h0, int64_t h1, int64_t group,
         int64_t kv_heads, const int64_t head_dim, int64_t block_size, float scale, float *scores) {
     const int64_t n = len - first, row = kv_heads * head_dim;
+    const int64_t last = (len - 1) / block_size;
     for (int64_t b = first / block_size, i = 0; b * block_size < len; b++) {
         const float *block = k_cache + table[b] * block_size * row;
+        const float *next = b < last ? k_cache + table[b + 1] * block_size * row : NULL;
         const int64_t t0 = b * block_size < first ? first - b * block_size : 0;
         const int64_t t1 = len - b * block_size < block_size ? len - b * block_size : block_size;
-        for (int64_t t = t0; t < t1; t++, i++)
+        for (int64_t t = t0; t < t1; t++, i++) {
+            if (next) prefetch_row(next + t * row, row);
             for (int64_t h = h0; h < h1; h++)
                 scores[(h - h0) * n + i] =
                     dot(q + h * head_dim, block + t * row + h / group * head_dim, head_dim) * scale;
+        }
     }
     for (int64_t h = h0; h < h1; h++) {  // softmax, in place
         float *s = scores + (h - h0) * n, mx = -INFINITY, sum = 0.0f;
@@ -55,12 +65,15 @@ static inline __attribute__((always_inline)) void attend_heads(
     for (int64_t i = h0 * head_dim; i < h1 * head_dim; i++) out[i] = 0.0f;
     for (int64_t b = first / block_size, i = 0; b * block_size < len; b++) {
         const float *block = v_cache + table[b] * block_size * row;
+        const float *next = b < last ? v_cache + table[b + 1] * block_size * row : NULL;
         const int64_t t0 = b * block_size < first ? first - b * block_size : 0;
         const int64_t t1 = len - b * block_size < block_size ? len - b * block_size : block_size;
-        for (int64_t t = t0; t < t1; t++, i++)
+        for (int64_t t = t0; t < t1; t++, i++) {
+            if (next) prefetch_row(next + t * row, row);
             for (int64_t h = h0; h < h1; h++)
                 axpy(out + h * head_dim, scores[(h - h0) * n + i],
                      block + t * row + h / group * head_dim, head_dim);
+        }
     }
 }
 

@@ -1,0 +1,60 @@
+// The model's small per-layer operations fused, for CPUs: one pass over the rows instead of the
+// 3-8 torch ops (each a dispatch, an allocation and a pass over memory) that make up each.
+// At decode batch sizes those ops cost more in overhead than in arithmetic.
+//
+// Tensors are float32; rows of a matrix may be strided (`*_stride`, in floats), columns are not.
+// Built with decode_attention.c into one shared object (see unison/model/cpu_kernels.py).
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_ROWS 64  // fewer rows than this run on the calling thread
+
+// h += delta (when delta is given); out = h * rsqrt(mean(h^2) + eps) * weight.
+void add_rms_norm(float *h, const float *delta, const float *weight, float *out, int64_t rows,
+                  int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = h + r * dim, *y = out + r * dim, ss = 0.0f;
+        if (delta) {
+            const float *d = delta + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) x[i] += d[i];
+        }
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) y[i] = weight[i] * (x[i] * inv);
+    }
+}
+
+// Rotary embedding, in place, on `heads` heads of head_dim starting at each row of x:
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos / sin [rows, head_dim / 2].
+void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows,
+          int64_t heads, int64_t head_dim, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * half, *s = sin + r * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+// k_cache / v_cache rows [slots[r]] = rows r of k and v (width floats each).
+void store_kv(const float *k, const float *v, int64_t row_stride, float *k_cache, float *v_cache,
+              const int64_t *slots, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(k_cache + slots[r] * width, k + r * row_stride, sizeof(float) * width);
+        memcpy(v_cache + slots[r] * width, v + r * row_stride, sizeof(float) * width);
+    }
+}
