@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from unison import Engine
-from unison.bench import ceiling
 from unison.bench.datasets import sample_lengths, sharegpt_requests
 
 
@@ -67,6 +66,10 @@ def _greedy(n: int) -> dict[str, Any]:
 def _bar(total: int, unit: str, quiet: bool, desc: str) -> Any:
     from tqdm import tqdm
 
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its weight-loading bar
     return tqdm(total=total, unit=unit, desc=desc, disable=quiet, leave=False)
 
 
@@ -108,6 +111,8 @@ async def _generate_all(engine: Engine, reqs: list[OfflineRequest], quiet: bool,
 def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = True,
                       ignore_eos: bool = True) -> dict[str, Any]:
     engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params=_greedy(2))
+    from unison.bench import ceiling  # torch: imported only by the runs that need it
+
     before = engine.get_server_info()["step_shapes"]
     t0 = time.perf_counter()
     outs = asyncio.run(_generate_all(engine, reqs, quiet, ignore_eos))
@@ -222,6 +227,8 @@ def main(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     if args.bench == "offline" and not args.no_ceiling:
+        from unison.bench import ceiling
+
         ours["ceiling_s"] = ceiling.measure(model_dir, ours["step_shapes"], args.num_threads)
     base: dict[str, float] = {}
     if args.baseline == "hf":
