@@ -1,42 +1,67 @@
 """Shared fixtures. Tests run the real thing: real processes, sockets and the embedded model.
 
-Nothing may outlive its test module: a leftover process, registry, runtime directory or engine
-thread fails the module (the model cache is expected to stay).
+Nothing may outlive its test: a leftover process (orphans included), registry, runtime directory,
+socket file or engine thread fails the test that left it, and again its module (whose engines
+live across its tests). The model cache is expected to stay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
+import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
 from unison.model.loader import resolve_model_dir
+from unison.registry import REGISTRY_DIR
+
+# Every process this run starts inherits the mark, so it is found even once orphaned (a core
+# whose launcher was killed), while other runs' processes on the same machine are left alone.
+SESSION_MARK = f"UNISON_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["UNISON_TEST_SESSION"] = SESSION_MARK.split("=", 1)[1]
+TMP = tempfile.gettempdir()
 
 
 def _ours(path: str) -> bool:
     """Registries and runtime dirs are named by their owner's pid. Ours: owned by this process,
-    a descendant, or a process that is gone (then nothing cleaned it up). A live process of
-    someone else's (another test run on this machine) is not ours to judge."""
+    a process of this run, or a process that is gone (then nothing cleaned it up). A live process
+    of someone else's (another test run on this machine) is not ours to judge."""
     m = re.match(r"unison[_-](\d+)", os.path.basename(path))
     if m is None:
         return True
     pid = int(m.group(1))
-    me = psutil.Process()
-    return pid == me.pid or not psutil.pid_exists(pid) or pid in {p.pid for p in me.children(recursive=True)}
+    return pid == os.getpid() or not psutil.pid_exists(pid) or pid in _our_processes()
+
+
+def _our_processes() -> set[int]:
+    found = set()
+    for p in psutil.process_iter(["pid", "status"]):
+        if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if p.environ().get("UNISON_TEST_SESSION") == os.environ["UNISON_TEST_SESSION"]:
+                found.add(p.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return found
 
 
 def _leftovers() -> dict[str, set]:
+    runtime_dirs = {p for p in glob.glob(f"{TMP}/unison-*") if _ours(p)}
     return {
-        "processes": {p.pid for p in psutil.Process().children(recursive=True)
-                      if p.status() != psutil.STATUS_ZOMBIE},
-        "registries": {p for p in glob.glob("/dev/shm/unison_*") if _ours(p)},
-        "runtime dirs": {p for p in glob.glob("/tmp/unison-*") if _ours(p)},
+        "processes": _our_processes(),
+        "registries": {p for p in glob.glob(f"{REGISTRY_DIR}/unison_*") if _ours(p)},
+        "runtime dirs": runtime_dirs,
+        "socket files": {s for d in runtime_dirs for s in glob.glob(f"{d}/*.sock")}
+        | {s for s in glob.glob(f"{TMP}/unison*.sock") if _ours(s)},
         "threads": {t.name for t in threading.enumerate() if t.name.startswith("unison")},
     }
 
@@ -53,11 +78,36 @@ def assert_nothing_left(before: dict[str, set], timeout: float = 5.0) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def no_leaks():
+def no_leaks_in_module():
     """Set up before, torn down after, every other module fixture (engines included)."""
     before = _leftovers()
     yield
     assert_nothing_left(before)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(no_leaks_in_module):
+    """Per test: what the test itself started must be gone when it ends (module fixtures were
+    set up before this snapshot, so they do not count)."""
+    before = _leftovers()
+    yield
+    assert_nothing_left(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_report(request):
+    """Prints the time each fault took to handle (tests/serving.py FIGURES), module by module."""
+    from tests.serving import FIGURES
+
+    yield
+    if not FIGURES:
+        return
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\nfault handling times in {request.module.__name__} (2 shared cores):")
+        for name, seconds in FIGURES.items():
+            print(f"  {name}: {seconds:.2f} s")
+    FIGURES.clear()
 
 
 @pytest.fixture(scope="session")

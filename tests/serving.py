@@ -1,0 +1,164 @@
+"""`unison serve` as a test subject: start it, wait for every worker, stop or kill it, check that
+nothing of it is left; the OpenAI error shape; the fault-timing report."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from unison import registry
+
+FIGURES: dict[str, float] = {}  # seconds each fault took to handle, printed after each module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`unison serve` in a subprocess, ready once the core lists every worker as a frontend."""
+
+    def __init__(self, *args: str, workers: int = 1, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log")
+        cmd = [sys.executable, "-m", "unison.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--tokenizer-worker-num", str(workers),
+               "--num-threads", "1", *(["--api-key", api_key] if api_key else []), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.registry = registry.registry_path(self.proc.pid)
+        self.pids = {self.proc.pid}
+        try:
+            self.info = self._wait_ready(workers)
+            endpoint = registry.read(self.registry).endpoint
+            self.runtime_dir = Path(endpoint.removeprefix("ipc://")).parent
+        except BaseException:
+            self.kill()
+            raise
+        self.core_pid = self.info["core_pid"]
+        self.worker_pids = {f["pid"] for f in self.info["frontends"]}
+        self.pids |= {self.core_pid, *self.worker_pids}
+
+    def _wait_ready(self, workers: int, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n"
+                                     f"{self.output()}")
+            try:
+                r = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=5)
+                if r.status_code == 200 and len(r.json()["frontends"]) == workers:
+                    return r.json()
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the server did not get ready:\n{self.output()}"
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=30)
+
+    def post(self, path: str, body: Any = None) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60)
+
+    def server_info(self) -> dict:
+        r = self.get("/get_server_info")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_freed(self, timeout: float) -> None:
+        """Until nothing runs, waits or holds a KV block; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info()
+            if info["num_running"] == info["num_waiting"] == info["kv_blocks_used"] == 0:
+                return
+            assert time.monotonic() < deadline, f"not freed within {timeout} s: {info}"
+            time.sleep(0.02)
+
+    def wait_running(self, n: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.server_info()["num_running"] < n:
+            assert time.monotonic() < deadline, f"{n} requests never ran: {self.server_info()}"
+            time.sleep(0.02)
+
+    def wait_exit(self, timeout: float) -> tuple[int, float]:
+        t0 = time.monotonic()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the launcher did not exit within {timeout:.1f} s:\n"
+                                 f"{self.output()}") from None
+        return code, time.monotonic() - t0
+
+    def stop(self) -> float:
+        """SIGTERM: exit code 0 within 10 s, nothing left behind; returns the seconds it took."""
+        if self.proc.poll() is not None:
+            return math.nan
+        self.proc.send_signal(signal.SIGTERM)
+        code, took = self.wait_exit(10.0)
+        assert code == 0, f"exit code {code}:\n{self.output()}"
+        self.assert_gone()
+        return took
+
+    def assert_gone(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (alive := {p for p in self.pids if registry.pid_alive(p)}) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, f"processes left behind: {alive}\n{self.output()}"
+        assert not self.registry.exists(), f"registry {self.registry} left behind"
+        assert not self.runtime_dir.exists(), f"runtime dir {self.runtime_dir} left behind"
+
+    def kill(self) -> None:
+        """After a failure: leave nothing running for the next test."""
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                if registry.pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        registry.unlink(self.registry)
+        if hasattr(self, "runtime_dir"):
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def serve(name: str, *args: str, **kw: Any):
+    server = Server(*args, **kw)
+    try:
+        yield server
+    finally:
+        try:
+            FIGURES[f"SIGTERM to exit, idle ({name})"] = server.stop()
+        finally:
+            if server.proc.poll() is None:
+                server.kill()
+
+
+def assert_openai_error(r: httpx.Response, status: int, *fragments: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body  # never a raw pydantic dump ("detail", "loc", "input")
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == status and isinstance(err["message"], str) and err["type"]
+    for f in fragments:
+        assert f.lower() in err["message"].lower(), (f, err["message"])
+    return err
