@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import unison
 from tests.test_engine import wait_idle
 from unison import Engine, protocol, registry
 
@@ -59,10 +61,23 @@ def still_serving(engine: Engine) -> None:
 
 def test_runtime_dir_and_registry_are_private(engine):
     path = registry.registry_path(os.getpid())
-    assert path.stat().st_mode & 0o777 == 0o600
-    runtime = Path(registry.read(path).endpoint.removeprefix("ipc://")).parent
-    assert runtime.stat().st_mode & 0o777 == 0o700
-    assert runtime.stat().st_uid == os.getuid()
+    assert path.stat().st_mode & 0o777 == 0o600 and path.stat().st_uid == os.getuid()
+    socket_file = Path(registry.read(path).endpoint.removeprefix("ipc://"))
+    runtime = socket_file.parent
+    assert runtime.stat().st_mode & 0o777 == 0o700 and runtime.stat().st_uid == os.getuid()
+    assert socket_file.stat().st_mode & 0o077 == 0, "the socket must not be open to others"
+    assert socket_file.stat().st_uid == os.getuid()
+
+
+def test_nothing_crosses_processes_as_pickle():
+    """Every message between processes is msgpack (protocol.py): no module of the package may
+    reach for pickle or an API that unpickles (multiprocessing connections, torch.load)."""
+    banned = re.compile(r"\bimport pickle\b|\bfrom pickle\b|\bpickle\.|\bcloudpickle\b|"
+                        r"multiprocessing\.connection|torch\.load\(|\brecv_pyobj\b|\bsend_pyobj\b")
+    root = Path(unison.__file__).parent
+    hits = [f"{f.relative_to(root)}:{n}: {line.strip()}" for f in root.rglob("*.py")
+            for n, line in enumerate(f.read_text().splitlines(), 1) if banned.search(line)]
+    assert not hits, hits
 
 
 @FUZZ
@@ -149,3 +164,13 @@ def test_the_core_kept_serving(engine, raw):
     still_serving(engine)
     wait_idle(engine)
     engine.check_integrity()
+
+
+def test_server_binds_loopback_by_default(monkeypatch):
+    import unison.server.launch as launch
+    from unison import cli
+
+    seen: dict = {}
+    monkeypatch.setattr(launch, "serve", lambda config, **kw: seen.update(kw) or 0)
+    assert cli.main(["serve"]) == 0
+    assert seen["host"] == "127.0.0.1", "only an explicit --host may expose the server"
