@@ -23,36 +23,40 @@ PROMPT = "Remember the passphrase zebra-4471 and tell me a story:"  # must never
 KEY = "sk-faults-test-key"
 
 
-def open_stream(server: Server, max_tokens: int) -> tuple[httpx.Client, httpx.Response, int]:
-    """A streaming completion, its first chunk read; returns the client, the response and the pid
-    of the worker that serves it."""
-    client = httpx.Client(timeout=30)
-    body = {"prompt": PROMPT, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}
-    r = client.send(client.build_request("POST", server.url + COMP, json=body, headers=server.headers),
-                    stream=True)
-    assert r.status_code == 200
-    next(line for line in r.iter_lines() if line.startswith("data: "))
-    return client, r, int(r.headers["x-unison-worker-pid"])
+class Stream:
+    """A streaming completion, its first chunk read; `pid` is the worker that serves it."""
+
+    def __init__(self, server: Server, max_tokens: int) -> None:
+        self.client = httpx.Client(timeout=30)
+        body = {"prompt": PROMPT, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0}
+        request = self.client.build_request("POST", server.url + COMP, json=body, headers=server.headers)
+        self.response = self.client.send(request, stream=True)
+        assert self.response.status_code == 200
+        self.lines = self.response.iter_lines()
+        next(line for line in self.lines if line.startswith("data: "))
+        self.pid = int(self.response.headers["x-unison-worker-pid"])
+
+    def read_to_end(self) -> list[str]:
+        return [line for line in self.lines if line]
+
+    def close(self) -> None:
+        self.response.close()
+        self.client.close()
 
 
-def streams_on_each_worker(server: Server, max_tokens: int) -> dict[int, tuple]:
+def streams_on_each_worker(server: Server, max_tokens: int) -> dict[int, Stream]:
     """Opens streams until one is served by each worker (the kernel spreads connections)."""
-    by_worker: dict[int, tuple] = {}
+    by_worker: dict[int, Stream] = {}
     for _ in range(40):
-        client, r, pid = open_stream(server, max_tokens)
-        if pid in by_worker:
-            r.close()
-            client.close()
+        stream = Stream(server, max_tokens)
+        if stream.pid in by_worker:
+            stream.close()
         else:
-            by_worker[pid] = (client, r)
+            by_worker[stream.pid] = stream
         if len(by_worker) == len(server.worker_pids):
             return by_worker
     raise AssertionError(f"40 streams all went to workers {sorted(by_worker)}")
-
-
-def read_to_end(r: httpx.Response) -> list[str]:
-    return [line for line in r.iter_lines() if line]
 
 
 def test_http_worker_killed_mid_stream():
@@ -64,12 +68,12 @@ def test_http_worker_killed_mid_stream():
         streams = streams_on_each_worker(server, max_tokens=200)
         victim, survivor = sorted(streams)
         done: list[list[str]] = []
-        reader = threading.Thread(target=lambda: done.append(read_to_end(streams[survivor][1])))
+        reader = threading.Thread(target=lambda: done.append(streams[survivor].read_to_end()))
         reader.start()
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):
-            read_to_end(streams[victim][1])
+            streams[victim].read_to_end()
         FIGURES["HTTP worker kill -9 to its client's error"] = time.monotonic() - t0
 
         def victim_listed() -> bool:
@@ -92,9 +96,8 @@ def test_http_worker_killed_mid_stream():
         for _ in range(4):  # both workers serve
             assert server.post(COMP, {"prompt": PROMPT, "max_tokens": 4}).status_code == 200
         server.wait_freed(timeout=5)
-        for client, r in streams.values():
-            r.close()
-            client.close()
+        for stream in streams.values():
+            stream.close()
         server.stop()
         log = server.output()
         assert KEY not in log and "zebra-4471" not in log, "the API key or a prompt reached the log"
@@ -109,12 +112,16 @@ def test_launcher_killed_leaves_nothing():
     the core gone and exit, the registry and runtime dir go with the core."""
     server = Server("--chunked-prefill-size", "64", workers=2)
     try:
-        client, r, _ = open_stream(server, max_tokens=2000)
+        stream = Stream(server, max_tokens=2000)
         t0 = time.monotonic()
         os.kill(server.proc.pid, signal.SIGKILL)
-        with pytest.raises(httpx.HTTPError):
-            read_to_end(r)
-        client.close()
+        try:  # the worker reports the dead engine in the stream, or is gone before it can
+            tail = stream.read_to_end()[-2:]
+            assert tail[-1] == "data: [DONE]" and "engine is not running" in tail[0], tail
+        except httpx.HTTPError:
+            pass
+        FIGURES["launcher kill -9 to its client's stream ended"] = time.monotonic() - t0
+        stream.close()
         server.proc.wait(5)
         server.assert_gone(timeout=5)
         FIGURES["launcher kill -9 to core, workers, registry and runtime dir gone"] = time.monotonic() - t0
