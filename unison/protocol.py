@@ -32,6 +32,7 @@ class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     seed: int = 0  # always set: the frontend draws one when the user gives none
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    grammar: str | None = None  # llguidance grammar text (from a JSON schema, regex or EBNF)
 
     @property
     def greedy(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter, defaultdict
 
@@ -9,12 +10,15 @@ import torch
 
 from unison.config import EngineConfig
 from unison.core.block_pool import BlockPool
+from unison.core.grammar import Grammars
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 from unison.core.sampler import Sampler, top_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import Generate, ReqOutput
+
+log = logging.getLogger(__name__)
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
 
@@ -41,6 +45,10 @@ class EngineCore:
         )
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
+        self.model_dir = model_dir
+        self.grammars: Grammars | None = None  # started by the first constrained request
+        self.compiling: list[Request] = []  # waiting for their grammar's matcher
+        self.bad_grammars: list[Request] = []  # compiled with an error: refused next step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # How many forwards ran with each (tokens, logits rows): what `bench offline` times the
         # model's GEMMs at to print the linear-layer ceiling of a run.
@@ -48,7 +56,17 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Something to step: a running request, a waiting one that can be admitted (its grammar
+        compiled), or a request to refuse."""
+        sched = self.scheduler
+        return bool(sched.running) or len(sched.waiting) > self._num_compiling() or bool(self.bad_grammars)
+
+    def _num_compiling(self) -> int:
+        if self.compiling:
+            done = [r for r in self.compiling if r.grammar.done()]
+            self.bad_grammars += [r for r in done if r.grammar.exception() is not None]
+            self.compiling = [r for r in self.compiling if not r.grammar.done()]
+        return len(self.compiling)
 
     @property
     def cached_blocks(self) -> int:
@@ -81,6 +99,8 @@ class EngineCore:
                 problem = str(e)
             else:
                 self.requests[msg.rid] = req
+                if msg.params.grammar is not None:
+                    self._compile(req, msg.params.grammar)
                 return None
         return ReqOutput(msg.rid, finish="abort", error=problem)
 
@@ -107,6 +127,12 @@ class EngineCore:
             return "top_logprobs_num must be in [0, 20] and logprob_start_len >= -1"
         return None
 
+    def _compile(self, req: Request, grammar: str) -> None:
+        if self.grammars is None:
+            self.grammars = Grammars(self.model_dir, self.runner.vocab_size, self.eos_token_ids)
+        req.grammar = self.grammars.compile(grammar)
+        self.compiling.append(req)
+
     def abort(self, frontend: bytes, rid: str) -> ReqOutput | None:
         req = self.requests.get(rid)
         if req is None or req.frontend != frontend:  # only the owner may abort
@@ -123,6 +149,9 @@ class EngineCore:
     def _drop(self, req: Request) -> None:
         self.scheduler.remove(req)
         del self.requests[req.rid]
+        for pending in (self.compiling, self.bad_grammars):
+            if req in pending:
+                pending.remove(req)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -134,9 +163,10 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> Outputs:
+        refused = self._refuse_bad_grammars()
         items = self.scheduler.schedule()
         if not items:
-            return {}
+            return refused
         logits = self.runner.forward([self._batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
         sampled: list[tuple[int, Request, ReqOutput]] = []  # (logits row, request, its output)
@@ -157,7 +187,20 @@ class EngineCore:
             self.step_shapes[shape] += 1
         if sampled:
             self._sample(logits[[r for r, _, _ in sampled]], sampled)
-        return self._collect(items, outs)
+        outputs = self._collect(items, outs)
+        for frontend, refusals in refused.items():
+            outputs[frontend] += refusals
+        return outputs
+
+    def _refuse_bad_grammars(self) -> Outputs:
+        refused: Outputs = defaultdict(list)
+        self._num_compiling()
+        while self.bad_grammars:
+            req = self.bad_grammars[0]
+            self._drop(req)
+            error = str(req.grammar.exception())
+            refused[req.frontend].append(ReqOutput(req.rid, finish="abort", error=error))
+        return refused
 
     def _batch_item(self, it: ScheduledItem) -> BatchItem:
         start = it.req.num_computed_tokens
@@ -195,7 +238,18 @@ class EngineCore:
                 if req.top_logprobs_num and result.top_logprobs is not None:
                     out.top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
             self._check_finish(req, tok)
+            if req.grammar is not None:
+                self._advance_grammar(req, tok)
         self.stats["generation_tokens"] += len(sampled)
+
+    def _advance_grammar(self, req: Request, tok: int) -> None:
+        matcher = req.matcher
+        matcher.consume_token(tok)
+        if matcher.is_error():  # only a masked-out token could do this: end it, say why
+            log.warning("request %s: grammar rejected token %d: %s", req.rid, tok, matcher.get_error())
+            req.finish = req.finish or "stop"
+        elif matcher.is_stopped() and req.finish is None:
+            req.finish = "stop"  # the grammar is complete: nothing more may follow
 
     def _check_finish(self, req: Request, tok: int) -> None:
         p = req.params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,16 @@ class Request:
     cache_node: Any = None  # the radix cache node this request holds locked
     finish: str | None = None
     matched: int | None = None
+    grammar: Future | None = None  # the request's matcher, once compiled (see core/grammar.py)
+
+    @property
+    def ready(self) -> bool:
+        """Admissible: no grammar, or its matcher is compiled (or failed: then it is refused)."""
+        return self.grammar is None or self.grammar.done()
+
+    @property
+    def matcher(self) -> Any:
+        return None if self.grammar is None else self.grammar.result()
 
     def __post_init__(self) -> None:
         start = self.logprob_start_len

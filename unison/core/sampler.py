@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unison.core.grammar import apply_masks
 from unison.core.request import Request
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
@@ -35,11 +36,16 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-        logits = logits.float()
+        logits = raw = logits.float()
         raw_logprobs = None
         if any(r.return_logprob for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties_and_bias(logits, reqs)
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            if logits.data_ptr() == raw.data_ptr():
+                logits = logits.clone()
+            apply_masks(logits, constrained, [reqs[i].matcher for i in constrained])
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:

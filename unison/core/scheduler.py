@@ -93,6 +93,8 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions  # then admitting more would only thrash
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
             req = self._next_waiting()
+            if req is None:
+                break  # what waits is still compiling its grammar
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
@@ -117,16 +119,18 @@ class Scheduler:
                 logits_start = min(logits_start, lo - req.num_computed_tokens)
         return ScheduledItem(req, n, logits_start, sample)
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> Request | None:
         """The request to admit next (it stays queued until admission succeeds)."""
         head = self.waiting[0]
         if head.num_preemptions and not head.block_table:
             return head  # preempted work resumes first, whatever the policy
-        candidates: Iterable[Request] = self.waiting
+        candidates: Iterable[Request] = [r for r in self.waiting if r.ready]
+        if not candidates:
+            return None
         if self.policy == "fair":
-            fronts = {r.frontend for r in self.waiting}
+            fronts = {r.frontend for r in candidates}
             turn = min(fronts, key=lambda f: self.last_served.get(f, -1))
-            candidates = [r for r in self.waiting if r.frontend == turn]
+            candidates = [r for r in candidates if r.frontend == turn]
         if self.policy == "lpm" and self.cache is not None:
             return max(candidates, key=lambda r: (r.priority, self.cache.match_len(r.token_ids), -r.arrival))
         return max(candidates, key=lambda r: (r.priority, -r.arrival))

@@ -47,6 +47,7 @@ from unison.protocol import (
 log = logging.getLogger("unison.core")
 
 IDLE_POLL_MS = 100
+GRAMMAR_POLL_MS = 2
 STATS_INTERVAL = 10.0
 MAX_MESSAGES_PER_POLL = 4096  # a flood of messages can delay a step, never starve it
 
@@ -121,6 +122,8 @@ class CoreServer:
         self._stats_at, self._stats_gen = now, gen
 
     def close(self) -> None:
+        if self.core.grammars is not None:
+            self.core.grammars.close()
         registry.unlink(self.args.registry_path)
         shutil.rmtree(self.args.runtime_dir, ignore_errors=True)
         for fe in list(self.frontends.values()):
@@ -134,6 +137,8 @@ class CoreServer:
     def poll_once(self) -> None:
         busy = self.core.has_work and not self.paused
         timeout = 0 if busy or any(fe.outbox for fe in self.frontends.values()) else IDLE_POLL_MS
+        if self.core.compiling and not busy:
+            timeout = GRAMMAR_POLL_MS  # a grammar is compiling on its thread: look again soon
         for what, _ in self.poller.poll(timeout):
             if what is self.sock:
                 self.drain()
