@@ -262,47 +262,76 @@ def test_generate_from_thread_without_loop(engine):
     assert result["out"]["text"].startswith(" Paris.")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"prompt": ""}, "prompt is empty"),
-    ({"prompt": None}, "exactly one of prompt and input_ids"),
-    ({"prompt": 5}, "prompt must be"),
-    ({"input_ids": [1, 2, 10**9]}, "input_ids"),
-    ({"input_ids": [-1]}, "input_ids"),
-    ({"sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-    ({"sampling_params": {"max_new_tokens": 9000}}, "context length"),
-    ({"sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens must be an integer"),
-    ({"sampling_params": {"temperature": -0.5}}, "temperature"),
-    ({"sampling_params": {"temperature": float("nan")}}, "temperature"),
-    ({"sampling_params": {"top_p": 0}}, "top_p"),
-    ({"sampling_params": {"top_p": 1.5}}, "top_p"),
-    ({"sampling_params": {"top_k": 0}}, "top_k"),
-    ({"sampling_params": {"min_p": 2}}, "min_p"),
-    ({"sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
-    ({"sampling_params": {"n": 0}}, "n must be"),
-    ({"sampling_params": {"stop": [""]}}, "stop"),
-    ({"sampling_params": {"logit_bias": {"x": 1}}}, "logit_bias"),
-    ({"sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
-    ({"sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
-])
+def queue_counters(info: dict, running: bool = False) -> dict:
+    """What a request leaves in the engine: tokens counted, queues, admissions (the tokens
+    generated keep moving while a request runs)."""
+    stats = info["stats"]
+    return {"prompt_tokens": stats["prompt_tokens"], "num_running": info["num_running"],
+            "num_waiting": info["num_waiting"], "admissions": info["admissions"],
+            **({} if running else {"generation_tokens": stats["generation_tokens"]})}
+
+
+BAD_INPUT = [  # (id, generate kwargs, the error names the field); "rid" runs one in flight first
+    ("empty prompt", {"prompt": ""}, "prompt is empty"),
+    ("no prompt", {"prompt": None}, "exactly one of prompt and input_ids"),
+    ("prompt not a string", {"prompt": 5}, "prompt must be"),
+    ("empty input_ids", {"input_ids": []}, "input_ids must be a non-empty"),
+    ("prompt over the context", {"input_ids": [1] * 9000, "sampling_params": {"max_new_tokens": 0}},
+     r"prompt \(9000 tokens\) exceeds the context length"),
+    ("token id out of range", {"input_ids": [1, 2, 10**9]}, "input_ids"),
+    ("token id negative", {"input_ids": [-1]}, "input_ids"),
+    ("max_new_tokens negative", {"sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ("max_new_tokens over the context", {"sampling_params": {"max_new_tokens": 9000}},
+     r"max_new_tokens \(9000\) .* context length"),
+    ("max_new_tokens a string", {"sampling_params": {"max_new_tokens": "8"}},
+     "max_new_tokens must be an integer"),
+    ("temperature negative", {"sampling_params": {"temperature": -0.5}}, "temperature"),
+    ("temperature NaN", {"sampling_params": {"temperature": float("nan")}}, "temperature"),
+    ("temperature a string", {"sampling_params": {"temperature": "hot"}}, "temperature must be a number"),
+    ("top_p 0", {"sampling_params": {"top_p": 0}}, "top_p"),
+    ("top_p 1.5", {"sampling_params": {"top_p": 1.5}}, "top_p"),
+    ("top_k 0", {"sampling_params": {"top_k": 0}}, "top_k"),
+    ("top_k -2", {"sampling_params": {"top_k": -2}}, "top_k"),
+    ("min_p 2", {"sampling_params": {"min_p": 2}}, "min_p"),
+    ("repetition_penalty 0", {"sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ("repetition_penalty 3", {"sampling_params": {"repetition_penalty": 3}}, "repetition_penalty"),
+    ("frequency_penalty 3", {"sampling_params": {"frequency_penalty": 3.0}}, "frequency_penalty"),
+    ("presence_penalty -3", {"sampling_params": {"presence_penalty": -3.0}}, "presence_penalty"),
+    ("n 0", {"sampling_params": {"n": 0}}, "n must be"),
+    ("n 1000", {"sampling_params": {"n": 1000}}, r"n must be in \[1, 128\], got 1000"),
+    ("100 stop strings", {"sampling_params": {"stop": ["x"] * 100}}, "stop has 100 strings"),
+    ("empty stop string", {"sampling_params": {"stop": [""]}}, "stop"),
+    ("logit_bias id not a number", {"sampling_params": {"logit_bias": {"x": 1}}}, "logit_bias"),
+    ("logit_bias id out of range", {"sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
+    ("logit_bias id negative", {"sampling_params": {"logit_bias": {"-5": 1}}}, "logit_bias"),
+    ("unknown sampling field", {"sampling_params": {"bogus": 1}}, "unknown sampling parameter.*bogus"),
+    ("chat message with an unknown role", {"messages": [{"role": "robot", "content": "hi"}]},
+     r"messages\[0\]: role"),
+    ("duplicate rid", {"rid": "dup-1"}, "already in flight"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
 def test_bad_input_raises_before_queueing(engine, kwargs, match):
     kwargs = {"prompt": "Hello", **kwargs}
     if "input_ids" in kwargs:
         kwargs.pop("prompt")
+    held = None
+    if "rid" in kwargs:  # a duplicate of a request in flight
+        held = engine.generate(PROMPTS[0], {"max_new_tokens": 500, "ignore_eos": True}, stream=True,
+                               rid=kwargs["rid"])
+        next(held)
+    before = queue_counters(engine.get_server_info(), running=held is not None)
     with pytest.raises(ValueError, match=match):
+        if "messages" in kwargs:
+            kwargs["prompt"] = engine.tokenizer.apply_chat_template(kwargs.pop("messages"))
         engine.generate(**kwargs)
-    assert engine.get_server_info()["stats"]["prompt_tokens"] >= 0
-    info = wait_idle(engine)
-    assert info["num_waiting"] == 0
-
-
-def test_duplicate_rid_is_rejected(engine):
-    long = {"max_new_tokens": 200, "ignore_eos": True}
-    stream = engine.generate(PROMPTS[0], long, stream=True, rid="dup-1")
-    next(stream)
-    with pytest.raises(ValueError, match="already in flight"):
-        engine.generate(PROMPTS[1], {"max_new_tokens": 2}, rid="dup-1")
-    stream.close()
-    engine.abort_request("dup-1")
+    assert queue_counters(engine.get_server_info(), running=held is not None) == before
+    if held is not None:
+        held.close()
+        wait_idle(engine)
+    out = engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4})
+    assert out["text"].startswith(" Paris") and out["meta_info"]["completion_tokens"] == 4
 
 
 def test_pause_and_continue(engine):

@@ -409,56 +409,131 @@ def test_metrics_agree_across_workers(server2):
 # ---- 3. errors ------------------------------------------------------------------------------
 
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
-ERRORS = [
-    ("temperature -1", COMP, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ("top_p 2", COMP, {"prompt": "hi", "top_p": 2}, 400, "top_p"),
-    ("max_tokens abc", COMP, {"prompt": "hi", "max_tokens": "abc"}, 400, "max_tokens"),
-    ("n 0", COMP, {"prompt": "hi", "n": 0}, 400, "n must"),
-    ("logprobs 50", COMP, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
-    ("no prompt", COMP, {"max_tokens": 3}, 400, "prompt"),
-    ("empty prompt list", COMP, {"prompt": []}, 400, "prompt"),
-    ("token id out of range", COMP, {"prompt": [10**9]}, 400, "token ids"),
-    ("prompt over the context", COMP, {"prompt": "hello " * 9000, "max_tokens": 1}, 400,
+MB = 1 << 20
+ERRORS = [  # (id, route, body, status, param, message fragment); a body with "rid" runs one first
+    ("empty prompt", COMP, {"prompt": ""}, 400, "prompt", "prompt is empty"),
+    ("no prompt", COMP, {"max_tokens": 3}, 400, "prompt", "prompt"),
+    ("empty prompt list", COMP, {"prompt": []}, 400, "prompt", "prompt"),
+    ("prompt over the context", COMP, {"prompt": "hello " * 9000, "max_tokens": 1}, 400, "prompt",
      "context length"),
-    ("max_tokens over the context", COMP, {"prompt": "hi", "max_tokens": 9000}, 400,
+    ("token id out of range", COMP, {"prompt": [10**9]}, 400, "prompt", "token ids"),
+    ("token id negative", COMP, {"prompt": [-1]}, 400, "prompt", "token ids"),
+    ("max_tokens -1", COMP, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ("max_tokens over the context", COMP, {"prompt": "hi", "max_tokens": 9000}, 400, "max_tokens",
      "context length"),
-    ("unknown model", COMP, {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
-    ("chat temperature -1", CHAT_URL, {"messages": HELLO, "temperature": -1}, 400, "temperature"),
-    ("chat unknown model", CHAT_URL, {"messages": HELLO, "model": "gpt-4"}, 404, "gpt-4"),
+    ("max_tokens abc", COMP, {"prompt": "hi", "max_tokens": "abc"}, 400, "max_tokens", "max_tokens"),
+    ("temperature -1", COMP, {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
+    ("temperature NaN", COMP, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature",
+     "temperature"),
+    ("temperature hot", COMP, {"prompt": "hi", "temperature": "hot"}, 400, "temperature",
+     "temperature"),
+    ("top_p 0", COMP, {"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
+    ("top_p 2", COMP, {"prompt": "hi", "top_p": 2}, 400, "top_p", "top_p"),
+    ("top_k 0", COMP, {"prompt": "hi", "top_k": 0}, 400, "top_k", "top_k"),
+    ("top_k -2", COMP, {"prompt": "hi", "top_k": -2}, 400, "top_k", "top_k"),
+    ("presence_penalty 3", COMP, {"prompt": "hi", "presence_penalty": 3.0}, 400, "presence_penalty",
+     "presence_penalty"),
+    ("frequency_penalty -3", COMP, {"prompt": "hi", "frequency_penalty": -3.0}, 400,
+     "frequency_penalty", "frequency_penalty"),
+    ("repetition_penalty 0", COMP, {"prompt": "hi", "repetition_penalty": 0}, 400,
+     "repetition_penalty", "repetition_penalty"),
+    ("n 0", COMP, {"prompt": "hi", "n": 0}, 400, "n", "n must"),
+    ("n 1000", COMP, {"prompt": "hi", "n": 1000}, 400, "n", "n must"),
+    ("100 stop strings", COMP, {"prompt": "hi", "stop": [f"s{i}" for i in range(100)]}, 400, "stop",
+     "stop"),
+    ("empty stop string", COMP, {"prompt": "hi", "stop": ""}, 400, "stop", "stop"),
+    ("logit_bias id out of range", COMP, {"prompt": "hi", "logit_bias": {"999999999": 1}}, 400,
+     "logit_bias", "logit_bias"),
+    ("logit_bias id abc", COMP, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias",
+     "logit_bias"),
+    ("logprobs 50", COMP, {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
+    ("unknown field", COMP, {"prompt": "hi", "foo": 1}, 400, "foo", "unknown field 'foo'"),
+    ("unknown model", COMP, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ("chat temperature -1", CHAT_URL, {"messages": HELLO, "temperature": -1}, 400, "temperature",
+     "temperature"),
+    ("chat unknown field", CHAT_URL, {"messages": HELLO, "foo": 1}, 400, "foo", "unknown field 'foo'"),
+    ("chat unknown model", CHAT_URL, {"messages": HELLO, "model": "gpt-4"}, 404, "model", "gpt-4"),
     ("chat over the context", CHAT_URL,
-     {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "context length"),
-    ("chat tools", CHAT_URL, {"messages": HELLO, "tools": TOOLS}, 400, "tool"),
-    ("chat bad role", CHAT_URL, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
-    ("chat messages not a list", CHAT_URL, {"messages": "hello"}, 400, "messages"),
-    ("chat top_logprobs alone", CHAT_URL, {"messages": HELLO, "top_logprobs": 2}, 400, "logprobs"),
-    ("bad JSON", COMP, b'{"prompt": "hi",', 400, "JSON"),
-    ("invalid UTF-8", COMP, b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+     {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages", "context length"),
+    ("chat tools", CHAT_URL, {"messages": HELLO, "tools": TOOLS}, 400, "tools", "tool"),
+    ("chat unknown role", CHAT_URL, {"messages": [{"role": "robot", "content": "hi"}]}, 400,
+     "messages[0]", "role"),
+    ("chat messages not a list", CHAT_URL, {"messages": "hello"}, 400, "messages", "messages"),
+    ("chat top_logprobs alone", CHAT_URL, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs",
+     "logprobs"),
+    ("bad JSON", COMP, b'{"prompt": "hi",', 400, None, "JSON"),
+    ("invalid UTF-8", COMP, b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
     ("chat invalid UTF-8", CHAT_URL, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}',
-     400, "UTF-8"),
-    ("body not an object", COMP, b"[1, 2]", 400, ""),
-    ("generate invalid UTF-8", "/generate", b'{"text": "\xff"}', 400, "JSON"),
-    ("generate unknown field", "/generate", {"text": "hi", "foo": 1}, 400, "foo"),
-    ("unknown route", "/v1/nothing", {}, 404, "not found"),
+     400, None, "UTF-8"),
+    ("body not an object", COMP, b"[1, 2]", 400, None, ""),
+    ("body of 50 MB", COMP, lambda: b"x" * (50 * MB), 413, None, "max_request_bytes"),
+    ("body of 50 MB, chunked", COMP, lambda: (b"x" * MB for _ in range(50)), 413, None,
+     "max_request_bytes"),
+    ("generate invalid UTF-8", "/generate", b'{"text": "\xff"}', 400, None, "JSON"),
+    ("generate unknown field", "/generate", {"text": "hi", "foo": 1}, 400, "foo", "foo"),
+    ("generate temperature -1", "/generate", {"text": "hi", "sampling_params": {"temperature": -1}},
+     400, "temperature", "temperature"),
+    ("generate top_logprobs_num abc", "/generate", {"text": "hi", "top_logprobs_num": "abc"}, 400,
+     "top_logprobs_num", "top_logprobs_num"),
+    ("generate duplicate rid", "/generate", {"text": "hi", "rid": "dup-1"}, 400, "rid",
+     "already in flight"),
+    ("unknown route", "/v1/nothing", {}, 404, None, "not found"),
 ]
 
 
-@pytest.mark.parametrize("route, body, status, fragment", [e[1:] for e in ERRORS],
+def queue_counters(info: dict, running: bool = False) -> dict:
+    """What a request leaves in the engine: tokens counted, queues, admissions (the tokens
+    generated keep moving while a request runs)."""
+    stats = info["stats"]
+    return {"prompt_tokens": stats["prompt_tokens"], "num_running": info["num_running"],
+            "num_waiting": info["num_waiting"], "admissions": info["admissions"],
+            **({} if running else {"generation_tokens": stats["generation_tokens"]})}
+
+
+@contextlib.contextmanager
+def generating(server: Server, rid: str):
+    """A long /generate stream with this rid, in flight until the block ends."""
+    body = {"text": PROMPT, "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: its generator, once collected, would close the stream
+        assert next(lines).startswith("data: ")
+        yield
+
+
+@pytest.mark.parametrize("route, body, status, param, fragment", [e[1:] for e in ERRORS],
                          ids=[e[0] for e in ERRORS])
-def test_errors_are_openai_shaped(server, route, body, status, fragment):
-    if isinstance(body, bytes):
-        r = httpx.post(server.url + route, content=body, timeout=30,
-                       headers={"content-type": "application/json"})
-    else:
-        r = server.post(route, body)
-    assert r.status_code != 422
-    assert_openai_error(r, status, fragment)
+def test_bad_requests_get_openai_errors_and_queue_nothing(server, route, body, status, param, fragment):
+    rid = body.get("rid") if isinstance(body, dict) else None
+    with generating(server, rid) if rid else contextlib.nullcontext():
+        before = queue_counters(server.server_info(), running=bool(rid))
+        content = body() if callable(body) else body
+        if isinstance(content, dict):
+            r = server.post(route, content)
+        else:
+            r = httpx.post(server.url + route, content=content, timeout=60,
+                           headers={"content-type": "application/json"})
+        assert r.status_code != 422
+        err = assert_openai_error(r, status, fragment)
+        assert err["param"] == param, err
+        assert queue_counters(server.server_info(), running=bool(rid)) == before
+    server.wait_freed(timeout=10)
+    good = server.post(COMP, {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2, good.text
 
 
-def test_unknown_fields_are_ignored(server, client):
-    r = server.post(COMP, {"prompt": "hi", "max_tokens": 2, "not_a_field": {"x": 1}})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+def test_unknown_fields_are_rejected_standard_ones_accepted(server, client):
+    err = assert_openai_error(server.post(COMP, {"prompt": "hi", "max_tokens": 2, "not_a_field": {"x": 1}}),
+                              400, "unknown field 'not_a_field'")
+    assert err["param"] == "not_a_field"
+    with pytest.raises(openai.BadRequestError, match="unknown field 'temperatur'"):
+        complete(client, max_tokens=1, extra_body={"temperatur": 0.5})
+    standard = {"user": "u-1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}
+    r = server.post(COMP, {"prompt": "hi", "max_tokens": 2, **standard})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     r = server.post(CHAT_URL, {"messages": [{"role": "user", "content": "hi", "extra": 1}],
-                               "max_tokens": 2, "metadata": {"a": "b"}, "store": False})
+                               "max_tokens": 2, "parallel_tool_calls": False, **standard})
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)

@@ -64,7 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
     opts.setdefault("log_level", "info")
     config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
-                 served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests)
+                 served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
+                 max_request_bytes=args.max_request_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-queued-requests", type=int, default=None, help="past it: 503 at once")
+    srv.add_argument("--max-request-bytes", type=int, default=None,
+                     help="largest request body (default: 32 MiB); past it: 413")
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 

@@ -75,10 +75,13 @@ class SamplingParams:
         for tid in self.stop_token_ids or []:
             _int("stop_token_ids", tid, lo=0, hi=vocab_size - 1)
         self._bias_items(vocab_size)
+        if prompt_len > context_length:
+            raise ValueError(f"prompt ({prompt_len} tokens) exceeds the context length ({context_length})")
         if prompt_len + self.max_new_tokens > context_length:
             raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the "
-                f"context length ({context_length}); shorten the prompt or lower max_new_tokens"
+                f"max_new_tokens ({self.max_new_tokens}) + the prompt ({prompt_len} tokens) exceeds the "
+                f"context length ({context_length}); lower max_new_tokens to at most "
+                f"{context_length - prompt_len} or shorten the prompt"
             )
 
     def _validate_stop(self) -> None:

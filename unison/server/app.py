@@ -12,11 +12,13 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import fields
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,16 @@ from unison.server.openai_protocol import ChatCompletionRequest, CompletionReque
 log = logging.getLogger("unison.server")
 
 ENV = "UNISON_SERVER"  # JSON: registry path, owner pid, api key, served model name
+MAX_REQUEST_BYTES = 32 << 20  # the default of --max-request-bytes
+
+# The engine's names in a ValueError, as an OpenAI request spells them; and the names that make a
+# message's first word the field it is about (its `param`).
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+                 "input_ids": "prompt"}
+_NATIVE_NAME = re.compile(r"\b(" + "|".join(_OPENAI_NAMES) + r")\b")
+_FIELDS = ({f.name for f in fields(SamplingParams)} | set(_OPENAI_NAMES.values())
+           | {"prompt", "input_ids", "text", "messages", "rid", "sampling_params"})
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 
 
 def _kind(status: int) -> str:
@@ -65,6 +77,8 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
     api_key: str | None = settings.get("api_key")
     served_name: str = settings["served_model_name"]
     max_queued: int | None = settings.get("max_queued_requests")
+    max_body = settings.get("max_request_bytes")
+    max_body = MAX_REQUEST_BYTES if max_body is None else max_body
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -87,7 +101,7 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
             raise HTTPError(503, f"the engine is not running: {worker.dead}")
         return worker
 
-    app.add_middleware(_AuthAndTag, api_key=api_key)
+    app.add_middleware(_Gate, api_key=api_key, max_body=max_body)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError):
@@ -104,15 +118,24 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON")
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return error_response(400, msg, param=".".join(loc) or None)
+        param = _field_path(first.get("loc", ()))
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"unknown field {param!r}", param=param)
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
 
     @app.exception_handler(ValueError)
-    async def _value_error(_: Request, e: ValueError):
-        return error_response(400, str(e))
+    async def _value_error(request: Request, e: ValueError):
+        # The engine validates and names its own fields: say them as the request spelt them.
+        message, path = str(e), request.url.path
+        if path.startswith("/v1/"):
+            message = _NATIVE_NAME.sub(lambda m: _OPENAI_NAMES[m[0]], message)
+        head = re.match(r"([a-z_]+)(\[\d+\])*", message)
+        param = head[0] if head and head[1] in _FIELDS else None
+        if param == "prompt" and path == "/v1/chat/completions":
+            param = "messages"  # the prompt is the chat template's output
+        return error_response(400, message, param=param)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError):
@@ -133,10 +156,6 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         if max_queued is not None and len(worker.states) >= max_queued:
             raise HTTPError(503, f"the server is overloaded: {len(worker.states)} requests queued "
                                  f"(max_queued_requests={max_queued}); retry later")
-
-    def warn_unknown(body: Any) -> None:
-        if body.model_extra:
-            log.warning("ignored unknown field(s) %s", sorted(body.model_extra))
 
     # ---- routes ------------------------------------------------------------------------------
 
@@ -168,7 +187,6 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         worker = worker_of(request)
         check_model(body.model)
-        warn_unknown(body)
         if body.suffix or (body.best_of or 1) > 1:
             raise HTTPError(400, "suffix and best_of are not supported", param="suffix")
         prompts = _completion_prompts(body.prompt)
@@ -182,7 +200,6 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         worker = worker_of(request)
         check_model(body.model)
-        warn_unknown(body)
         if body.tools or body.tool_choice not in (None, "none"):
             raise HTTPError(400, "tool calling is not supported by this server yet", param="tools")
         if body.response_format and body.response_format.get("type") != "text":
@@ -208,17 +225,23 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
                    "logprob_start_len", "top_logprobs_num", "rid", "priority"}
         unknown = sorted(set(body) - allowed)
         if unknown:
-            raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+            raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}", param=unknown[0])
         params = SamplingParams.from_any(body.get("sampling_params"))
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise HTTPError(400, "give exactly one of text and input_ids")
         ids = [worker.prepare(text, input_ids, params)]
+        rid, rlp = body.get("rid"), bool(body.get("return_logprob", False))
+        if rid is not None and not isinstance(rid, str):
+            raise HTTPError(400, f"rid must be a string, got {rid!r}", param="rid")
+        start = _int_field(body, "logprob_start_len", -1, lo=-1)
+        top_n = _int_field(body, "top_logprobs_num", 0, lo=0, hi=20)
+        priority = _int_field(body, "priority", 0)
         check_queue(worker)
-        rlp = bool(body.get("return_logprob", False))
-        states = await worker.submit(ids, [params], [body.get("rid")], rlp,
-                                     int(body.get("logprob_start_len", -1)),
-                                     int(body.get("top_logprobs_num", 0)), int(body.get("priority", 0)))
+        try:
+            states = await worker.submit(ids, [params], [rid], rlp, start, top_n, priority)
+        except ValueError as e:  # its one check: the rid is in flight already
+            raise HTTPError(400, f"rid: {e}", param="rid") from None
         collector = Collector(states, batch=False)
         if body.get("stream"):
             async def sse() -> AsyncIterator[bytes]:
@@ -260,16 +283,16 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
     return app
 
 
-class _AuthAndTag:
-    """Checks the API key and tags every response with this worker's pid.
+class _Gate:
+    """Checks the API key and the body size; tags every response with this worker's pid.
 
     Plain ASGI rather than @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the
     client's disconnect from Request.is_disconnected(), so an abandoned non-streaming request
     would run on to its last token.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
         self.pid = str(os.getpid()).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -282,13 +305,48 @@ class _AuthAndTag:
                                       (b"x-unison-worker-pid", self.pid)]
             await send(message)
 
+        headers = dict(scope["headers"])
         if self.api_key and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 response = error_response(401, "missing or invalid API key; send 'Authorization: "
                                                "Bearer <key>'", "authentication_error")
                 return await response(scope, receive, tagged)
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:  # refused unread (uvicorn drains it)
+            return await self.too_large(int(length))(scope, receive, tagged)
+        if not length and b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+            buffered = await self.read_body(receive)
+            if buffered is None:
+                return await self.too_large(None)(scope, receive, tagged)
+            receive = buffered
         await self.app(scope, receive, tagged)
+
+    def too_large(self, length: int | None) -> Response:
+        size = "" if length is None else f" ({length} bytes)"
+        return error_response(413, f"the request body{size} exceeds the limit of {self.max_body} "
+                                   "bytes (max_request_bytes)")
+
+    async def read_body(self, receive: Receive) -> Receive | None:
+        """A body of unknown length, read up to the limit (None past it) and handed on whole; later
+        receives go to the client's, where the app looks for a disconnect."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left: the app sees that
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body:
+                return None
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                break
+        first = [message]
+
+        async def replay() -> Message:
+            return first.pop() if first else await receive()
+        return replay
 
 
 def _exit_when_engine_dies() -> None:
@@ -304,6 +362,27 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     return body
+
+
+def _int_field(body: dict[str, Any], name: str, default: int, lo: int | None = None,
+               hi: int | None = None) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not (lo is None or value >= lo) \
+            or not (hi is None or value <= hi):
+        bounds = f" in [{lo}, {'inf' if hi is None else hi}]" if lo is not None else ""
+        raise HTTPError(400, f"{name} must be an integer{bounds}, got {value!r}", param=name)
+    return value
+
+
+def _field_path(loc: Any) -> str | None:
+    """pydantic's error location as a field path, `messages[0].role`, without its union-member tags."""
+    path = ""
+    for x in loc:
+        if isinstance(x, int):
+            path += f"[{x}]"
+        elif x != "body" and not _UNION_TAG.match(x):
+            path += f".{x}" if path else x
+    return path or None
 
 
 def _completion_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]]:

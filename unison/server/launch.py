@@ -26,7 +26,8 @@ log = logging.getLogger("unison.server")
 
 
 def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
-          served_model_name: str | None, max_queued_requests: int | None) -> int:
+          served_model_name: str | None, max_queued_requests: int | None,
+          max_request_bytes: int | None = None) -> int:
     from unison.model.loader import resolve_model_dir
 
     logging.basicConfig(level=config.log_level.upper(),
@@ -40,7 +41,7 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
         settings = {
             "registry_path": str(core.registry_path), "owner_pid": os.getpid(), "api_key": api_key,
             "served_model_name": served_model_name or _default_name(config.model_path, model_dir),
-            "max_queued_requests": max_queued_requests,
+            "max_queued_requests": max_queued_requests, "max_request_bytes": max_request_bytes,
         }
         os.environ[ENV] = json.dumps(settings)
         workers = config.tokenizer_worker_num

@@ -10,8 +10,9 @@ from unison.sampling_params import SamplingParams
 
 
 class _Base(BaseModel):
-    # Unknown fields are kept (and logged) rather than rejected, as vLLM does.
-    model_config = ConfigDict(extra="allow")
+    # An unknown field is a 400 naming it, as OpenAI answers: a misspelt option silently ignored
+    # would change the output unnoticed.
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -25,7 +26,11 @@ class _Base(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    # Standard fields that do not change the output: accepted and ignored.
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # Extra sampling fields, as vLLM and SGLang accept them.
     top_k: int = -1
     min_p: float = 0.0
@@ -62,7 +67,7 @@ class CompletionRequest(_Base):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: for the chat template
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -74,6 +79,7 @@ class ChatCompletionRequest(_Base):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
