@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, fields
 from typing import Any
 
+from unison.frontend.structured import grammar_text
 from unison.protocol import CoreSamplingParams
 
 MAX_N = 128
@@ -33,6 +34,11 @@ class SamplingParams:
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured output, at most one (SGLang's names): a JSON Schema (dict or string), a regex the
+    # whole output must match, or an EBNF grammar (GBNF or Lark syntax).
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_any(cls, params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -72,6 +78,7 @@ class SamplingParams:
         if self.sampling_seed is not None:
             _int("sampling_seed", self.sampling_seed, lo=0, hi=2**63 - 1)
         self._validate_stop()
+        self._grammar = grammar_text(self.json_schema, self.regex, self.ebnf)
         for tid in self.stop_token_ids or []:
             _int("stop_token_ids", tid, lo=0, hi=vocab_size - 1)
         self._bias_items(vocab_size)
@@ -122,6 +129,8 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
             logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            grammar=self._grammar if hasattr(self, "_grammar") else grammar_text(
+                self.json_schema, self.regex, self.ebnf),
         )
 
 

@@ -25,7 +25,8 @@ def grammar_text(json_schema: str | dict[str, Any] | None = None, regex: str | N
     if not given:
         return None
     if len(given) > 1:
-        raise ValueError(f"at most one of json_schema, regex and ebnf may be given, got {sorted(given)}")
+        raise ValueError(f"{sorted(given)[0]}: at most one of json_schema, regex and ebnf may be given, "
+                         f"got {sorted(given)}")
     from llguidance import LLMatcher
 
     [(kind, spec)] = given.items()
@@ -39,16 +40,16 @@ def grammar_text(json_schema: str | dict[str, Any] | None = None, regex: str | N
 
             grammar = LLMatcher.grammar_from_lark(any_to_lark(_text(kind, spec)))
     except Exception as e:  # the converters' own errors for a malformed spec (GbnfToLarkError, ...)
-        raise ValueError(f"invalid {kind}: {e}") from None
+        raise ValueError(f"{kind} is invalid: {e}") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"invalid {kind}: {error}")
+        raise ValueError(f"{kind} is invalid: {error}")
     return grammar
 
 
 def _text(kind: str, spec: Any) -> str:
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"{kind} must be a non-empty string")
+        raise ValueError(f"{kind} must be a non-empty string")  # caught: "{kind} is invalid: ..."
     return spec
 
 

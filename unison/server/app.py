@@ -43,10 +43,10 @@ MAX_REQUEST_BYTES = 32 << 20  # the default of --max-request-bytes
 # The engine's names in a ValueError, as an OpenAI request spells them; and the names that make a
 # message's first word the field it is about (its `param`).
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
-                 "input_ids": "prompt"}
+                 "input_ids": "prompt", "json_schema": "response_format"}
 _NATIVE_NAME = re.compile(r"\b(" + "|".join(_OPENAI_NAMES) + r")\b")
 _FIELDS = ({f.name for f in fields(SamplingParams)} | set(_OPENAI_NAMES.values())
-           | {"prompt", "input_ids", "text", "messages", "rid", "sampling_params"})
+           | {"prompt", "input_ids", "text", "messages", "rid", "sampling_params", "response_format"})
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 
 
@@ -202,9 +202,6 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         check_model(body.model)
         if body.tools or body.tool_choice not in (None, "none"):
             raise HTTPError(400, "tool calling is not supported by this server yet", param="tools")
-        if body.response_format and body.response_format.get("type") != "text":
-            raise HTTPError(400, "response_format other than text is not supported yet",
-                            param="response_format")
         if body.top_logprobs and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]

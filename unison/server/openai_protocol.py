@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unison.frontend.structured import JSON_OBJECT
 from unison.sampling_params import SamplingParams
 
 
@@ -40,10 +41,15 @@ class _Base(BaseModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     priority: int = 0  # higher is admitted first (SGLang's convention)
+    # Structured output: OpenAI's response_format, or SGLang's regex / ebnf.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return SamplingParams(
+            json_schema=self._json_schema(), regex=self.regex, ebnf=self.ebnf,
             max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -52,6 +58,21 @@ class _Base(BaseModel):
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
             sampling_seed=self.seed, skip_special_tokens=self.skip_special_tokens,
         )
+
+    def _json_schema(self) -> dict[str, Any] | str | None:
+        """OpenAI's response_format as a JSON schema (None: plain text)."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return JSON_OBJECT
+        if rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ValueError("response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
+            return spec["schema"]
+        raise ValueError(f"response_format: type must be text, json_object or json_schema, "
+                         f"got {rf.get('type')!r}")
 
     @property
     def include_usage(self) -> bool:
@@ -80,7 +101,6 @@ class ChatCompletionRequest(_Base):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:
