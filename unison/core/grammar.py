@@ -79,5 +79,10 @@ def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> N
     vocab = logits.shape[1]
     for row, matcher in zip(rows, matchers):
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[:vocab].astype(bool))
-        logits[row].masked_fill_(~allowed, float("-inf"))
+        banned = bits[:vocab] == 0
+        if logits.device.type == "cpu":
+            # numpy, on this thread: a torch op this size opens a parallel region, and on a busy
+            # machine one preempted worker stalls it for milliseconds (measured: 38 µs -> 15 ms).
+            logits[row].numpy()[banned] = -np.inf
+        else:
+            logits[row].masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
