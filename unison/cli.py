@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 
-    from unison.bench import frontend, offline, prefix, serve
+    from unison.bench import frontend, offline, prefix, serve, soak
 
     bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     frontend.add_parser(bench_sub)
     prefix.add_parser(bench_sub)
     serve.add_parser(bench_sub)
+    soak.add_parser(bench_sub)
 
     args = parser.parse_args(argv)
     try:
