@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.serving import FIGURES, Server
+from tests.serving import FIGURES, Server, serve
 from unison import Engine, registry
 
 COMP = "/v1/completions"
@@ -155,13 +155,7 @@ def test_health_is_503_once_the_core_is_gone():
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--chunked-prefill-size", "64")
-    try:
-        yield s
-        s.stop()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
+    yield from serve("faults", "--chunked-prefill-size", "64")
 
 
 def test_slow_reader_gets_everything_and_slows_no_one(server):

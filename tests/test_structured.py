@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.serving import Server, assert_openai_error
+from tests.serving import assert_openai_error, serve
 from tests.utils import assert_greedy_close
 from unison import Engine
 
@@ -137,13 +137,7 @@ def test_bad_constraints_are_value_errors(engine, constraint, fragment):
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--num-threads", "1")
-    try:
-        yield s
-        s.stop()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
+    yield from serve("structured output", "--num-threads", "1")
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
