@@ -827,8 +827,11 @@ def test_four_frontends_200_requests_match_greedy_alone(engine, references):
 
 
 CTRL_C_CHILD = """
-import sys, time
+import signal, sys, time
 from unison import Engine
+# A shell that starts a job in the background (`make test &`) leaves SIGINT ignored in it, and
+# Python keeps an inherited SIG_IGN: restore what an interactive Ctrl-C would find.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 engine = Engine.attach_tokenizer_worker(int(sys.argv[1]), registry_file=sys.argv[2] or None)
 print("attached", flush=True)
 try:
@@ -849,7 +852,8 @@ def test_ctrl_c_in_sync_generate_aborts_the_request(engine):
                    "the child's request to be in flight")
         time.sleep(0.3)
         child.send_signal(signal.SIGINT)
-        assert child.stdout.readline().strip() == "interrupted"
+        line = child.stdout.readline().strip()
+        assert line == "interrupted", f"the child said {line!r}, exit code {child.poll()}"
         t0 = time.monotonic()
         wait_until(lambda: in_flight(engine.get_server_info(), child.pid) == 0, 3,
                    "Ctrl-C to abort the request in the core")
