@@ -78,7 +78,7 @@ class SamplingParams:
         if self.sampling_seed is not None:
             _int("sampling_seed", self.sampling_seed, lo=0, hi=2**63 - 1)
         self._validate_stop()
-        self._grammar = grammar_text(self.json_schema, self.regex, self.ebnf)
+        grammar_text(self.json_schema, self.regex, self.ebnf)  # raises on a bad one; cached for to_core
         for tid in self.stop_token_ids or []:
             _int("stop_token_ids", tid, lo=0, hi=vocab_size - 1)
         self._bias_items(vocab_size)
@@ -129,8 +129,7 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
             logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            grammar=self._grammar if hasattr(self, "_grammar") else grammar_text(
-                self.json_schema, self.regex, self.ebnf),
+            grammar=grammar_text(self.json_schema, self.regex, self.ebnf),
         )
 
 

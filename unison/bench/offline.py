@@ -66,10 +66,6 @@ def _greedy(n: int) -> dict[str, Any]:
 def _bar(total: int, unit: str, quiet: bool, desc: str) -> Any:
     from tqdm import tqdm
 
-    if quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # its weight-loading bar
     return tqdm(total=total, unit=unit, desc=desc, disable=quiet, leave=False)
 
 
@@ -135,9 +131,13 @@ def _rates(n: int, input_tokens: int, output_tokens: int, seconds: float) -> dic
 class HFBaseline:
     """transformers on the same weights, greedy, batched with left padding."""
 
-    def __init__(self, model_dir: str, num_threads: int | None) -> None:
+    def __init__(self, model_dir: str, num_threads: int | None, quiet: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        if quiet:
+            hf_logging.disable_progress_bar()  # its weight-loading bar
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -232,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
         ours["ceiling_s"] = ceiling.measure(model_dir, ours["step_shapes"], args.num_threads)
     base: dict[str, float] = {}
     if args.baseline == "hf":
-        hf = HFBaseline(model_dir, args.num_threads)
+        hf = HFBaseline(model_dir, args.num_threads, args.quiet)
         base = (hf.latency(args.prompt_len, args.output_len, args.seed) if args.bench == "latency"
                 else hf.throughput(reqs, args.hf_max_batch_size, args.quiet))
         base["load_s"] = hf.load_s

@@ -36,15 +36,13 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-        logits = raw = logits.float()
+        logits = logits.float()  # a copy the core gathered for sampling: ours to change
         raw_logprobs = None
         if any(r.return_logprob for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties_and_bias(logits, reqs)
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:
-            if logits.data_ptr() == raw.data_ptr():
-                logits = logits.clone()
             apply_masks(logits, constrained, [reqs[i].matcher for i in constrained])
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
