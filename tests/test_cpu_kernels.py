@@ -1,4 +1,5 @@
-"""The C decode-attention kernel against a plain PyTorch reference, shape by shape."""
+"""The C kernels against plain PyTorch references, shape by shape: paged attention (decodes and
+prefill tiles, every KV cache dtype), the fused small ops, the KV-cache write."""
 
 from __future__ import annotations
 
@@ -13,46 +14,70 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the runner uses torch's path")
 
 
-def reference(q, k_cache, v_cache, tables, lens, window):
+def reference(q, k_cache, v_cache, tables, row_seq, row_len, window):
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
-    for i, n in enumerate(lens.tolist()):
-        k = k_cache[tables[i]].flatten(0, 1)[:n]  # [n, kv_heads, d], in position order
-        v = v_cache[tables[i]].flatten(0, 1)[:n]
+    for r, (i, n) in enumerate(zip(row_seq.tolist(), row_len.tolist())):
+        k = k_cache[tables[i]].flatten(0, 1)[:n].float()  # [n, kv_heads, d], in position order
+        v = v_cache[tables[i]].flatten(0, 1)[:n].float()
         if window:
             k, v = k[-window:], v[-window:]
         k = k.transpose(0, 1).repeat_interleave(group, 0)
         v = v.transpose(0, 1).repeat_interleave(group, 0)
-        out[i] = F.scaled_dot_product_attention(q[i][:, None], k, v)[:, 0]
+        out[r] = F.scaled_dot_product_attention(q[r][:, None], k, v)[:, 0]
     return out
 
 
-@pytest.mark.parametrize("seqs,heads,kv_heads,head_dim,block_size,window", [
-    (64, 9, 3, 64, 16, None),  # SmolLM2-135M's shapes, one task per sequence
-    (1, 9, 3, 64, 16, None),  # a single decode: split by kv head across threads
-    (3, 8, 8, 128, 4, None),  # no GQA, the other unrolled head_dim
-    (5, 4, 2, 32, 16, 7),  # a head_dim without its own copy; sliding window
-    (2, 6, 1, 16, 1, 3),  # multi-query; one-token blocks
-])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_reference(seqs, heads, kv_heads, head_dim, block_size, window, threads):
-    g = torch.Generator().manual_seed(seqs * heads + head_dim)
-    lens = torch.randint(1, 300, (seqs,), generator=g)
-    lens[0] = 1  # the shortest context there is
+def _case(seqs, heads, kv_heads, head_dim, block_size, dtype, rows_per_seq, g):
+    """Random caches, scattered tables whose unused tail points at a block of NaNs (which the
+    kernel must never read), and query rows: the last `rows_per_seq` positions of each request."""
+    lens = torch.randint(rows_per_seq, 300, (seqs,), generator=g)
+    lens[0] = rows_per_seq  # the shortest context there is
     width = int((lens.max() + block_size - 1) // block_size)
     num_blocks = seqs * width + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    # Scattered blocks. The tail of each table is padding that the kernel must never read: it
-    # points at a block of NaNs, which would poison the output.
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     tables = torch.randperm(num_blocks - 1, generator=g)[: seqs * width].view(seqs, width).contiguous()
     k_cache[-1], v_cache[-1] = float("nan"), float("nan")
     for i, n in enumerate(lens.tolist()):
         tables[i, (n + block_size - 1) // block_size:] = num_blocks - 1
-    q = torch.randn(seqs, heads, head_dim, generator=g)
-    got = kernels.decode_attention(q, k_cache, v_cache, tables, lens, window, threads)
-    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, window),
-                               rtol=1e-5, atol=1e-5)
+    row_seq = torch.arange(seqs).repeat_interleave(rows_per_seq)
+    row_len = torch.cat([torch.arange(n - rows_per_seq + 1, n + 1) for n in lens.tolist()])
+    q = torch.randn(len(row_seq), heads, head_dim, generator=g)
+    return q, k_cache, v_cache, tables, row_seq, row_len
+
+
+@pytest.mark.parametrize("seqs,heads,kv_heads,head_dim,block_size,window,rows", [
+    (64, 9, 3, 64, 16, None, 1),  # SmolLM2-135M's decode shapes, one task per request
+    (1, 9, 3, 64, 16, None, 1),  # a single decode: split by kv head across threads
+    (3, 8, 8, 128, 4, None, 1),  # no GQA, the other unrolled head_dim
+    (2, 4, 1, 256, 16, 40, 37),  # Gemma 3's head_dim; prefill tiles across a sliding window
+    (5, 4, 2, 32, 16, 7, 20),  # a head_dim without its own copy; window shorter than a tile
+    (2, 6, 1, 16, 1, 3, 5),  # multi-query; one-token blocks
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_attention_matches_reference(seqs, heads, kv_heads, head_dim, block_size, window, rows,
+                                           dtype, threads):
+    g = torch.Generator().manual_seed(seqs * heads + head_dim + rows)
+    case = _case(seqs, heads, kv_heads, head_dim, block_size, dtype, rows, g)
+    got = kernels.paged_attention(*case, window, threads)
+    torch.testing.assert_close(got, reference(*case, window), rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_rows_are_bit_identical_in_any_tile_or_batch():
+    """A row's output is the same alone, in its request's prefill tile, beside other requests and
+    at any thread count: the property that makes chunked and cached prefill match cold runs."""
+    g = torch.Generator().manual_seed(3)
+    q, kc, vc, tables, row_seq, row_len = _case(4, 9, 3, 64, 16, torch.float16, 24, g)
+    together = kernels.paged_attention(q, kc, vc, tables, row_seq, row_len, None, 2)
+    for r in (0, 5, 23, 24, 95):
+        alone = kernels.paged_attention(q[r: r + 1].contiguous(), kc, vc, tables, row_seq[r: r + 1],
+                                        row_len[r: r + 1], None, 1)
+        assert torch.equal(alone[0], together[r]), f"row {r}"
+    half = kernels.paged_attention(q[10:40].contiguous(), kc, vc, tables, row_seq[10:40], row_len[10:40],
+                                   None, 1)
+    assert torch.equal(half, together[10:40])
 
 
 def test_kernel_is_cached_by_source_and_cpu(tmp_path, monkeypatch):
@@ -90,8 +115,16 @@ def test_fused_ops_match_torch_ops():
     k, v = qkv[:, heads * d: (heads + kv_heads) * d], qkv[:, (heads + kv_heads) * d:]
     k_cache, v_cache = torch.zeros(200, kv_heads, d), torch.zeros(200, kv_heads, d)
     slots = torch.randperm(200, generator=g)[:rows]
-    kernels.store_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache[slots].view(rows, -1), k) and torch.equal(v_cache[slots].view(rows, -1), v)
-    untouched = torch.ones(200, dtype=torch.bool)
-    untouched[slots] = False
-    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):  # rounded as torch rounds
+        k_cache = torch.zeros(200, kv_heads, d, dtype=dtype)
+        v_cache = torch.zeros(200, kv_heads, d, dtype=dtype)
+        kernels.store_kv(k, v, k_cache, v_cache, slots)
+        assert torch.equal(k_cache[slots].view(rows, -1), k.to(dtype))
+        assert torch.equal(v_cache[slots].view(rows, -1), v.to(dtype))
+        untouched = torch.ones(200, dtype=torch.bool)
+        untouched[slots] = False
+        assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+    gate_up = torch.randn(rows, 2 * 48, generator=g) * 4
+    torch.testing.assert_close(kernels.silu_mul(gate_up), TorchOps.silu_mul(gate_up.clone()),
+                               rtol=1e-6, atol=1e-6)

@@ -28,8 +28,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    # A short step budget forces long prompts through chunked prefill.
-    with Engine(chunked_prefill_size=64, max_running_requests=32) as e:
+    # A short step budget forces long prompts through chunked prefill. The float32 reference
+    # path: greedy outputs are compared with transformers' (tests/test_quant.py has the rest).
+    with Engine(chunked_prefill_size=64, max_running_requests=32, quantization="none") as e:
         yield e
 
 
@@ -406,5 +407,7 @@ def test_kv_cache_that_does_not_fit_is_a_clear_error():
 def test_kv_capacity_from_a_memory_budget_is_reported():
     with Engine(num_threads=1, kv_cache_memory_gb=0.5) as e:
         info = e.get_server_info()
-    # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K and V) x 4 bytes = 46,080 bytes per token.
-    assert info["max_total_tokens"] == (1 << 29) // (46080 * 16) * 16
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K and V) x 2 bytes (the quantized model's
+    # float16 cache) = 23,040 bytes per token.
+    assert info["kv_cache_dtype"] == "float16"
+    assert info["max_total_tokens"] == (1 << 29) // (23040 * 16) * 16

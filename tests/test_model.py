@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import assert_greedy_close, hf_model, hf_reference
+from tests.utils import Blocks, assert_greedy_close, greedy, hf_model, hf_reference
 from unison.model import loader
 from unison.model import runner as runner_module
+from unison.model.gguf import GGUFWeights
 from unison.model.llama import TorchOps
-from unison.model.loader import resolve_model_dir
+from unison.model.loader import default_gguf_path, resolve_model_dir
 from unison.model.runner import BatchItem, ModelRunner
 
 NEW_TOKENS = 32
@@ -47,16 +48,16 @@ def prompts(model_dir: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def runner(model_dir: Path) -> ModelRunner:
-    runner = ModelRunner(model_dir, num_blocks=128)
+def runner() -> ModelRunner:
+    runner = ModelRunner(None, quantization="none", num_blocks=128)
     runner.warmup()
     return runner
 
 
 @pytest.fixture(scope="module")
-def torch_runner(model_dir: Path) -> ModelRunner:
+def torch_runner() -> ModelRunner:
     """The reference path: torch ops only (what runs without a C compiler, or off CPU)."""
-    runner = ModelRunner(model_dir, num_blocks=128)
+    runner = ModelRunner(None, quantization="none", num_blocks=128)
     runner.model.ops, runner._kernel = TorchOps(), None
     runner.warmup()
     return runner
@@ -67,52 +68,17 @@ def reference(prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, 
     return hf_reference(prompts, NEW_TOKENS)
 
 
-class Blocks:
-    """The simplest allocator: consecutive fresh blocks per request."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner, self.next = runner, 0
-
-    def table(self, num_tokens: int) -> list[int]:
-        n = -(-num_tokens // self.runner.block_size)
-        assert self.next + n <= self.runner.num_blocks
-        self.next += n
-        return list(range(self.next - n, self.next))
-
-
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, want, **LOGITS_TOL, msg=lambda m: f"{what}: {m}")
 
 
-def top_logprobs(logits: torch.Tensor, n: int = 5) -> list[dict[int, float]]:
-    values, indices = torch.log_softmax(logits.float(), dim=-1).topk(n)
-    return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
-
-
-def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int):
-    """All requests together: one forward prefills every prompt, then they decode in lockstep."""
-    blocks = Blocks(runner)
-    tables = [blocks.table(len(p) + new_tokens) for p in prompts]
-    outs: list[tuple[list[int], list[dict[int, float]]]] = [([], []) for _ in prompts]
-    batch = [BatchItem(list(p), 0, t, len(p) - 1) for p, t in zip(prompts, tables)]
-    for _ in range(new_tokens):
-        logits = runner.forward(batch)
-        assert logits.shape == (len(prompts), runner.vocab_size) and logits.dtype == torch.float32
-        for (ids, tops), top, row in zip(outs, top_logprobs(logits), logits):
-            ids.append(int(row.argmax()))
-            tops.append(top)
-        batch = [BatchItem([ids[-1]], b.start_pos + len(b.token_ids), b.block_table, 0)
-                 for b, (ids, _) in zip(batch, outs)]
-    return outs
-
-
-def test_converted_tensors_equal_transformers_gguf_loader(model_dir: Path):
-    from safetensors.torch import load_file
-
-    ours = load_file(model_dir / "model.safetensors")
+def test_gguf_tensors_equal_transformers_gguf_loader(model_dir: Path):
+    """Read in place from the GGUF, dequantized: the tensors transformers' own loader builds."""
+    weights = GGUFWeights(default_gguf_path())
     theirs = hf_model().state_dict()
-    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: transformers lists it anyway
-    for name, tensor in ours.items():
+    assert weights.names() == set(theirs) - {"lm_head.weight"}  # tied: transformers lists it anyway
+    for name in weights.names():
+        tensor = weights.float(name)
         assert tensor.dtype == torch.float32
         torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
     config = json.loads((model_dir / "config.json").read_text())
@@ -120,6 +86,7 @@ def test_converted_tensors_equal_transformers_gguf_loader(model_dir: Path):
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "generation_config.json"):
         assert (model_dir / f).is_file(), f
+    assert not list(model_dir.glob("*.safetensors")), "the cache holds no weights: they stay in the GGUF"
 
 
 @pytest.mark.parametrize("path", ["kernels", "torch"])
@@ -252,7 +219,7 @@ def test_gguf_tensors_map_to_hf(arch: str, tmp_path: Path):
     import numpy as np
     from gguf import GGUFWriter
 
-    from unison.model.gguf import hf_config, hf_state_dict, open_gguf
+    from unison.model.gguf import hf_config, open_gguf
 
     rng = np.random.default_rng(0)
     hf = {"model.embed_tokens.weight": (32, 8), "model.norm.weight": (8,),
@@ -298,15 +265,14 @@ def test_gguf_tensors_map_to_hf(arch: str, tmp_path: Path):
     w.write_tensors_to_file()
     w.close()
 
-    reader = open_gguf(tmp_path / "m.gguf")
-    config = hf_config(reader)
+    config = hf_config(open_gguf(tmp_path / "m.gguf"))
     assert config["model_type"] == arch and not config["tie_word_embeddings"]
     heads = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     assert heads == (2, 1, 4)
-    converted = hf_state_dict(reader, config)
-    assert set(converted) == set(tensors)
+    weights = GGUFWeights(tmp_path / "m.gguf", config)
+    assert weights.names() == set(tensors)
     for h, t in tensors.items():
-        np.testing.assert_array_equal(converted[h], t, err_msg=h)
+        np.testing.assert_array_equal(weights.float(h).numpy(), t, err_msg=h)
 
 
 # --- loader ------------------------------------------------------------------------------
@@ -339,7 +305,7 @@ def test_corrupt_gguf(tmp_path: Path, monkeypatch):
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)
     with pytest.raises(ValueError, match="broken.gguf"):
         resolve_model_dir(bad)
-    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+    assert not list((tmp_path / "cache").rglob("config.json"))
 
 
 def test_unsupported_architecture(tmp_path: Path):

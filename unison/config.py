@@ -14,6 +14,11 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # fp32 on CPU; the checkpoint's dtype (or bf16) on CUDA
     load_format: str = "auto"  # "dummy": a tiny random model with the real tokenizer (benchmarks)
+    # Linear weights on CPU: "auto" runs a GGUF at its own size (Q4_* as int4 blocks, the rest as
+    # int8) and an HF checkpoint in float; "none" is the float reference; "int8" / "int4" quantize.
+    quantization: str = "auto"
+    # KV cache elements: "auto" is float16 beside quantized weights on CPU, else the model's dtype.
+    kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # torch threads in the core; frontends stay single-threaded
     context_length: int | None = None  # None: the model's own limit
     block_size: int = 16  # tokens per KV block
@@ -44,6 +49,12 @@ class EngineConfig:
         _check(self.frontend_max_unacked >= 1, "frontend_max_unacked", "must be >= 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
+        _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
+               f"must be auto, none, int8 or int4, got {self.quantization!r}")
+        _check(self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"), "kv_cache_dtype",
+               f"must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
+        _check(self.quantization in ("auto", "none") or self.device == "cpu", "quantization",
+               f"{self.quantization!r} runs on CPU only; on {self.device} use 'none' or 'auto'")
         _check(self.schedule_policy in ("fcfs", "lpm", "fair"), "schedule_policy",
                f"must be fcfs, lpm or fair, got {self.schedule_policy!r}")
         _check(self.device == "cpu" or self.device.startswith("cuda"), "device",

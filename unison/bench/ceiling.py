@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from unison.model.llama import LlamaModel, load_model
+from unison.model.llama import LlamaModel
 
 EXACT_LIMIT = 32  # more distinct sizes than this: time a grid of them and interpolate
 
@@ -94,8 +94,12 @@ def linears_time(model: LlamaModel, shapes: Counter[tuple[int, int]], reps: int 
                      _timer({rows for _, rows in shapes if rows}, head))
 
 
-def measure(model_dir: str, shapes: Counter[tuple[int, int]], num_threads: int | None) -> float:
+def measure(model_path: str | None, shapes: Counter[tuple[int, int]], num_threads: int | None,
+            quantization: str = "auto") -> float:
+    """The ceiling of a run on `model_path`, with its linears as the engine ran them."""
+    from unison.model.runner import ModelRunner
+
     if num_threads:
         torch.set_num_threads(num_threads)
-    model = load_model(model_dir, torch.device("cpu"), torch.float32)
-    return linears_time(model, shapes)
+    runner = ModelRunner(model_path, quantization=quantization, num_blocks=1)
+    return linears_time(runner.model, shapes)

@@ -131,10 +131,12 @@ def _rates(n: int, input_tokens: int, output_tokens: int, seconds: float) -> dic
 class HFBaseline:
     """transformers on the same weights, greedy, batched with left padding."""
 
-    def __init__(self, model_dir: str, num_threads: int | None, quiet: bool = False) -> None:
+    def __init__(self, model_path: str | None, num_threads: int | None, quiet: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
+
+        from unison.model.loader import model_file
 
         if quiet:
             hf_logging.disable_progress_bar()  # its weight-loading bar
@@ -142,8 +144,13 @@ class HFBaseline:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.torch = torch
+        path = model_file(model_path)
+        # A GGUF file through transformers' own GGUF loader (dequantized to float32), as Unison's
+        # "ready" also includes reading that file.
+        where = {"pretrained_model_name_or_path": path} if path.is_dir() else {
+            "pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         self.load_s = time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], output_len: int, bar: Any = None) -> float:
@@ -202,7 +209,8 @@ ROWS = (("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"), ("ttft_ms", "ms")
 
 
 def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
-    lines = [f"{'metric':<28}{'unison':>10}{'hf':>10}", _row("engine ready", load_s, base.get("load_s"), "s")]
+    lines = [f"unison linears: {ours.get('quantization', '?')}; hf: float32",
+             f"{'metric':<28}{'unison':>10}{'hf':>10}", _row("engine ready", load_s, base.get("load_s"), "s")]
     lines += [_row(key, ours[key], base.get(key), unit) for key, unit in ROWS if key in ours]
     if "ceiling_s" in ours:
         tok_s = ours["output_tokens"] / ours["ceiling_s"]
@@ -212,10 +220,25 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
     return "\n".join(lines)
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options a benchmark was given (the rest keep the engine's defaults)."""
+    names = ("num_threads", "quantization", "kv_cache_dtype")
+    return {"model_path": args.model_path,
+            **{n: getattr(args, n) for n in names if getattr(args, n, None) is not None}}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads in the core")
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
+                   help="linear weights (default: auto, a GGUF at its own size)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
+                   help="KV cache elements (default: auto)")
+
+
 def main(args: argparse.Namespace) -> int:
-    opts = {"num_threads": args.num_threads} if args.num_threads else {}
     t0 = time.perf_counter()
-    engine = Engine(model_path=args.model_path, **opts)
+    engine = Engine(**engine_options(args))
     load_s = time.perf_counter() - t0
     try:
         if args.bench == "latency":
@@ -223,16 +246,17 @@ def main(args: argparse.Namespace) -> int:
         else:
             reqs = load_requests(args, engine)
             ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
-        model_dir = engine.model_dir
+        ours["quantization"] = engine.get_server_info()["quantization"]
     finally:
         engine.shutdown()
     if args.bench == "offline" and not args.no_ceiling:
         from unison.bench import ceiling
 
-        ours["ceiling_s"] = ceiling.measure(model_dir, ours["step_shapes"], args.num_threads)
+        ours["ceiling_s"] = ceiling.measure(args.model_path, ours["step_shapes"], args.num_threads,
+                                            ours["quantization"])
     base: dict[str, float] = {}
     if args.baseline == "hf":
-        hf = HFBaseline(model_dir, args.num_threads, args.quiet)
+        hf = HFBaseline(args.model_path, args.num_threads, args.quiet)
         base = (hf.latency(args.prompt_len, args.output_len, args.seed) if args.bench == "latency"
                 else hf.throughput(reqs, args.hf_max_batch_size, args.quiet))
         base["load_s"] = hf.load_s
@@ -249,8 +273,7 @@ def add_parser(sub: Any) -> None:
     for name, helptext in (("latency", "load time, long-prompt prefill and single-stream decode"),
                            ("offline", "throughput of many requests submitted at once")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--model-path", default=None)
-        p.add_argument("--num-threads", type=int, default=None)
+        add_engine_arguments(p)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--baseline", choices=["none", "hf"], default="none")
         p.add_argument("--output-len", type=int, default=128 if name == "latency" else None,

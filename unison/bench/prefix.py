@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from unison import Engine
-from unison.bench.offline import random_prompts
+from unison.bench.offline import add_engine_arguments, engine_options, random_prompts
 
 
 def _ttft(engine: Engine, ids: list[int]) -> float:
@@ -42,9 +42,7 @@ def shared_prompt_throughput(engine: Engine, system_len: int, n: int, output_len
 
 
 def main(args: argparse.Namespace) -> int:
-    opts: dict[str, Any] = {"model_path": args.model_path, "chunked_prefill_size": 1024}
-    if args.num_threads:
-        opts["num_threads"] = args.num_threads
+    opts: dict[str, Any] = {**engine_options(args), "chunked_prefill_size": 1024}
     results = {}
     for cache_on in (True, False):
         with Engine(disable_radix_cache=not cache_on, **opts) as engine:
@@ -64,8 +62,7 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("prefix", help="prefix cache: cached vs cold TTFT, shared-prompt throughput")
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--num-threads", type=int, default=None)
+    add_engine_arguments(p)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--system-len", type=int, default=512)
     p.add_argument("--num-prompts", type=int, default=64)

@@ -29,7 +29,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.runner = ModelRunner(
-            model_dir, device=config.device, dtype=config.dtype, block_size=config.block_size,
+            config.model_path, model_dir=model_dir, device=config.device, dtype=config.dtype,
+            quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+            block_size=config.block_size,
             max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
             load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
         )
@@ -83,6 +85,10 @@ class EngineCore:
             "block_size": self.config.block_size,
             "num_blocks": self.pool.num_blocks,
             "max_total_tokens": self.pool.num_blocks * self.config.block_size,
+            "quantization": self.runner.quantization,
+            "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
+            "weights": self.runner.model.linear_kinds(),
+            "weights_bytes": self.runner.model.weights_bytes(),
             "step_shapes": [[t, rows, n] for (t, rows), n in sorted(self.step_shapes.items())],
         }
 

@@ -1,8 +1,10 @@
 """C kernels for CPU inference, compiled on first use and loaded with ctypes.
 
-Torch has no paged decode attention for CPUs: its path gathers each request's blocks into a padded
-copy and runs SDPA over it, which moves the K/V bytes three times. csrc/decode_attention.c reads
-them once, through the block table. csrc/fused_ops.c does each of the model's small per-layer
+Torch has no paged attention for CPUs: its path gathers each request's blocks into a padded copy
+and runs SDPA over it, which moves the K/V bytes three times and sums in an order that depends on
+the batch's shapes. csrc/paged_attention.c reads them once, through the block table, and computes
+every row the same way whatever else is in the batch. csrc/quant_linear.c runs int4 / int8
+linears (see model/quant.py). csrc/fused_ops.c does each of the model's small per-layer
 operations (residual add + RMSNorm, rotary embedding, the KV-cache write) in one call instead of
 several torch ops, which at decode batch sizes cost more in dispatch than in arithmetic.
 
@@ -27,7 +29,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.c", "fused_ops.c")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c")]
+HEADERS = [CSRC / "paged_attention_body.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _loaded: CpuKernels | None | bool = False  # False: not tried yet
@@ -50,7 +54,7 @@ def build() -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc) on PATH")
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES))
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS))
     key.update(" ".join([cc, *FLAGS]).encode() + _cpu_flags())
     root = Path(os.environ.get("UNISON_CACHE_DIR", Path.home() / ".cache" / "unison")) / "kernels"
     target = root / f"unison-cpu-{key.hexdigest()[:16]}.so"
@@ -85,41 +89,60 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# The KV cache's element types, as the kernels number them.
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 class CpuKernels:
-    """Typed entry points. Every tensor is float32 (int64 for indices) on CPU, and its rows are
-    contiguous; callers guarantee both (the model and runner build them that way)."""
+    """Typed entry points. Tensors are float32 (int64 for indices; the KV cache float32, float16
+    or bfloat16) on CPU, and their rows are contiguous; callers guarantee both (the model and
+    runner build them that way)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        lib.decode_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
-                                         _I64, _I64, _I64, _F32, _INT]
-        lib.decode_attention.restype = _INT
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # quantized activations, reused
+        lib.paged_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                                        _I64, _I64, _I64, _F32, _INT, _INT]
+        lib.paged_attention.restype = _INT
         lib.add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         lib.add_rms_norm.restype = None
         lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.rope.restype = None
-        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
+        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
         lib.store_kv.restype = None
+        lib.silu_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
+        lib.silu_mul.restype = None
+        lib.quantize_act16.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
+        lib.quantize_act16.restype = None
+        lib.act16_bytes.argtypes = [_I64, _I64]
+        lib.act16_bytes.restype = _I64
+        lib.quant_linear_parts.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                           _PTR, _I64, _INT]
+        lib.quant_linear_parts.restype = None
+        lib.dequantize_columns.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR]
+        lib.dequantize_columns.restype = None
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, window: int | None,
-                         num_threads: int) -> torch.Tensor:
-        """out [seqs, heads, d] = softmax(q K^T / sqrt(d)) V over each sequence's cached tokens.
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
+                        window: int | None, num_threads: int, scale: float | None = None) -> torch.Tensor:
+        """out [rows, heads, d]: row r = softmax(q_r K^T * scale) V over the first row_len[r] tokens
+        (the last `window` of them) of request row_seq[r].
 
-        q [seqs, heads, d] contiguous; caches [blocks, block_size, kv_heads, d] (one layer);
-        block_tables [seqs, width] and context_lens [seqs] int64 contiguous.
+        q [rows, heads, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] (one layer,
+        any of KV_DTYPES); block_tables [requests, width], row_seq and row_len [rows] int64.
         """
-        seqs, heads, d = q.shape
+        rows, heads, d = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int64
+        assert block_tables.is_contiguous() and block_tables.dtype == row_len.dtype == torch.int64
         out = torch.empty_like(q)
-        rc = self.lib.decode_attention(
+        rc = self.lib.paged_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, d,
-            block_size, window or 0, d ** -0.5, num_threads)
+            block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows, heads,
+            kv_heads, d, block_size, window or 0, d ** -0.5 if scale is None else scale, num_threads,
+            KV_DTYPES[k_cache.dtype])
         if rc != 0:
-            raise MemoryError("decode attention kernel: out of memory")
+            raise MemoryError("paged attention kernel: out of memory")
         return out
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -137,6 +160,14 @@ class CpuKernels:
         self.lib.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads,
                       head_dim, torch.get_num_threads())
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [rows, 2 n] contiguous: [rows, n]."""
+        assert gate_up.is_contiguous()
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, n)
+        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+        return out
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
         """Cache rows `slots` (of [slots, kv_heads * d]) = the rows of k and v, which share a row
@@ -144,4 +175,55 @@ class CpuKernels:
         assert k.stride() == v.stride() and k.stride(-1) == 1 and slots.dtype == torch.int64
         width = k.shape[1]
         self.lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), k.shape[0], width)
+                          slots.data_ptr(), k.shape[0], width, KV_DTYPES[k_cache.dtype])
+
+    def act16(self, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int4 kernel's view of x [m, k]: its int16 values per 32-block [m, kp] and their
+        scales [m, kp / 32] (x ~ q * scale, blockwise)."""
+        m = x.shape[0]
+        buf = torch.empty(self.lib.act16_bytes(m, kp), dtype=torch.uint8)
+        self.lib.quantize_act16(x.data_ptr(), x.stride(0), m, x.shape[1], kp, buf.data_ptr(), 1)
+        hi = buf[: m * kp].view(torch.int8).view(m, kp).to(torch.int32)
+        lo = buf[m * kp: 2 * m * kp].view(m, kp).to(torch.int32)
+        scales = buf[2 * m * kp: 2 * m * kp + 4 * m * (kp // 32)].view(torch.float32).view(m, kp // 32)
+        return hi * 256 + lo, scales
+
+    def quant_linear(self, x: torch.Tensor, plan: QuantPlan) -> torch.Tensor:
+        """x [m, k] float32 (rows may be strided) @ W.T for the quantized parts in `plan`."""
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == plan.k
+        m = x.shape[0]
+        if plan.k != plan.kp:  # the int8 kernel reads whole blocks: zero columns to the last one
+            x = torch.nn.functional.pad(x, (0, plan.kp - plan.k))
+        need = self.lib.act16_bytes(m, plan.kp)
+        if self._scratch.numel() < need:  # grown, never shrunk: one forward runs at a time
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        out = torch.empty(m, plan.out_cols)
+        self.lib.quant_linear_parts(x.data_ptr(), x.stride(0), m, plan.k, plan.kp, plan.parts, plan.bits,
+                                    plan.weights, plan.n_padded, plan.offsets, self._scratch.data_ptr(),
+                                    out.data_ptr(), plan.out_cols, torch.get_num_threads())
+        return out if plan.out_cols == plan.n else out[:, : plan.n]
+
+    def dequantize_rows(self, weight, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows `ids` of a quant.QuantWeight (embedding lookups)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), weight.k)
+        self.lib.dequantize_columns(weight.bits, weight.packed.data_ptr(), weight.kp, weight.k,
+                                    ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+
+class QuantPlan:
+    """A quantized linear's parts as the C entry point takes them, built once per layer (the
+    ctypes arrays cost more to build than the call itself at batch 1)."""
+
+    def __init__(self, parts: list) -> None:
+        self.k, self.kp, self.n = parts[0].k, parts[0].kp, sum(p.n for p in parts)
+        offsets = [sum(p.n for p in parts[:i]) for i in range(len(parts))]
+        self.out_cols = offsets[-1] + parts[-1].n_padded  # room for the last part's padding
+        arr = ctypes.c_int64 * len(parts)
+        self.parts = len(parts)
+        self.bits = arr(*(p.bits for p in parts))
+        self.weights = arr(*(p.packed.data_ptr() for p in parts))
+        self.n_padded = arr(*(p.n_padded for p in parts))
+        self.offsets = arr(*offsets)
+        self._keep = parts  # the packed tensors must outlive the pointers

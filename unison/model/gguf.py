@@ -1,14 +1,28 @@
-"""GGUF -> Hugging Face directory: dequantized fp32 safetensors, config.json, tokenizer files."""
+"""GGUF files: the config and tokenizer as a Hugging Face directory, the weights read in place.
+
+`convert_gguf` writes config.json, generation_config.json and the tokenizer files (the cache
+directory the core and every frontend read). `GGUFWeights` serves the tensors under their
+Hugging Face names straight from the file's mmap, one at a time: as float32 for the reference
+path (gguf's own dequantization, as transformers' GGUF loader), or converted into the quantized
+kernel's blocks (quant.py) without a float copy of the whole tensor. Pages of the file are
+released once a tensor is converted, so the file is never resident beside its converted weights.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
+import mmap
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from . import quant
+from .quant import BlockQuant, QuantWeight
 
 # GGUF architecture -> (HF architecture, model_type)
 ARCHITECTURES = {
@@ -36,45 +50,124 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-log = logging.getLogger(__name__)
 
 
-def open_gguf(path: Path):
-    """A GGUFReader on `path`, or ValueError naming the file when it is not a readable GGUF."""
-    from gguf import GGUFReader
+# ---- the header, read without the gguf package's reader ----------------------------------------
+# GGUFReader builds a numpy view per vocabulary string (3 s for a 49k vocabulary here, more for
+# Gemma's 262k): the core needs only the scalar fields and the tensor table, read here in ~0.1 s.
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    type_id: int  # a GGMLQuantizationType value
+    dims: tuple[int, ...]  # GGUF's order: innermost first
+    offset: int  # from the start of the file
+
+
+@dataclass(slots=True)
+class GGUFHeader:
+    fields: dict[str, Any]  # scalar and string fields; arrays as their length
+    tensors: list[TensorInfo]
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """The GGUF file's scalar fields and tensor table; ValueError naming the file if malformed."""
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            raise ValueError(f"{path} is not a GGUF file (empty)") from None
+    try:
+        return _parse_header(buf)
+    except (struct.error, UnicodeDecodeError, IndexError, ValueError) as e:
+        raise ValueError(f"{path} is a corrupt or truncated GGUF file: {e}") from None
+    finally:
+        buf.close()
+
+
+def _parse_header(buf: mmap.mmap) -> GGUFHeader:
+    if buf[:4] != b"GGUF":
+        raise ValueError("bad magic bytes")
+    version = struct.unpack_from("<I", buf, 4)[0]
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is too old (2 or later is needed)")
+    n_tensors, n_fields = struct.unpack_from("<QQ", buf, 8)
+    pos, fields = 24, {}
+
+    def string(pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        return bytes(buf[pos + 8: pos + 8 + n]).decode(), pos + 8 + n
+
+    def value(kind: int, pos: int) -> tuple[Any, int]:
+        if kind == _STRING:
+            return string(pos)
+        if kind == _ARRAY:
+            elem, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if elem == _STRING:
+                for _ in range(count):  # skipped: only the tokenizer conversion reads these
+                    pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+            elif elem in _SCALARS:
+                pos += count * struct.calcsize(_SCALARS[elem])
+            else:
+                raise ValueError(f"unsupported array element type {elem}")
+            return count, pos
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown field type {kind}")
+        return struct.unpack_from(_SCALARS[kind], buf, pos)[0], pos + struct.calcsize(_SCALARS[kind])
+
+    for _ in range(n_fields):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        fields[key], pos = value(kind, pos + 4)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, type_id, dims, offset))
+    align = int(fields.get("general.alignment", 32))
+    start = -(-pos // align) * align
+    return GGUFHeader(fields, [TensorInfo(n, t, tuple(d), start + o) for n, t, d, o in infos])
+
+
+def open_gguf(path: Path) -> GGUFHeader:
+    """The header of the GGUF file `path`, or ValueError naming the file when it is not one."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises whatever numpy/struct raise on a truncated file
-        raise ValueError(f"{path} is a corrupt or truncated GGUF file: {e}") from e
+    return read_header(path)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(header: GGUFHeader, key: str, default: Any = None) -> Any:
+    return header.fields.get(key, default)
 
 
-def gguf_architecture(reader) -> str:
-    arch = _field(reader, "general.architecture")
+def gguf_architecture(header: GGUFHeader) -> str:
+    arch = _field(header, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; "
                          f"supported: {sorted(ARCHITECTURES)}")
     return arch
 
 
-def hf_config(reader) -> dict[str, Any]:
-    arch = gguf_architecture(reader)
+def hf_config(header: GGUFHeader) -> dict[str, Any]:
+    arch = gguf_architecture(header)
 
     def a(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return _field(header, f"{arch}.{key}", default)
 
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in header.tensors}
+    vocab = a("vocab_size") or _field(header, "tokenizer.ggml.tokens")  # an array: its length
     config = {
         "architectures": [ARCHITECTURES[arch][0]],
         "model_type": ARCHITECTURES[arch][1],
@@ -91,8 +184,8 @@ def hf_config(reader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "hidden_act": "silu",
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(header, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(header, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
     if a("rope.scaling.type") == "linear":
@@ -102,6 +195,7 @@ def hf_config(reader) -> dict[str, Any]:
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp's converter interleaves each head's rows (x0, x_d/2, x1, ...) for its rope kernel.
+    # Rows are whole output channels, so this also applies to raw quantized rows.
     half = w.shape[0] // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -115,42 +209,216 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
 
 
-def hf_state_dict(reader, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32 under its HF name, q/k rows back in HF order."""
+_NUMPY_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+@dataclass(slots=True)
+class _Tensor:
+    name: str  # the GGUF name
+    type_name: str  # "Q4_K", "F32", ...
+    dims: tuple[int, ...]  # GGUF's order: innermost first
+    offset: int
+    n_bytes: int
+    data: np.ndarray  # a view of the mmap: typed for float / int types, else [rows, row bytes]
+
+
+class GGUFWeights:
+    """A GGUF file's tensors under their Hugging Face names, read from an mmap on demand."""
+
+    def __init__(self, path: str | Path, config: dict[str, Any] | None = None) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = Path(path)
+        header = open_gguf(self.path)
+        config = config or hf_config(header)
+        # llama.cpp permutes q/k rows for its rope on llama only (qwen use NeoX rope already).
+        permute = config["model_type"] == "llama"
+        self._heads = {"attn_q": config["num_attention_heads"],
+                       "attn_k": config["num_key_value_heads"]} if permute else {}
+        self._map = np.memmap(self.path, mode="r")
+        self.tensors: dict[str, _Tensor] = {}
+        for info in header.tensors:
+            if info.name == "rope_freqs.weight":  # llama 3.1+ rope scaling, as per-frequency factors
+                continue
+            try:
+                kind = GGMLQuantizationType(info.type_id)
+            except ValueError:
+                raise ValueError(f"GGUF tensor {info.name!r} has type id {info.type_id}, which the "
+                                 "gguf package does not know; update gguf or re-quantize the file") from None
+            block, type_size = GGML_QUANT_SIZES[kind]
+            n = int(np.prod(info.dims))
+            shape = tuple(reversed(info.dims))
+            dtype = _NUMPY_TYPES.get(kind.name, np.uint8)
+            if dtype is np.uint8:  # quantized: rows of blocks
+                shape = (*shape[:-1], shape[-1] // block * type_size)
+            n_bytes = n * type_size // block
+            data = self._map[info.offset: info.offset + n_bytes].view(dtype).reshape(shape)
+            self.tensors[_hf_name(info.name)] = _Tensor(info.name, kind.name, info.dims, info.offset,
+                                                        n_bytes, data)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def source_type(self, name: str) -> str:
+        return self._tensor(name).type_name
+
+    def _tensor(self, name: str) -> _Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.path} is missing weight {name!r}")
+        return self.tensors[name]
+
+    def _rows(self, t: _Tensor) -> np.ndarray:
+        """The tensor's raw rows (output channels), q/k rows back in Hugging Face order."""
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if kind in self._heads and t.data.ndim == 2:
+            return _unpermute(t.data, self._heads[kind])
+        return t.data
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in reversed(self._tensor(name).dims))
+
+    def float(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to float32 (a copy, off the mmap)."""
+        t = self._tensor(name)
+        out = torch.from_numpy(np.array(_dequantize(t, self._rows(t)), np.float32))
+        self._release(t)
+        return out.reshape(self.shape(name))
+
+    def quantized(self, name: str, bits: int) -> QuantWeight:
+        """The [n, k] tensor as the kernel's int4 or int8 blocks, converted a slice of rows at a
+        time: exactly for GGUF's 4-bit types (into either), Q5_0, Q5_1 and Q8_0 (into int8), else
+        requantized."""
+        t = self._tensor(name)
+        n, k = self.shape(name)
+        rows = self._rows(t)
+        exact = _EXACT.get(t.type_name)
+
+        def convert(r0: int, r1: int) -> BlockQuant:
+            raw = rows[r0:r1]
+            if exact is not None and bits >= exact[0]:  # 4-bit blocks widen to int8 exactly
+                bq = exact[1](np.ascontiguousarray(raw))
+                return bq if bq.bits == bits else BlockQuant(bits, bq.q.astype(np.int8), bq.d, bq.m)
+            return quant.QUANTIZERS[bits](_dequantize(t, raw))
+
+        weight = quant.pack(n, k, bits, convert)
+        self._release(t)
+        return weight
+
+    def _release(self, t: _Tensor) -> None:
+        """Drop the tensor's file pages from this process (they stay in the page cache), so the
+        file is never resident beside its converted weights."""
+        mm = getattr(self._map, "_mmap", None)
+        if mm is None:
+            return
+        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, min(len(mm), t.offset + t.n_bytes) - start)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def _dequantize(t: _Tensor, raw: np.ndarray) -> np.ndarray:
+    """gguf's own dequantization: what transformers' GGUF loader computes, bit for bit."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    permute = config["model_type"] == "llama"  # qwen use NeoX rope: no permutation in llama.cpp
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    out = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # llama 3.1+ rope scaling, as per-frequency factors
-            log.warning("rope_freqs (llama3 rope scaling) is not converted: outputs may drift "
-                        "from the original model's, mostly on long contexts")
-            continue
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if permute and kind in heads:
-            w = _unpermute(w, heads[kind])
-        out[_hf_name(t.name)] = w
-    return out
+    if t.type_name in _NUMPY_TYPES:
+        return raw.astype(np.float32)
+    try:
+        return dequantize(raw, GGMLQuantizationType[t.type_name])
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {t.name!r} has type {t.type_name}, which the gguf package "
+                         "cannot read; re-quantize the file to a common type (Q4_K, Q8_0, ...)") from None
 
+
+# ---- GGUF blocks -> kernel blocks, exactly ----------------------------------------------------
+
+def _fp16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float16."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _q4_0(raw: np.ndarray) -> BlockQuant:  # d, 16 bytes: element j low nibble, j + 16 high
+    b = raw.reshape(raw.shape[0], -1, 18)
+    d = _fp16(b[..., :2])
+    qs = b[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(raw.shape[0], -1)
+    return BlockQuant(4, q, d, (d.astype(np.float32) * -8).astype(np.float16))
+
+
+def _q4_1(raw: np.ndarray) -> BlockQuant:  # d, m, 16 bytes of nibbles as Q4_0
+    b = raw.reshape(raw.shape[0], -1, 20)
+    qs = b[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(raw.shape[0], -1)
+    return BlockQuant(4, q, _fp16(b[..., :2]), _fp16(b[..., 2:4]))
+
+
+def _q8_0(raw: np.ndarray) -> BlockQuant:
+    # d, 32 int8. The kernel takes -127..127: -128, which llama.cpp never writes, is clamped.
+    b = raw.reshape(raw.shape[0], -1, 34)
+    q = np.maximum(b[..., 2:].view(np.int8), -127).reshape(raw.shape[0], -1)
+    return BlockQuant(8, q, _fp16(b[..., :2]), None)
+
+
+def _q4_k(raw: np.ndarray) -> BlockQuant:
+    """256-element super-blocks of 8 sub-blocks: w = d * sc * q - dmin * mn per sub-block."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    b = raw.reshape(-1, 144)
+    d = _fp16(b[:, :2]).astype(np.float32)[:, None]
+    dmin = _fp16(b[:, 2:4]).astype(np.float32)[:, None]
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 64 elements per 32 bytes: low nibbles first
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, -1)
+    scale = (d * sc.astype(np.float32)).astype(np.float16).reshape(rows, -1)
+    low = (-(dmin * mn.astype(np.float32))).astype(np.float16).reshape(rows, -1)
+    return BlockQuant(4, q, scale, low)
+
+
+def _q5(raw: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 / Q5_1 blocks: (their 5-bit values [rows, k] in 0..31, the block bytes)."""
+    b = raw.reshape(raw.shape[0], -1, size)
+    qs, qh = b[..., -16:], np.ascontiguousarray(b[..., -20:-16]).view("<u4")  # bit j: element j's 5th bit
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+    return (low | (high.astype(np.int16) << 4)).reshape(raw.shape[0], -1), b
+
+
+def _q5_0(raw: np.ndarray) -> BlockQuant:  # d, qh, qs: w = d * (q - 16), widened to int8 exactly
+    q, b = _q5(raw, 22)
+    return BlockQuant(8, (q - 16).astype(np.int8), _fp16(b[..., :2]), None)
+
+
+def _q5_1(raw: np.ndarray) -> BlockQuant:  # d, m, qh, qs: w = d * q + m
+    q, b = _q5(raw, 24)
+    return BlockQuant(8, q.astype(np.int8), _fp16(b[..., :2]), _fp16(b[..., 2:4]))
+
+
+# GGUF type -> (the fewest bits that hold it exactly, its decoder)
+_EXACT = {"Q4_0": (4, _q4_0), "Q4_1": (4, _q4_1), "Q4_K": (4, _q4_k), "Q5_0": (8, _q5_0),
+          "Q5_1": (8, _q5_1), "Q8_0": (8, _q8_0)}
+
+
+# ---- the config and tokenizer as a directory ----------------------------------------------------
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write a Hugging Face style model directory for `gguf_path` into the empty `out_dir`."""
-    from safetensors.numpy import save_file
-
-    reader = open_gguf(gguf_path)
-    config = hf_config(reader)
-    save_file(hf_state_dict(reader, config), str(out_dir / "model.safetensors"), {"format": "pt"})
+    """Write config.json, generation_config.json and tokenizer files for `gguf_path` into the
+    empty `out_dir`. The weights stay in the GGUF file (GGUFWeights reads them)."""
+    header = open_gguf(gguf_path)
+    config = hf_config(header)
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json", _generation_config(reader, config))
-    del reader  # release the mmap before transformers opens the file again
+    _write_json(out_dir / "generation_config.json", _generation_config(header, config))
     _convert_tokenizer(gguf_path, out_dir, config["max_position_embeddings"])
 
 
-def _generation_config(reader, config: dict[str, Any]) -> dict[str, Any]:
+def _generation_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
     # Chat models often end a turn with an end-of-turn token distinct from eos: stop on both.
-    eos = [config["eos_token_id"], _field(reader, "tokenizer.ggml.eot_token_id")]
+    eos = [config["eos_token_id"], _field(header, "tokenizer.ggml.eot_token_id")]
     eos = list(dict.fromkeys(i for i in eos if i is not None))
     return {"bos_token_id": config["bos_token_id"],
             "eos_token_id": eos[0] if len(eos) == 1 else eos}

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, quant
+from .quant import QuantWeight
+from .weights import DictWeights, WeightSource, linear_bits
 
 log = logging.getLogger(__name__)
 
@@ -179,52 +181,129 @@ def _probe_onednn() -> bool:
     return ok
 
 
+class QuantLinear:
+    """y = x @ W.T (+ bias) with W in int4 / int8 blocks (quant.py), run by the C kernel.
+
+    A fused linear (q|k|v, gate|up) may hold parts of different kinds: a GGUF can store v wider
+    than q and k. The activations are quantized once for all parts."""
+
+    __slots__ = ("parts", "bias", "kernels", "plan")
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernels: cpu_kernels.CpuKernels):
+        self.parts, self.bias, self.kernels = parts, bias, kernels
+        self.plan = cpu_kernels.QuantPlan(parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernels.quant_linear(x, self.plan)
+        return y if self.bias is None else y.add_(self.bias)
+
+    @property
+    def kind(self) -> str:
+        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+
+class Embedding:
+    """Token embeddings: a float table, or the quantized weight a tied LM head also runs on."""
+
+    __slots__ = ("table", "quant", "kernels")
+
+    def __init__(self, table: torch.Tensor | None, quantized: QuantWeight | None = None,
+                 kernels: cpu_kernels.CpuKernels | None = None):
+        self.table, self.quant, self.kernels = table, quantized, kernels
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.table)
+        return self.kernels.dequantize_rows(self.quant, ids)
+
+    @property
+    def kind(self) -> str:
+        return str(self.table.dtype).removeprefix("torch.") if self.quant is None else self.quant.kind
+
+    @property
+    def nbytes(self) -> int:
+        return self.quant.nbytes if self.quant is not None else self.table.numel() * self.table.element_size()
+
+
+def _nbytes(linear: Linear | QuantLinear) -> int:
+    if isinstance(linear, QuantLinear):
+        return sum(p.nbytes for p in linear.parts)
+    w = linear.weight if linear.weight is not None else linear.packed
+    return w.numel() * w.element_size() + (0 if linear.bias is None else linear.bias.numel() * 4)
+
+
+def _kind(linear: Linear | QuantLinear) -> str:
+    if isinstance(linear, QuantLinear):
+        return linear.kind
+    return str((linear.weight if linear.weight is not None else linear.packed).dtype).removeprefix("torch.")
+
+
 @dataclass(slots=True)
 class Layer:
     input_norm: torch.Tensor
-    qkv: Linear  # q, k, v projections fused: [(heads + 2 * kv_heads) * head_dim, hidden]
-    o_proj: Linear
+    qkv: Linear | QuantLinear  # q, k, v projections fused: [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj: Linear | QuantLinear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: Linear  # gate and up projections fused: [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Linear | QuantLinear  # gate and up projections fused: [2 * intermediate, hidden]
+    down: Linear | QuantLinear
 
 
 class LlamaModel:
-    """Weights as plain tensors and a forward over a flat batch of tokens; attention is supplied."""
+    """Weights as plain tensors and a forward over a flat batch of tokens; attention is supplied.
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype):
+    `quantization` (none, int8 or int4, resolved by weights.resolve_quantization) picks the
+    linears' kernels: oneDNN fp32, or the quantized C kernel on the source's blocks."""
+
+    def __init__(self, cfg: ModelConfig, weights: WeightSource, device: torch.device,
+                 dtype: torch.dtype, quantization: str = "none", from_gguf: bool = False):
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        get = _WeightGetter(weights, device, dtype)
-        self.embed = get("model.embed_tokens.weight")
+        # The C kernels where they apply (CPU, float32); torch ops elsewhere.
+        kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
+        self.ops: TorchOps | cpu_kernels.CpuKernels = kernels or TorchOps()
+        get = _WeightGetter(weights, device, dtype, quantization, from_gguf, kernels)
+        self.embed = get.embedding("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed if tied else get("lm_head.weight"))
+        self.lm_head = get.head(self.embed) if tied else get.linear(["lm_head.weight"], head=True)
         self.layers = [self._layer(get, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
-        # The C kernels where they apply (CPU, float32); torch ops elsewhere.
-        kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
-        self.ops: TorchOps | cpu_kernels.CpuKernels = kernels or TorchOps()
 
     @staticmethod
     def _layer(get: _WeightGetter, p: str) -> Layer:
         a, m = p + "self_attn.", p + "mlp."
-        bias = (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+        bias = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         return Layer(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=Linear(get.cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                       get.cat(*bias) if get.has(bias[0]) else None),
-            o_proj=Linear(get(a + "o_proj.weight")),
+            qkv=get.linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                           bias if get.has(bias[0]) else None),
+            o_proj=get.linear([a + "o_proj.weight"]),
             q_norm=get(a + "q_norm.weight") if get.has(a + "q_norm.weight") else None,
             k_norm=get(a + "k_norm.weight") if get.has(a + "k_norm.weight") else None,
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(get.cat(m + "gate_proj.weight", m + "up_proj.weight")),
-            down=Linear(get(m + "down_proj.weight")),
+            gate_up=get.linear([m + "gate_proj.weight", m + "up_proj.weight"]),
+            down=get.linear([m + "down_proj.weight"]),
         )
+
+    def weights_bytes(self) -> int:
+        """Bytes of the weights as executed (packed, quantized or not), norms included."""
+        norms = [(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) for layer in self.layers]
+        tensors = [self.norm] + [t for group in norms for t in group if t is not None]
+        total = sum(t.numel() * t.element_size() for t in tensors) + self.embed.nbytes
+        linears = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o_proj", "gate_up", "down")]
+        tied = isinstance(self.lm_head, QuantLinear) and self.lm_head.parts == [self.embed.quant]
+        return total + sum(_nbytes(x) for x in linears) + (0 if tied else _nbytes(self.lm_head))
+
+    def linear_kinds(self) -> dict[str, str]:
+        """What each linear (and the embedding) runs as: float32, int8, int4 or a mix."""
+        kinds = {"embed_tokens": self.embed.kind, "lm_head": _kind(self.lm_head)}
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                kinds[f"layers.{i}.{name}"] = _kind(getattr(layer, name))
+        return kinds
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, head_dim / 2] for the given positions; computed once per step."""
@@ -237,7 +316,7 @@ class LlamaModel:
         cfg, ops, qs, kvs, eps = self.cfg, self.ops, self.q_size, self.kv_size, self.cfg.rms_norm_eps
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = self.rope(positions)
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed(input_ids)
         n = h.shape[0]
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
@@ -247,14 +326,12 @@ class LlamaModel:
                 qkv[:, :qs] = rms_norm(qkv[:, :qs].view(n, heads, d), layer.q_norm, eps).view(n, qs)
                 qkv[:, qs: qs + kvs] = rms_norm(qkv[:, qs: qs + kvs].view(n, kv_heads, d), layer.k_norm,
                                                 eps).view(n, kvs)
-            ops.rope_(qkv[:, :qs], heads, d, cos, sin)
-            ops.rope_(qkv[:, qs: qs + kvs], kv_heads, d, cos, sin)
+            ops.rope_(qkv[:, : qs + kvs], heads + kv_heads, d, cos, sin)  # q and k heads, side by side
             q = qkv[:, :qs].view(n, heads, d)
             k = qkv[:, qs: qs + kvs].view(n, kv_heads, d)
             v = qkv[:, qs + kvs:].view(n, kv_heads, d)
             x = ops.add_rms_norm(h, layer.o_proj(attention(i, q, k, v)), layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            x = ops.add_rms_norm(h, layer.down(F.silu(gate, inplace=True).mul_(up)), norms[i], eps)
+            x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), norms[i], eps)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
         return self.lm_head(x).float()
@@ -276,6 +353,11 @@ class TorchOps:
         x = x.view(x.shape[0], heads, head_dim)
         x.copy_(apply_rope(x, cos[:, None], sin[:, None]))
 
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate, inplace=True).mul_(up)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # The same operation order as transformers, so fp32 results match it bit for bit.
@@ -290,47 +372,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class _WeightGetter:
-    """Fetches checkpoint tensors by name, converted to the model's dtype and device."""
+    """Fetches checkpoint tensors by name: norms as float tensors on the model's device and dtype,
+    linears as packed oneDNN weights or quantized blocks, per the model's quantization."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(self, weights: WeightSource, device: torch.device, dtype: torch.dtype,
+                 quantization: str, from_gguf: bool, kernels: cpu_kernels.CpuKernels | None):
         self.weights, self.device, self.dtype = weights, device, dtype
+        self.quantization, self.from_gguf, self.kernels = quantization, from_gguf, kernels
 
     def has(self, name: str) -> bool:
         return name in self.weights
 
-    def raw(self, name: str) -> torch.Tensor:
-        if name not in self.weights:
-            raise ValueError(f"checkpoint is missing weight {name!r}")
-        return self.weights[name]
-
     def __call__(self, name: str) -> torch.Tensor:
-        return self.raw(name).to(device=self.device, dtype=self.dtype).contiguous()
+        return self.weights.float(name).to(device=self.device, dtype=self.dtype).contiguous()
 
-    def cat(self, *names: str) -> torch.Tensor:
-        return torch.cat([self.raw(n) for n in names]).to(device=self.device, dtype=self.dtype)
+    def _bits(self, name: str, head: bool = False) -> int | None:
+        return linear_bits(self.quantization, self.weights.source_type(name), head=head,
+                           from_gguf=self.from_gguf)
 
+    def linear(self, names: list[str], bias: list[str] | None = None, head: bool = False
+               ) -> Linear | QuantLinear:
+        bias_t = torch.cat([self(b) for b in bias]) if bias else None
+        bits = [self._bits(n, head) for n in names]
+        if bits[0] is None:
+            w = torch.cat([self.weights.float(n) for n in names])
+            return Linear(w.to(device=self.device, dtype=self.dtype), bias_t)
+        parts: list[QuantWeight] = []
+        for name, b in zip(names, bits):
+            w = self.weights.quantized(name, b)
+            if parts and parts[-1].bits == b and parts[-1].n % quant.TILE == 0:
+                parts[-1] = quant.concat([parts[-1], w])  # one kernel call for same-kind parts
+            else:
+                parts.append(w)
+        return QuantLinear(parts, bias_t, self.kernels)
 
-def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's *.safetensors files, on CPU in the checkpoint's dtype."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    def embedding(self, name: str) -> Embedding:
+        bits = self._bits(name, head=True)
+        if bits is None:
+            return Embedding(self(name))
+        return Embedding(None, self.weights.quantized(name, bits), self.kernels)
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            weights.update(load_file(f))
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise ValueError(f"cannot read weight file {f} (corrupt or truncated?): {e}") from e
-    return weights
-
-
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-               cfg: ModelConfig | None = None) -> LlamaModel:
-    cfg = cfg or ModelConfig.from_dir(model_dir)
-    return LlamaModel(cfg, load_weights(model_dir), device, dtype)
+    def head(self, embed: Embedding) -> Linear | QuantLinear:
+        """The LM head of a tied model: the embedding's own tensor, float or quantized."""
+        if embed.quant is None:
+            return Linear(embed.table)
+        return QuantLinear([embed.quant], None, self.kernels)
 
 
 def dummy_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, LlamaModel]:
@@ -354,4 +440,4 @@ def dummy_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> t
         "model.layers.0.mlp.down_proj.weight": (64, 128),
     }
     weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
-    return tiny, LlamaModel(tiny, weights, device, dtype)
+    return tiny, LlamaModel(tiny, DictWeights(weights), device, dtype)

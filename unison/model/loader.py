@@ -1,4 +1,5 @@
-"""Model location: a Hugging Face directory as is, or a GGUF file converted once into a cache."""
+"""Model location: a Hugging Face directory as is, or a GGUF file whose config and tokenizer are
+converted once into a cache directory (its weights are read from the file itself)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )
 # Bump when the conversion output changes, so stale cache entries are not reused.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 def default_gguf_path() -> Path:
@@ -37,15 +38,33 @@ def cache_root() -> Path:
     return Path(os.environ.get("UNISON_CACHE_DIR") or Path.home() / ".cache" / "unison")
 
 
-def resolve_model_dir(model_path: str | os.PathLike | None) -> Path:
-    """A Hugging Face style directory for `model_path` (None: the embedded default model)."""
+def model_file(model_path: str | os.PathLike | None) -> Path:
+    """The model directory or GGUF file `model_path` names (None: the embedded default model)."""
     path = default_gguf_path() if model_path is None else Path(model_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    return path
+
+
+def resolve_model_dir(model_path: str | os.PathLike | None) -> Path:
+    """A Hugging Face style directory (config, tokenizer) for `model_path`."""
+    path = model_file(model_path)
     if path.is_dir():
         check_model_dir(path)
         return path
     return gguf_cache_dir(path)
+
+
+def open_weights(model_path: str | os.PathLike | None, model_dir: Path | None = None):
+    """(the model's weight source, whether it is a GGUF file)."""
+    from .gguf import GGUFWeights
+    from .weights import SafetensorsWeights
+
+    path = model_file(model_path)
+    if path.is_dir():
+        return SafetensorsWeights(path), False
+    config = json.loads((model_dir or resolve_model_dir(path)).joinpath("config.json").read_text())
+    return GGUFWeights(path, config), True
 
 
 def check_model_dir(path: Path) -> dict:
@@ -64,11 +83,16 @@ def check_model_dir(path: Path) -> dict:
     return config
 
 
-def file_sha256(path: Path) -> str:
+def file_key(path: Path) -> str:
+    """The cache key of a model file: its size, mtime and first and last MiB. Hashing all of a
+    multi-GB file on every start would cost seconds; this changes whenever the file does."""
     h = hashlib.sha256()
+    st = path.stat()
+    h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
     with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
     return h.hexdigest()
 
 
@@ -84,7 +108,7 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is neither a model directory nor a GGUF file")
     root = cache_root() / f"gguf-v{CACHE_FORMAT}"
-    final = root / file_sha256(gguf_path)
+    final = root / file_key(gguf_path)
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)

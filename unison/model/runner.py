@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
-from .llama import LlamaModel, ModelConfig, dummy_model, load_model
+from .llama import LlamaModel, ModelConfig, dummy_model
+from .loader import open_weights, resolve_model_dir
+from .weights import resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +43,20 @@ class BatchItem:
 
 @dataclass(slots=True)
 class _Attn:
-    """One attention call: some rows of the flat batch and the cache blocks they attend over."""
+    """One torch attention call: some rows of the flat batch and the cache blocks they attend over."""
 
     rows: slice | Tensor  # a prefill's row range, or the rows of a group of decodes
     blocks: Tensor | None  # [items * width] blocks to gather; None: only the new tokens
     mask: Tensor | None  # additive, [n, width] or [items, 1, 1, width]; None: plain causal
-    lens: Tensor | None = None  # the C kernel's decodes: context lengths; blocks is [items, width]
+
+
+@dataclass(slots=True)
+class _Paged:
+    """The C kernel's view of a step: every row attends over its request's blocks up to itself."""
+
+    tables: Tensor  # [items, width] int64 block tables
+    row_seq: Tensor  # [N] int64: each row's item
+    row_len: Tensor  # [N] int64: each row's position + 1
 
 
 @dataclass(slots=True)
@@ -53,10 +64,11 @@ class _Step:
     """Per-step attention metadata, built once per forward and shared by every layer."""
 
     slots: Tensor  # [N] cache slot of each new token
-    decodes: list[_Attn]  # single-token requests: grouped by context length, split in chunks
-    prefills: list[_Attn]  # multi-token chunks, one each
-    whole: bool  # a single decode group covering the whole batch, in order
     serial: bool  # attention on one thread (see SERIAL_ATTENTION_WORK)
+    paged: _Paged | None = None  # the C kernel's metadata; else torch's below
+    decodes: list[_Attn] = field(default_factory=list)  # grouped by context length, in chunks
+    prefills: list[_Attn] = field(default_factory=list)  # multi-token chunks, one each
+    whole: bool = False  # a single decode group covering the whole batch, in order
 
 
 class ModelRunner:
@@ -66,22 +78,36 @@ class ModelRunner:
     request's token at position p lives in block block_table[p // block_size], row p % block_size.
     """
 
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
-                 block_size: int = 16, num_blocks: int | None = None,
+    def __init__(self, model_path: str | Path | None, *, device: str = "cpu", dtype: str = "auto",
+                 quantization: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
+                 num_blocks: int | None = None,
                  max_total_tokens: int | None = None, num_threads: int | None = None,
-                 load_format: str = "auto", kv_cache_memory_gb: float | None = None):
+                 load_format: str = "auto", kv_cache_memory_gb: float | None = None,
+                 model_dir: str | Path | None = None):
+        """`model_path`: a Hugging Face directory or a GGUF file (None: the embedded model);
+        `model_dir`, when known, its resolved directory of config and tokenizer files."""
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"block_size ({block_size}) and num_blocks ({num_blocks}) "
                              "must be >= 1")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)
-        self.config = ModelConfig.from_dir(model_dir)
+        self.model_dir = Path(model_dir) if model_dir else resolve_model_dir(model_path)
+        self.config = ModelConfig.from_dir(self.model_dir)
         self.dtype = _resolve_dtype(dtype, self.device, self.config)
         if load_format == "dummy":  # the real vocabulary, a near-free forward (frontend benchmarks)
+            self.quantization = "none"
             self.config, self.model = dummy_model(self.config, self.device, self.dtype)
         else:
-            self.model: LlamaModel = load_model(model_dir, self.device, self.dtype, self.config)
+            weights, from_gguf = open_weights(model_path, self.model_dir)
+            self.quantization = resolve_quantization(quantization, self.device, from_gguf,
+                                                     cpu_kernels.load() is not None)
+            if self.quantization != "none" and self.dtype != torch.float32:
+                raise ValueError(f"quantization={self.quantization!r} computes in float32 on CPU; "
+                                 f"dtype={dtype!r} cannot be combined with it")
+            self.model = LlamaModel(self.config, weights, self.device, self.dtype, self.quantization,
+                                    from_gguf)
+        self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.dtype, self.quantization)
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
         if num_blocks is None:
@@ -95,17 +121,17 @@ class ModelRunner:
         self.num_blocks = num_blocks
         c = self.config
         shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        self.k_cache = _zeros(shape, self.dtype, self.device)
-        self.v_cache = _zeros(shape, self.dtype, self.device)
-        log.info("KV cache: %d blocks of %d tokens, %.2f GiB", num_blocks, block_size,
-                 num_blocks * self.bytes_per_block / (1 << 30))
+        self.k_cache = _zeros(shape, self.kv_dtype, self.device)
+        self.v_cache = _zeros(shape, self.kv_dtype, self.device)
+        log.info("KV cache: %d blocks of %d tokens, %s, %.2f GiB", num_blocks, block_size,
+                 str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / (1 << 30))
         self._group = c.num_attention_heads // c.num_key_value_heads
         ops = self.model.ops
         self._kernel = ops if isinstance(ops, cpu_kernels.CpuKernels) else None
         self._step: _Step | None = None
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
         # page faults that make decode attention 3x slower on CPU.
-        self._gather_bufs = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(2)]
+        self._gather_bufs = [torch.empty(0, dtype=self.kv_dtype, device=self.device) for _ in range(2)]
 
     @property
     def context_length(self) -> int:
@@ -119,7 +145,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         c = self.config
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        return per_token * self.block_size * self.kv_dtype.itemsize
 
     def _check_fits(self, num_blocks: int) -> None:
         """Fail at start, with the numbers, rather than by the OOM killer in the middle of a run."""
@@ -163,7 +189,7 @@ class ModelRunner:
     def _prepare(self, batch: list[BatchItem]) -> tuple[Tensor, Tensor, Tensor | None]:
         bs, dev = self.block_size, self.device
         ids, positions, slots, logits_rows = [], [], [], []
-        decode, prefills, row, work = [], [], 0, 0
+        row, work = 0, 0
         for item in batch:
             n, start = len(item.token_ids), item.start_pos
             if n == 0 or len(item.block_table) * bs < start + n:
@@ -176,20 +202,41 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             logits_rows.extend(range(row + item.logits_start, row + n))
             work += n * (start + n)
-            if n == 1:
+            row += n
+        serial = dev.type == "cpu" and work <= SERIAL_ATTENTION_WORK
+        step_slots = torch.from_numpy(np.concatenate(slots)).to(dev)
+        pos_all = np.concatenate(positions)
+        if self._kernel is not None:
+            self._step = _Step(step_slots, serial, paged=self._paged_meta(batch, pos_all))
+        else:
+            self._step = self._torch_meta(batch, step_slots, serial)
+        rows_t = (None if len(logits_rows) == row
+                  else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(pos_all).to(dev), rows_t)
+
+    def _paged_meta(self, batch: list[BatchItem], positions: np.ndarray) -> _Paged:
+        # The kernel reads each request's own blocks up to each row's own length: no padding.
+        bs = self.block_size
+        ends = [item.start_pos + len(item.token_ids) for item in batch]
+        tables = np.zeros((len(batch), -(-max(ends) // bs)), dtype=np.int64)
+        for i, (item, end) in enumerate(zip(batch, ends)):
+            nb = -(-end // bs)
+            tables[i, :nb] = item.block_table[:nb]
+        row_seq = np.repeat(np.arange(len(batch), dtype=np.int64), [len(it.token_ids) for it in batch])
+        return _Paged(torch.from_numpy(tables), torch.from_numpy(row_seq), torch.from_numpy(positions + 1))
+
+    def _torch_meta(self, batch: list[BatchItem], slots: Tensor, serial: bool) -> _Step:
+        decode, prefills, row = [], [], 0
+        for item in batch:
+            if len(item.token_ids) == 1:
                 decode.append((row, item))
             else:
                 prefills.append(self._prefill_meta(row, item))
-            row += n
+            row += len(item.token_ids)
         decodes = self._decode_meta(decode, all_decode=len(decode) == row)
         only = decodes[0].rows if len(decodes) == 1 else None
         whole = isinstance(only, slice) and only == slice(0, row)
-        self._step = _Step(torch.from_numpy(np.concatenate(slots)).to(dev), decodes, prefills,
-                           whole, serial=dev.type == "cpu" and work <= SERIAL_ATTENTION_WORK)
-        rows_t = (None if len(logits_rows) == row
-                  else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.from_numpy(np.concatenate(positions)).to(dev), rows_t)
+        return _Step(slots, serial, decodes=decodes, prefills=prefills, whole=whole)
 
     def _prefill_meta(self, row: int, item: BatchItem) -> _Attn:
         n, start, bs = len(item.token_ids), item.start_pos, self.block_size
@@ -203,8 +250,6 @@ class ModelRunner:
         return _Attn(rows, blocks, self._mask(q_pos, nblocks * bs))
 
     def _decode_meta(self, decode: list[tuple[int, BatchItem]], all_decode: bool) -> list[_Attn]:
-        if self._kernel is not None:
-            return [self._kernel_meta(decode, all_decode)] if decode else []
         # Contexts are padded to the longest of their group: group by length so that padding at
         # most doubles the work (or adds 256 tokens): a short request is not padded to long ones.
         bs = self.block_size
@@ -223,18 +268,6 @@ class ModelRunner:
             chunks += [self._decode_chunk(group[i: i + cap], in_order)
                        for i in range(0, len(group), cap)]
         return chunks
-
-    def _kernel_meta(self, decode: list[tuple[int, BatchItem]], all_decode: bool) -> _Attn:
-        # The kernel reads each request's own blocks up to its own length: no padding, no mask.
-        bs = self.block_size
-        lens = np.array([item.start_pos + 1 for _, item in decode], dtype=np.int64)
-        tables = np.zeros((len(decode), -(-int(lens.max()) // bs)), dtype=np.int64)
-        for i, (_, item) in enumerate(decode):
-            nb = -(-int(lens[i]) // bs)
-            tables[i, :nb] = item.block_table[:nb]
-        rows = (slice(0, len(decode)) if all_decode
-                else torch.tensor([row for row, _ in decode], dtype=torch.int64))
-        return _Attn(rows, torch.from_numpy(tables), None, torch.from_numpy(lens))
 
     def _decode_chunk_rows(self, width: int) -> int:
         if self.device.type != "cpu":
@@ -269,11 +302,14 @@ class ModelRunner:
     def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         step, (n, heads, d) = self._step, q.shape
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [blocks, block_size, kv_heads, d]
-        if self._kernel is not None:
+        if step.paged is not None:
             self._kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots)
-        else:
-            kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k)
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v)
+            p = step.paged
+            threads = 1 if step.serial else torch.get_num_threads()
+            return self._kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
+                                                self.config.sliding_window, threads).view(n, heads * d)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))
         if step.whole:  # the common all-decode step: no scatter needed
             return self._decode(step.decodes[0], q, kc, vc).view(n, heads * d)
         out = torch.empty_like(q)
@@ -287,27 +323,23 @@ class ModelRunner:
         return out.view(n, heads * d)
 
     def _decode(self, a: _Attn, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
-        if a.lens is not None:
-            threads = 1 if self._step.serial else torch.get_num_threads()
-            return self._kernel.decode_attention(q.contiguous(), kc, vc, a.blocks, a.lens,
-                                                 self.config.sliding_window, threads)
         # One SDPA for a group of single-token requests, contexts padded and masked. Each kv
         # head's query group stands in for the query length, so K/V are never repeated.
         b, heads, d = q.shape
         kv_heads = kc.shape[2]
-        keys = self._gather(0, kc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2)
-        values = self._gather(1, vc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2)
+        keys = self._gather(0, kc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
+        values = self._gather(1, vc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q.view(b, kv_heads, self._group, d), keys, values,
                                            attn_mask=a.mask)
         return o.view(b, heads, d)
 
     def _prefill(self, a: _Attn, q: Tensor, k: Tensor, v: Tensor,
                  kc: Tensor, vc: Tensor) -> Tensor:
-        if a.blocks is None:
-            keys, values = k, v
+        if a.blocks is None:  # rounded as the cache holds them: the same values a later chunk reads
+            keys, values = k.to(kc.dtype).to(q.dtype), v.to(vc.dtype).to(q.dtype)
         else:
-            keys = self._gather(0, kc, a.blocks).flatten(0, 1)
-            values = self._gather(1, vc, a.blocks).flatten(0, 1)
+            keys = self._gather(0, kc, a.blocks).flatten(0, 1).to(q.dtype)
+            values = self._gather(1, vc, a.blocks).flatten(0, 1).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=a.mask, is_causal=a.mask is None, enable_gqa=True)
@@ -335,14 +367,16 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    # Unwritten cache slots are read (padded and masked), so they must hold finite values. On CPU
-    # numpy's calloc gives lazily zeroed pages: a large cache costs nothing until it is used.
-    # (Huge pages, tried: 5% faster decode attention alone, no gain end to end, since the
+    # Unwritten cache slots are read by torch's path (padded and masked), so they must hold finite
+    # values. On CPU an anonymous mmap gives lazily zeroed 4 KiB pages: a large cache costs
+    # nothing until used, and memory grows with the tokens held. (numpy would madvise huge pages
+    # for a buffer this size: each layer's first token would then take 2 MiB of K and of V.
+    # Huge pages, tried: 5% faster decode attention alone, no gain end to end, since the
     # kernel's compaction on first touch costs what the TLB saves.)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _available_memory() -> int:
@@ -354,6 +388,20 @@ def _available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) -> torch.dtype:
+    """The KV cache's element type. auto: float16 beside quantized weights on CPU (the C decode
+    attention reads it 20-25 % faster than float32, in half the memory); otherwise the model's
+    dtype (float32 on CPU: the reference path stays exact)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "auto":
+        return torch.float16 if quantization != "none" else model_dtype
+    return _DTYPES[name]
 
 
 def _resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:

@@ -3,7 +3,7 @@
 // At decode batch sizes those ops cost more in overhead than in arithmetic.
 //
 // Tensors are float32; rows of a matrix may be strided (`*_stride`, in floats), columns are not.
-// Built with decode_attention.c into one shared object (see unison/model/cpu_kernels.py).
+// Built with paged_attention.c into one shared object (see unison/model/cpu_kernels.py).
 
 #include <math.h>
 #include <stdint.h>
@@ -50,11 +50,43 @@ void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int6
     }
 }
 
-// k_cache / v_cache rows [slots[r]] = rows r of k and v (width floats each).
-void store_kv(const float *k, const float *v, int64_t row_stride, float *k_cache, float *v_cache,
-              const int64_t *slots, int64_t rows, int64_t width) {
+// float -> bfloat16, rounding to nearest even as torch does (NaN stays a quiet NaN).
+static inline uint16_t bf16_of_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static void store_row(void *cache, int64_t slot, const float *x, int64_t width, int dtype) {
+    if (dtype == 1) {
+        _Float16 *dst = (_Float16 *)cache + slot * width;
+        for (int64_t i = 0; i < width; i++) dst[i] = (_Float16)x[i];  // nearest even, as torch
+    } else if (dtype == 2) {
+        uint16_t *dst = (uint16_t *)cache + slot * width;
+        for (int64_t i = 0; i < width; i++) dst[i] = bf16_of_f32(x[i]);
+    } else {
+        memcpy((float *)cache + slot * width, x, sizeof(float) * width);
+    }
+}
+
+// k_cache / v_cache rows [slots[r]] = rows r of k and v (width floats each), converted to the
+// cache's element type (dtype: 0 float32, 1 float16, 2 bfloat16).
+void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
+              const int64_t *slots, int64_t rows, int64_t width, int dtype) {
     for (int64_t r = 0; r < rows; r++) {
-        memcpy(k_cache + slots[r] * width, k + r * row_stride, sizeof(float) * width);
-        memcpy(v_cache + slots[r] * width, v + r * row_stride, sizeof(float) * width);
+        store_row(k_cache, slots[r], k + r * row_stride, width, dtype);
+        store_row(v_cache, slots[r], v + r * row_stride, width, dtype);
+    }
+}
+
+// out [rows, n] = silu(gate) * up, for gate_up [rows, 2n] = gate | up side by side.
+void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

@@ -1,0 +1,331 @@
+"""Quantized weights on CPU: the kernel against a reference matmul, every GGUF tensor type into
+the kernel's blocks, quality against the float32 path, batch invariance, memory and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.utils import Blocks, assert_greedy_close, greedy
+from unison import Engine
+from unison.config import EngineConfig
+from unison.frontend.tokenizer import Tokenizer
+from unison.model import cpu_kernels, quant
+from unison.model.gguf import GGUFWeights
+from unison.model.loader import default_gguf_path
+from unison.model.runner import BatchItem, ModelRunner
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here: no quantized kernels")
+QUALITY_GAP = 0.15  # quantized against float32: greedy divergence only at a top-2 gap below this
+
+
+def reference_matmul(x: torch.Tensor, weight: quant.QuantWeight) -> torch.Tensor:
+    """x @ W.T in float64 from the values the kernel sees: the weights as stored, and for int4
+    the activations as it quantizes them (int16 per 32-block; int8 takes them in float32)."""
+    a = x.double()
+    if weight.bits == 4:
+        q, scales = KERNELS.act16(x, weight.kp)
+        a = (q.double() * scales.double().repeat_interleave(quant.QBLOCK, 1))[:, : x.shape[1]]
+    w = KERNELS.dequantize_rows(weight, torch.arange(weight.n)).double()
+    return a @ w.T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n, k", [(960, 576), (40, 100), (13, 32), (576, 1536)])
+def test_kernel_equals_reference_matmul(bits: int, n: int, k: int):
+    """Shape by shape: batch 1, odd batches, k not a multiple of the block, n not of the tile."""
+    g = torch.Generator().manual_seed(n + k + bits)
+    weight = quant.quantize(torch.randn(n, k, generator=g), bits)
+    plan = cpu_kernels.QuantPlan([weight])
+    for m in (1, 3, 7, 64, 65):
+        x = torch.randn(m, k, generator=g) * 3
+        got = KERNELS.quant_linear(x, plan)
+        want = reference_matmul(x, weight)
+        assert got.shape == (m, n)
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, f"int{bits} [{m}, {k}] x [{n}, {k}]: relative error {err:.2e}"
+
+
+def test_kernel_rows_do_not_depend_on_the_batch_or_threads():
+    """Each row's result is bit-identical alone, in any batch, and at any thread count: the
+    activation scales are per row and block, and k is reduced in one fixed order."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=g)
+    x[5] *= 50  # an outlier row: one activation scale across the batch would change the others
+    threads = torch.get_num_threads()
+    for bits in (4, 8):
+        plan = cpu_kernels.QuantPlan([quant.quantize(torch.randn(264, 576, generator=g), bits)])
+        together = KERNELS.quant_linear(x, plan)
+        for i in (0, 5, 36):
+            assert torch.equal(KERNELS.quant_linear(x[i: i + 1], plan)[0], together[i])
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(KERNELS.quant_linear(x, plan), together)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_fused_parts_of_different_kinds():
+    """q | k | v with v wider (as a GGUF's Q4_K_M may store it) and parts not a whole tile."""
+    g = torch.Generator().manual_seed(2)
+    ws = [torch.randn(n, 64, generator=g) for n in (20, 12, 12)]
+    parts = [quant.quantize(ws[0], 4), quant.quantize(ws[1], 4), quant.quantize(ws[2], 8)]
+    x = torch.randn(5, 64, generator=g)
+    got = KERNELS.quant_linear(x, cpu_kernels.QuantPlan(parts))
+    want = torch.cat([reference_matmul(x, p) for p in parts], dim=1)
+    assert got.shape == (5, 44)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- GGUF tensor types into the kernel's blocks ------------------------------------------------
+
+def _blocks_of(kind: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw GGUF rows of `kind`: through gguf's own quantizer where it has one, else random bytes
+    with sane fp16 scales at the type's scale offsets (the K- and IQ-quants)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[kind]
+    w = rng.standard_normal((rows, k)).astype(np.float32) * 0.05
+    if kind in ("F32", "F16"):
+        return w.astype(np.float16 if kind == "F16" else np.float32)
+    if kind in ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        return quantize(w, qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    for offset in _FP16_FIELDS[kind]:
+        raw[..., offset: offset + 2] = (rng.uniform(1e-3, 4e-3, raw.shape[:2])
+                                        .astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2))
+    return raw.reshape(rows, -1)
+
+
+_FP16_FIELDS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+                "IQ4_NL": [0], "IQ4_XS": [0]}
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+         "Q6_K", "IQ4_NL", "IQ4_XS"]
+
+
+@pytest.fixture(scope="module")
+def typed_gguf(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    """A small GGUF with one [24, 512] tensor of each type, written with the gguf package."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("gguf") / "types.gguf"
+    w = GGUFWriter(path, "llama")
+    raws = {}
+    for i, kind in enumerate(TYPES):
+        raws[kind] = _blocks_of(kind, 24, 512, rng)
+        qtype = None if kind in ("F32", "F16") else GGMLQuantizationType[kind]
+        w.add_tensor(f"blk.{i}.ffn_down.weight", raws[kind], raw_dtype=qtype)
+    w.add_tensor("blk.99.ffn_up.weight", np.zeros((8, 40), np.uint8), raw_dtype=GGMLQuantizationType.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, raws
+
+
+def _config() -> dict:
+    return {"model_type": "llama", "num_attention_heads": 1, "num_key_value_heads": 1}
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_gguf_type_converts_within_its_own_rounding(typed_gguf, kind: str):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    path, raws = typed_gguf
+    weights = GGUFWeights(path, _config())
+    name = f"model.layers.{TYPES.index(kind)}.mlp.down_proj.weight"
+    ref = (raws[kind].astype(np.float32) if kind in ("F32", "F16")
+           else dequantize(raws[kind], GGMLQuantizationType[kind]))
+    np.testing.assert_array_equal(weights.float(name).numpy(), ref)  # the float path: gguf's own
+    bits = 4 if kind in quant.GGUF_INT4_TYPES else 8
+    qw = weights.quantized(name, bits)
+    got = KERNELS.dequantize_rows(qw, torch.arange(qw.n)).numpy()
+    err = np.abs(got - ref).reshape(24, -1, 32)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        assert err.max() == 0, f"{kind} maps onto int{bits} exactly"
+    elif kind == "Q4_K":  # the sub-block scale and min, rounded to fp16
+        assert err.max() <= 2 ** -10 * np.abs(ref).max()
+    else:  # requantized: half a step of the block's int8 scale
+        step = np.abs(ref).reshape(24, -1, 32).max(axis=2, keepdims=True) / 127
+        assert (err <= 0.5 * step * 1.002 + 1e-9).all(), f"{kind}: {err.max()} vs step {step.max()}"
+
+
+def test_a_type_the_reader_cannot_read_is_a_clear_error(typed_gguf):
+    weights = GGUFWeights(typed_gguf[0], _config())
+    with pytest.raises(ValueError, match=r"'blk\.99\.ffn_up\.weight' has type Q8_1"):
+        weights.quantized("model.layers.99.mlp.up_proj.weight", 8)
+
+
+def test_embedded_file_converts_exactly():
+    """SmolLM2's Q4_1 and Q8_0 tensors land in int4 and int8 without changing a value."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    weights = GGUFWeights(default_gguf_path())
+    seen = set()
+    for name in sorted(weights.names()):
+        kind = weights.source_type(name)
+        if kind == "F32" or (kind in seen and "layers.0." not in name):
+            continue
+        seen.add(kind)
+        qw = weights.quantized(name, 4 if kind == "Q4_1" else 8)
+        t = weights.tensors[name]
+        ref = dequantize(weights._rows(t), GGMLQuantizationType[kind])
+        got = KERNELS.dequantize_rows(qw, torch.arange(qw.n)).numpy()
+        np.testing.assert_array_equal(got, ref, err_msg=name)
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+# ---- quality against the float32 path ----------------------------------------------------------
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which plants convert sunlight into chemical energy. "
+    "It takes place mainly in the leaves, where",
+]
+CHATS = ["What is the capital of Japan?", "Write a haiku about autumn leaves.",
+         "Explain in one sentence why the sky is blue."]
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def runners() -> dict[str, ModelRunner]:
+    out = {q: ModelRunner(None, quantization=q, num_blocks=256) for q in ("none", "int8", "int4")}
+    assert {q: r.quantization for q, r in out.items()} == {"none": "none", "int8": "int8", "int4": "int4"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(tok: Tokenizer) -> list[list[int]]:
+    chats = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    return [tok.encode(t) for t in TEXTS + chats]
+
+
+@pytest.fixture(scope="module")
+def fp32_greedy(runners, prompts):
+    return greedy(runners["none"], prompts, 32)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_greedy_matches_fp32_up_to_a_near_tie(runners, prompts, fp32_greedy, kind: str):
+    got = greedy(runners[kind], prompts, 32)
+    for i, ((ref_ids, ref_top), (ids, tops)) in enumerate(zip(fp32_greedy, got)):
+        assert_greedy_close(ref_ids, ref_top, ids, tops, name=f"{kind} prompt {i}", max_gap=QUALITY_GAP)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_first_step_logprobs_near_fp32(runners, prompts, fp32_greedy, kind: str):
+    runner = runners[kind]
+    blocks = Blocks(runner)
+    worst = 0.0
+    for prompt, (_, ref_top) in zip(prompts, fp32_greedy):
+        logits = runner.forward([BatchItem(prompt, 0, blocks.table(len(prompt)), len(prompt) - 1)])
+        logprobs = torch.log_softmax(logits[0], dim=-1)
+        worst = max(worst, *(abs(logprobs[t].item() - lp) for t, lp in ref_top[0].items()))
+    print(f"\n[figure] {kind}: largest first-step top-5 logprob difference from fp32: {worst:.4f}")
+    assert worst < 0.15
+
+
+def _loglikelihoods(runner: ModelRunner, tok: Tokenizer, items: list[dict]) -> list[tuple[float, int]]:
+    """(log p(choice | question), choice tokens) for every choice, as lm-eval scores them."""
+    seqs = []
+    for item in items:
+        ctx = tok.encode(f"Question: {item['q']}\nAnswer:")
+        seqs += [(ctx, tok.encode(" " + c)) for c in item["choices"]]
+    out = []
+    for i in range(0, len(seqs), 40):
+        chunk = seqs[i: i + 40]
+        blocks = Blocks(runner)
+        batch = [BatchItem(c + a, 0, blocks.table(len(c) + len(a)), len(c) - 1) for c, a in chunk]
+        logits = torch.log_softmax(runner.forward(batch), dim=-1)
+        row = 0
+        for _, cont in chunk:
+            rows = logits[row: row + len(cont)]  # rows predict the choice's tokens
+            out.append((rows.gather(1, torch.tensor(cont)[:, None]).sum().item(), len(cont)))
+            row += len(cont) + 1
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_multiple_choice_answers_match_fp32(runners, tok, kind: str):
+    items = json.loads((Path(__file__).parent / "data" / "multiple_choice.json").read_text())
+    assert len(items) == 40
+    ref, got = _loglikelihoods(runners["none"], tok, items), _loglikelihoods(runners[kind], tok, items)
+    per_token = [abs(a - b) / n for (a, n), (b, _) in zip(ref, got)]
+    same = sum(int(np.argmax([ll for ll, _ in ref[4 * i: 4 * i + 4]]) ==
+                   np.argmax([ll for ll, _ in got[4 * i: 4 * i + 4]])) for i in range(40))
+    print(f"\n[figure] {kind}: {same}/40 answers as fp32; mean |d loglik| "
+          f"{np.mean(per_token):.4f} nats per token")
+    assert same >= 37
+    assert np.mean(per_token) <= 0.05
+
+
+# ---- the engine: batch invariance, what runs as what, memory ------------------------------------
+
+INVARIANCE_PROMPTS = [f"{i + 1}. {t}" for i, t in enumerate(
+    ["The capital of France is", "Water boils at", "Once upon a time", "List three fruits:",
+     "The three primary colors are", "def add(a, b):", "In 1969, the first person on the moon was",
+     "My favourite book is", "The speed of light is", "A haiku about rain:", "SELECT * FROM",
+     "Dear diary, today", "The largest planet is", "Roses are red,", "import numpy as np",
+     "Q: What is 2 + 2? A:"])]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_batch_invariance(kind: str):
+    """The same 16 prompts alone and together give identical tokens. (No prefix cache: a hit
+    prefills through another attention shape, which is a different float sum.)"""
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(quantization=kind, disable_radix_cache=True) as engine:
+        info = engine.get_server_info()
+        assert info["quantization"] == kind and info["kv_cache_dtype"] == "float16"
+        weights = info["weights"]
+        assert weights["embed_tokens"] == weights["lm_head"] == "int8"
+        assert weights["layers.0.qkv"] == ("int4" if kind == "int4" else "int8")
+        alone = [engine.generate(p, params)["output_ids"] for p in INVARIANCE_PROMPTS]
+        together = [o["output_ids"] for o in engine.generate(INVARIANCE_PROMPTS, params)]
+    assert together == alone
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_core_memory_is_the_weights_as_executed():
+    """Peak RSS of the core, minus that of a dummy-weight core with the same KV cache, is within
+    1.3x of the quantized weights' bytes: no float copy of the file exists at any point."""
+    opts = {"max_total_tokens": 8192, "num_threads": 1}
+    with Engine(load_format="dummy", **opts) as dummy:
+        base = _peak_rss(dummy.get_server_info()["core_pid"])
+    with Engine(**opts) as engine:
+        info = engine.get_server_info()
+        peak = _peak_rss(info["core_pid"])
+    size = default_gguf_path().stat().st_size
+    print(f"\n[figure] core peak RSS over a dummy core: {(peak - base) / 2**20:.1f} MiB; weights as "
+          f"executed {info['weights_bytes'] / 2**20:.1f} MiB; the file {size / 2**20:.1f} MiB")
+    assert peak - base <= 1.3 * info["weights_bytes"]
+    assert info["weights_bytes"] < 1.1 * size
+
+
+def test_quantization_on_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="quantization 'int8' runs on CPU only"):
+        EngineConfig(device="cuda", quantization="int8")
+    assert EngineConfig(device="cuda").quantization == "auto"  # auto keeps bf16 there

@@ -1,0 +1,140 @@
+// Attention over a paged KV cache, for CPUs: prefill chunks and decodes alike.
+//
+// Each query row attends over its own request's cached keys and values, read in place through
+// the block table: no gather into a padded copy, no mask. Rows of one request go in tiles of up
+// to TILE_Q consecutive positions, so each K/V row is read once for the whole tile (and all of a
+// KV head's query heads). A row's result is computed by the same operations in the same order
+// whatever tile, batch or chunk it is in: a prompt prefilled whole, in chunks, or after a
+// prefix-cache hit gives bit-identical attention, as does a decode alone or beside 63 others.
+// (Torch's path, index_select into a buffer and then SDPA over the padded batch, moves every
+// byte three times and sums in an order that depends on the shapes.)
+//
+// Layouts (contiguous; q and out float32, the cache float32, float16 or bfloat16):
+//   q, out       [rows, num_heads, head_dim]
+//   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
+//   block_tables [seqs, table_stride]  int64, block ids of each request in order
+//   row_seq      [rows]                int64, the request (row of block_tables) of each query row
+//   row_len      [rows]                int64, tokens the row attends to (its position + 1)
+// window > 0 keeps only the last `window` tokens (sliding-window attention).
+//
+// Built at first use by unison/model/cpu_kernels.py with -O3 -march=native -fopenmp.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// exp(x) for x <= 0 (softmax inputs after subtracting the max), 8 at a time: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial, 2^n through the exponent bits. Relative error
+// under 2e-7; inputs below -87 give 0. (glibc's vector expf is only declared under -ffast-math.)
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  // ln2 in two parts
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// s[0, n) = exp(s - max) / sum: the softmax of one head's scores, in place.
+static inline void softmax(float *s, int64_t n) {
+    float mx = -INFINITY, sum = 0.0f;
+    int64_t i = 0;
+    for (i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum8(acc);
+    for (; i < n; i++) sum += (s[i] = expf(s[i] - mx));
+    const float inv = 1.0f / sum;
+    for (i = 0; i < n; i++) s[i] *= inv;
+}
+
+#endif
+
+// Blocks sit anywhere in the pool, and hardware prefetchers stop at page boundaries: while a
+// block's rows are used, each row's counterpart in the next block is fetched ahead.
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)row + i);
+}
+
+#ifndef ATTN_AVX2
+static inline void softmax(float *s, int64_t n) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    for (int64_t i = 0; i < n; i++) sum += (s[i] = expf(s[i] - mx));
+    for (int64_t i = 0; i < n; i++) s[i] /= sum;
+}
+#endif
+
+static inline float f32_of_bf16(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#define TILE_Q 16  // query rows of one request that share each K/V row read
+
+// One copy of the kernel per cache element type: KV_T, its conversion to float, the suffix.
+#define KV_T float
+#define KV_FLOAT(x) (x)
+#define KV_LOAD8(p) _mm256_loadu_ps(p)
+#define KV_NAME(name) name##_f32
+#include "paged_attention_body.h"
+#define KV_T _Float16
+#define KV_FLOAT(x) ((float)(x))
+#define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_NAME(name) name##_f16
+#include "paged_attention_body.h"
+#define KV_T uint16_t
+#define KV_FLOAT(x) f32_of_bf16(x)
+#define KV_LOAD8(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define KV_NAME(name) name##_bf16
+#include "paged_attention_body.h"
+
+// dtype: 0 float32, 1 float16, 2 bfloat16 (the cache's element type). Returns -1 when out of
+// memory for the scores.
+int paged_attention(const float *q, const void *k_cache, const void *v_cache,
+                    const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
+                    const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
+                    int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+                    float scale, int num_threads, int dtype) {
+    switch (dtype) {
+    case 1:
+        return paged_attention_f16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
+                                   out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
+                                   num_threads);
+    case 2:
+        return paged_attention_bf16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
+                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
+                                    num_threads);
+    default:
+        return paged_attention_f32(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
+                                   out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
+                                   num_threads);
+    }
+}

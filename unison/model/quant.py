@@ -1,0 +1,167 @@
+"""Quantized weights for CPUs: conversion into the blocks csrc/quant_linear.c runs, and the layer.
+
+A weight matrix [n, k] is held as blocks of 32 along k, w = d * q + m per block and output row:
+int4 (q in 0..15, fp16 d and m: 5 bits per weight) or int8 (q in -127..127, fp16 d and m: 9 bits).
+GGUF's own 4-bit types map onto either exactly (Q4_0, Q4_1; Q4_K up to the fp16 rounding of its
+sub-block scales) and Q8_0 onto int8; every other type is dequantized a slice of rows at a time
+and requantized to int8, so no tensor ever exists whole in float32.
+
+Why our own kernel: the kept int8 libraries (fbgemm's dynamic Linear, oneDNN's qlinear) take one
+activation scale per call, so a row's result depends on the rest of its batch; torch's weight-only
+int8/int4 ops are batch-invariant but run at a tenth of fp32's speed at batch 1 here. The kernel
+quantizes activations per row and block, as llama.cpp does (see the C file for the layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QBLOCK = 32  # weights and activations share 32-element blocks along k
+TILE = 8  # output rows packed side by side
+RECORD = {4: 160, 8: 288}  # bytes per (tile, block): see csrc/quant_linear.c
+# GGUF types that map onto int4 exactly (Q4_K up to the fp16 rounding of its sub-block scales).
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+CHUNK_ELEMENTS = 1 << 20  # rows converted at a time: bounds the temporaries to a few MiB
+
+
+@dataclass(slots=True)
+class BlockQuant:
+    """Rows of a weight matrix in 32-blocks, before packing: w = d * q + m."""
+
+    bits: int
+    q: np.ndarray  # [rows, kp] uint8 (int4: 0..15) or int8
+    d: np.ndarray  # [rows, kp / 32] float16
+    m: np.ndarray | None  # [rows, kp / 32] float16; None: 0
+
+    def dequantize(self, k: int) -> np.ndarray:
+        d = np.repeat(self.d.astype(np.float32), QBLOCK, axis=1)
+        w = d * self.q.astype(np.float32)
+        if self.m is not None:
+            w += np.repeat(self.m.astype(np.float32), QBLOCK, axis=1)
+        return w[:, :k]
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A [n, k] matrix packed for the kernel: uint8 records [n_padded / 8, kp / 32, record]."""
+
+    bits: int
+    packed: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def kind(self) -> str:
+        return f"int{self.bits}"
+
+    @property
+    def kp(self) -> int:
+        return _round_up(self.k, QBLOCK)
+
+    @property
+    def n_padded(self) -> int:
+        return _round_up(self.n, TILE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def _round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+# ---- packing ----------------------------------------------------------------------------------
+
+def pack_rows(bq: BlockQuant) -> np.ndarray:
+    """[rows / 8, nb, record] uint8 for rows that are a multiple of 8 (see csrc/quant_linear.c)."""
+    rows, kp = bq.q.shape
+    tiles, nb = rows // TILE, kp // QBLOCK
+    d = _tiled(bq.d, tiles, nb)
+    m = _tiled(bq.m if bq.m is not None else np.zeros_like(bq.d), tiles, nb)
+    if bq.bits == 8:  # k-major: each k's 8 columns side by side
+        q = bq.q.astype(np.int8).view(np.uint8).reshape(tiles, TILE, nb, QBLOCK).transpose(0, 2, 3, 1)
+        return np.concatenate([q.reshape(tiles, nb, 256), d, m], axis=2)
+    q = bq.q.reshape(tiles, TILE, nb, 4, 2, 4).transpose(0, 2, 3, 4, 1, 5)  # t, b, c, half, col, j
+    nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))
+    return np.concatenate([nibbles.reshape(tiles, nb, 128), d, m], axis=2)
+
+
+def _tiled(scales: np.ndarray, tiles: int, nb: int) -> np.ndarray:
+    """[rows, nb] fp16 -> [tiles, nb, 16] bytes: each block's 8 column scales side by side."""
+    t = scales.astype(np.float16).reshape(tiles, TILE, nb).transpose(0, 2, 1)
+    return np.ascontiguousarray(t).view(np.uint8).reshape(tiles, nb, 16)
+
+
+def pack(n: int, k: int, bits: int, rows: Callable[[int, int], BlockQuant]) -> QuantWeight:
+    """Pack an [n, k] matrix whose rows [r0, r1) `rows` converts, a slice at a time."""
+    nb = _round_up(k, QBLOCK) // QBLOCK
+    out = np.empty((_round_up(n, TILE) // TILE, nb, RECORD[bits]), dtype=np.uint8)
+    step = max(TILE, CHUNK_ELEMENTS // max(k, 1) // TILE * TILE)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        bq = rows(r0, r1)
+        if r1 - r0 < step and (r1 - r0) % TILE:  # the last tile: zero rows to a multiple of 8
+            bq = _pad_rows(bq, _round_up(r1 - r0, TILE))
+        out[r0 // TILE: r0 // TILE + bq.q.shape[0] // TILE] = pack_rows(bq)
+    return QuantWeight(bits, torch.from_numpy(out), n, k)
+
+
+def _pad_rows(bq: BlockQuant, rows: int) -> BlockQuant:
+    def pad(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.concatenate([a, np.zeros((rows - a.shape[0], a.shape[1]), a.dtype)])
+    return BlockQuant(bq.bits, pad(bq.q), pad(bq.d), pad(bq.m))
+
+
+# ---- quantizing floats --------------------------------------------------------------------------
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    """[rows, k] float -> [rows, nb, 32] float32, zero-padded to whole blocks."""
+    rows, k = w.shape
+    kp = _round_up(k, QBLOCK)
+    if kp != k:
+        w = np.concatenate([w, np.zeros((rows, kp - k), dtype=w.dtype)], axis=1)
+    return np.asarray(w, dtype=np.float32).reshape(rows, kp // QBLOCK, QBLOCK)
+
+
+def quantize_int8(w: np.ndarray) -> BlockQuant:
+    """Symmetric int8 per block: d = max|w| / 127, q = round(w / d)."""
+    b = _blocks(w)
+    d = (np.abs(b).max(axis=2) / 127).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(df > 0, np.rint(b / df), 0)
+    return BlockQuant(8, np.clip(q, -127, 127).astype(np.int8).reshape(w.shape[0], -1), d, None)
+
+
+def quantize_int4(w: np.ndarray) -> BlockQuant:
+    """Asymmetric 4-bit per block (Q4_1's scheme): d = (max - min) / 15, m = min."""
+    b = _blocks(w)
+    lo, hi = b.min(axis=2), b.max(axis=2)
+    d = ((hi - lo) / 15).astype(np.float16)
+    m = lo.astype(np.float16)
+    df, mf = d.astype(np.float32)[..., None], m.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(df > 0, np.rint((b - mf) / df), 0)
+    return BlockQuant(4, np.clip(q, 0, 15).astype(np.uint8).reshape(w.shape[0], -1), d, m)
+
+
+QUANTIZERS = {4: quantize_int4, 8: quantize_int8}
+
+
+def quantize(w: torch.Tensor | np.ndarray, bits: int) -> QuantWeight:
+    """Pack a float matrix (an HF checkpoint's weight) as int4 or int8."""
+    w = w.float().numpy() if isinstance(w, torch.Tensor) else w
+    n, k = w.shape
+    return pack(n, k, bits, lambda r0, r1: QUANTIZERS[bits](w[r0:r1]))
+
+
+def concat(parts: Sequence[QuantWeight]) -> QuantWeight:
+    """Rows of several matrices of the same kind and k (q, k, v into one QKV)."""
+    first = parts[0]
+    assert all(p.bits == first.bits and p.k == first.k and p.n % TILE == 0 for p in parts[:-1])
+    return QuantWeight(first.bits, torch.cat([p.packed for p in parts]), sum(p.n for p in parts), first.k)

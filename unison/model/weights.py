@@ -1,0 +1,116 @@
+"""Where a model's tensors come from, and which of its linears run quantized.
+
+A weight source serves tensors by their Hugging Face names, one at a time: as float, or already
+converted into the quantized kernel's blocks. `SafetensorsWeights` reads a Hugging Face directory,
+`gguf.GGUFWeights` a GGUF file, `DictWeights` tensors in memory (tests, the dummy model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from . import quant
+from .quant import QuantWeight
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+class WeightSource(Protocol):
+    def __contains__(self, name: str) -> bool: ...
+    def names(self) -> set[str]: ...
+    def source_type(self, name: str) -> str: ...  # "F32", "BF16", "Q4_K", ...
+    def float(self, name: str) -> torch.Tensor: ...
+    def quantized(self, name: str, bits: int) -> QuantWeight: ...
+
+
+class DictWeights:
+    """Tensors already in memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def source_type(self, name: str) -> str:
+        return _TYPE_NAMES.get(self._get(name).dtype, str(self._get(name).dtype))
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+        return self.tensors[name]
+
+    def float(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+    def quantized(self, name: str, bits: int) -> QuantWeight:
+        return quant.quantize(self._get(name), bits)
+
+
+class SafetensorsWeights(DictWeights):
+    """A Hugging Face directory's *.safetensors, each tensor read when first asked for."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
+        self._files: dict[str, object] = {}
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt")
+                names = list(handle.keys())
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise ValueError(f"cannot read weight file {f} (corrupt or truncated?): {e}") from e
+            self._files.update(dict.fromkeys(names, handle))
+        super().__init__({})
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+        return self._files[name].get_tensor(name)
+
+
+_TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def resolve_quantization(mode: str, device: torch.device, from_gguf: bool, kernels: bool) -> str:
+    """What `mode` means for this model here: none, int8 or int4 (auto: a GGUF's own types on
+    CPU, the checkpoint's float weights otherwise)."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "auto":
+        return "int4" if from_gguf and device.type == "cpu" and kernels else "none"
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(f"quantization={mode!r} runs on CPU only; on {device.type} use "
+                         "'none' (or 'auto', which keeps the checkpoint's float weights there)")
+    if mode != "none" and not kernels:
+        raise ValueError(f"quantization={mode!r} needs the CPU kernels, which could not be built "
+                         "here (no C compiler, or UNISON_CPU_KERNELS=0); use quantization='none'")
+    return mode
+
+
+def linear_bits(mode: str, source_type: str, *, head: bool, from_gguf: bool) -> int | None:
+    """Bits a weight runs at under the resolved `mode` (None: float). int4 keeps a GGUF's 4-bit
+    tensors at 4 bits and all its others at 8; a float checkpoint under int4 goes to 4 bits,
+    but its embedding and LM head to 8 (as llama.cpp's Q4_K_M keeps its output tensor wider)."""
+    if mode == "none":
+        return None
+    if mode == "int8":
+        return 8
+    if from_gguf:
+        return 4 if source_type in quant.GGUF_INT4_TYPES else 8
+    return 8 if head else 4
