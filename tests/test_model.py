@@ -13,8 +13,8 @@ import torch
 from tests.utils import Blocks, assert_greedy_close, greedy, hf_model, hf_reference
 from unison.model import loader
 from unison.model import runner as runner_module
+from unison.model.decoder import TorchOps
 from unison.model.gguf import GGUFWeights
-from unison.model.llama import TorchOps
 from unison.model.loader import default_gguf_path, resolve_model_dir
 from unison.model.runner import BatchItem, ModelRunner
 
@@ -181,21 +181,31 @@ TINY = {  # small random models of each supported kind, saved by transformers
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "mistral-sliding-window": ("MistralConfig", {"sliding_window": 8}),
     "qwen2-qkv-bias": ("Qwen2Config", {}),
+    "qwen2-yarn-rope": ("Qwen2Config", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}}),
     "qwen3-qk-norm": ("Qwen3Config", {"head_dim": 32}),
+    # Gemma 3: layers 0-4 windowed (window 3, under the block size) with their own rope theta,
+    # layer 5 global; sandwich norms stored as w for (1 + w), GELU, scaled embeddings.
+    "gemma3-window-under-a-block": ("Gemma3TextConfig", {
+        "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 3, "query_pre_attn_scalar": 24}),
+    "gemma3-window-across-chunks": ("Gemma3TextConfig", {
+        "num_hidden_layers": 6, "sliding_window": 7, "query_pre_attn_scalar": 16}),
+    "olmo2-post-norms": ("Olmo2Config", {}),
 }
 
 
+@pytest.mark.parametrize("path", ["kernels", "torch"])
 @pytest.mark.parametrize("kind", TINY)
-def test_architectures_match_transformers(kind: str, tmp_path: Path):
-    """Each architecture, prefilled in a chunk then decoded token by token, gives transformers'
-    logits at every position."""
+def test_architectures_match_transformers(kind: str, path: str, tmp_path: Path):
+    """Each architecture, prefilled in chunks of 5 (across any window's edge) then decoded token
+    by token, gives transformers' logits at every position; through the C kernels and torch."""
     import transformers
 
     name, extra = TINY[kind]
     torch.manual_seed(0)
-    cfg = getattr(transformers, name)(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra)
+    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    cfg = getattr(transformers, name)(**(shape | extra))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # random init is near-zero; widen it so positions and heads matter
         for p in hf.parameters():
@@ -206,9 +216,13 @@ def test_architectures_match_transformers(kind: str, tmp_path: Path):
         ref = hf(torch.tensor([ids])).logits[0]
 
     runner = ModelRunner(tmp_path, num_blocks=8, block_size=4)
+    if path == "torch":
+        if runner._kernel is None:
+            pytest.skip("no C compiler here: the kernels path is the torch path")
+        runner.model.ops, runner._kernel = TorchOps(), None
     table = [5, 2, 7, 0, 3, 1]  # scattered blocks, 4 tokens each
-    got = [runner.forward([BatchItem(ids[:12], 0, table, 0)])]
-    got += [runner.forward([BatchItem([t], 12 + i, table, 0)]) for i, t in enumerate(ids[12:])]
+    got = [runner.forward([BatchItem(ids[i: i + 5], i, table, 0)]) for i in range(0, 10, 5)]
+    got += [runner.forward([BatchItem([t], 10 + i, table, 0)]) for i, t in enumerate(ids[10:])]
     assert_logits_close(torch.cat(got), ref, kind)
 
 

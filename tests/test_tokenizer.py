@@ -174,13 +174,10 @@ def test_from_dir_merges_configs(tmp_path, model_dir):
         {"name": "default", "template": "D{{ messages[0].content }}"},
         {"name": "tool_use", "template": "T{{ tools | length }}"},
     ]
-    config["add_bos_token"] = True
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.apply_chat_template(CHATS[0]) == "DWhat is the capital of France?"
     assert tok.apply_chat_template(CHATS[0], tools=[{"name": "f"}]) == "T1"
-    assert tok.encode("hi", add_special_tokens=True)[0] == tok.bos_token_id
-    assert tok.encode("hi")[0] != tok.bos_token_id
 
 
 def test_missing_tokenizer_json(tmp_path):

@@ -47,20 +47,21 @@ def assert_greedy_close(ref_ids: list[int], ref_top: list[dict[int, float]], got
 
 
 @functools.cache
-def hf_model():
-    """The embedded GGUF loaded by transformers' own GGUF loader (never Unison's cache), once."""
+def hf_model(path=None):
+    """A GGUF (default: the embedded one) loaded by transformers' own GGUF loader (never
+    Unison's cache), once per test run."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from unison.model.loader import default_gguf_path
 
-    path = default_gguf_path()
+    path = path or default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32)
     return model.eval()
 
 
-def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int,
+def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, model=None,
                  ) -> list[tuple[list[int], list[dict[int, float]]]]:
     """Greedy continuations by transformers: (ids, top-5 logprobs at each new position) per prompt.
 
@@ -72,7 +73,7 @@ def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int,
     import torch
     from transformers import DynamicCache
 
-    model = hf_model()
+    model = model or hf_model()
     # transformers renamed past_key_values to cache; accept either version
     params = inspect.signature(model.forward).parameters
     cache_arg = "cache" if "cache" in params else "past_key_values"

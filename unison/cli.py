@@ -42,14 +42,15 @@ def _generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         params["sampling_seed"] = args.seed
     with Engine(**engine_options(args)) as engine:
-        prompt = args.prompt
-        if args.chat:
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt, ids = args.prompt, None
+        if args.chat:  # the template writes its own special tokens: no second BOS
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt, ids = None, engine.tokenizer.encode(text, add_special_tokens=False)
         if not args.stream:
-            print(engine.generate(prompt, params)["text"])
+            print(engine.generate(prompt, params, input_ids=ids)["text"])
             return 0
         shown = 0
-        for chunk in engine.generate(prompt, params, stream=True):
+        for chunk in engine.generate(prompt, params, input_ids=ids, stream=True):
             sys.stdout.write(chunk["text"][shown:])
             sys.stdout.flush()
             shown = len(chunk["text"])

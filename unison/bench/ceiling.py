@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from unison.model.llama import LlamaModel
+from unison.model.decoder import DecoderModel
 
 EXACT_LIMIT = 32  # more distinct sizes than this: time a grid of them and interpolate
 
@@ -72,7 +72,7 @@ def total(shapes: Counter[tuple[int, int]], layers: Callable[[int], float],
     return sum(n * (layers(t) + (head(rows) if rows else 0.0)) for (t, rows), n in shapes.items())
 
 
-def linears_time(model: LlamaModel, shapes: Counter[tuple[int, int]], reps: int = 3) -> float:
+def linears_time(model: DecoderModel, shapes: Counter[tuple[int, int]], reps: int = 3) -> float:
     """Seconds the run's steps spend in the model's linear layers alone (best of `reps`)."""
     cfg = model.cfg
 

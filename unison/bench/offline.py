@@ -55,7 +55,7 @@ def load_requests(args: argparse.Namespace, engine: Engine) -> list[OfflineReque
         raise ValueError("--dataset sharegpt needs --dataset-path")
     tok = engine.tokenizer
     samples = sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.output_len,
-                                count_tokens=lambda text: len(tok.encode(text)))
+                                count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)))
     return [OfflineRequest(tok.encode(s.prompt), s.output_len) for s in samples]
 
 

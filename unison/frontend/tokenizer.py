@@ -38,8 +38,6 @@ class Tokenizer:
     ) -> None:
         self._tok = tok
         self.token_strings = {k: _token_str(tokenizer_config.get(k)) for k in _TEMPLATE_TOKENS}
-        self.add_bos_token = bool(tokenizer_config.get("add_bos_token", False))
-        self.add_eos_token = bool(tokenizer_config.get("add_eos_token", False))
         self.chat_template = chat_template or tokenizer_config.get("chat_template")
         if isinstance(self.chat_template, list):  # [{"name": ..., "template": ...}] in older files
             self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
@@ -94,16 +92,13 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.token_strings["eos_token"]
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        # tokenizer_config's add_bos/eos_token hold where tokenizer.json's post-processor lacks them.
-        if add_special_tokens:
-            bos, eos = self.bos_token_id, self._id_of(self.eos_token)
-            if self.add_bos_token and bos is not None and ids[:1] != [bos]:
-                ids.insert(0, bos)
-            if self.add_eos_token and eos is not None and ids[-1:] != [eos]:
-                ids.append(eos)
-        return ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` as `AutoTokenizer(text)` gives them: with add_special_tokens, the
+        special tokens tokenizer.json's post-processor adds (a BOS for Llama, Gemma; none for
+        SmolLM2), even before a BOS the text already holds. transformers 5 reads no
+        add_bos_token from tokenizer_config.json for such tokenizers, so neither does this.
+        Text rendered from a chat template carries its own: encode it with add_special_tokens=False."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

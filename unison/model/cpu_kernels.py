@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c")]
-HEADERS = [CSRC / "paged_attention_body.h"]
+HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _loaded: CpuKernels | None | bool = False  # False: not tried yet
@@ -89,6 +89,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # as act_mul numbers them
 # The KV cache's element types, as the kernels number them.
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -110,8 +111,8 @@ class CpuKernels:
         lib.rope.restype = None
         lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
         lib.store_kv.restype = None
-        lib.silu_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
-        lib.silu_mul.restype = None
+        lib.act_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
+        lib.act_mul.restype = None
         lib.quantize_act16.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
         lib.quantize_act16.restype = None
         lib.act16_bytes.argtypes = [_I64, _I64]
@@ -160,12 +161,13 @@ class CpuKernels:
         self.lib.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads,
                       head_dim, torch.get_num_threads())
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up [rows, 2 n] contiguous: [rows, n]."""
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up for gate_up [rows, 2 n] contiguous: [rows, n]. act: silu | gelu_tanh."""
         assert gate_up.is_contiguous()
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, n)
-        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+        self.lib.act_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, ACTIVATIONS[activation],
+                         torch.get_num_threads())
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -22,14 +22,8 @@ import numpy as np
 import torch
 
 from . import quant
+from .families import BY_GGUF
 from .quant import BlockQuant, QuantWeight
-
-# GGUF architecture -> (HF architecture, model_type)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -38,7 +32,7 @@ _GLOBAL_NAMES = {
 }
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # Llama's pre-MLP norm; Gemma 3's, see _GEMMA3_NAMES
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -49,6 +43,9 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -152,13 +149,13 @@ def _field(header: GGUFHeader, key: str, default: Any = None) -> Any:
 
 def gguf_architecture(header: GGUFHeader) -> str:
     arch = _field(header, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
-                         f"supported: {sorted(ARCHITECTURES)}")
+    if arch not in BY_GGUF:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(BY_GGUF)}")
     return arch
 
 
 def hf_config(header: GGUFHeader) -> dict[str, Any]:
+    """A Hugging Face config.json for the file, as transformers' GGUF loader builds it."""
     arch = gguf_architecture(header)
 
     def a(key: str, default: Any = None) -> Any:
@@ -168,9 +165,10 @@ def hf_config(header: GGUFHeader) -> dict[str, Any]:
     hidden = int(a("embedding_length"))
     names = {t.name for t in header.tensors}
     vocab = a("vocab_size") or _field(header, "tokenizer.ggml.tokens")  # an array: its length
+    family = BY_GGUF[arch]
     config = {
-        "architectures": [ARCHITECTURES[arch][0]],
-        "model_type": ARCHITECTURES[arch][1],
+        "architectures": [family.hf_architecture],
+        "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(a("feed_forward_length")),
         "num_hidden_layers": int(a("block_count")),
@@ -190,6 +188,22 @@ def hf_config(header: GGUFHeader) -> dict[str, Any]:
     }
     if a("rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    if a("rope.scaling.type") == "yarn":
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(a("rope.scaling.factor")),
+                                  "original_max_position_embeddings":
+                                      int(a("rope.scaling.original_context_length"))}
+    if arch == "gemma3":  # Gemma3TextConfig's defaults where the file says nothing, as transformers
+        layers, window = config["num_hidden_layers"], a("attention.sliding_window")
+        config.update(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=256, sliding_window=window, hidden_act="gelu_pytorch_tanh",
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                   for i in range(layers)],
+                      rope_parameters={"full_attention": {"rope_type": "default",
+                                                          "rope_theta": config.pop("rope_theta")},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    elif a("attention.sliding_window"):  # Mistral, written as llama
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                      sliding_window=int(a("attention.sliding_window")))
     return config
 
 
@@ -200,13 +214,14 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m[2] not in _LAYER_NAMES:
+    if m is None or m[2] not in names:
         raise ValueError(f"unexpected tensor {name!r} in GGUF file")
-    return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
 
 
 _NUMPY_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
@@ -232,15 +247,17 @@ class GGUFWeights:
         self.path = Path(path)
         header = open_gguf(self.path)
         config = config or hf_config(header)
-        # llama.cpp permutes q/k rows for its rope on llama only (qwen use NeoX rope already).
-        permute = config["model_type"] == "llama"
+        arch = _field(header, "general.architecture")
+        # llama.cpp permutes q/k rows for its rope on llama only (the others use NeoX rope).
+        permute = arch == "llama"
+        # llama.cpp's converter stores Gemma's norms as (1 + w): served as w, as transformers does.
+        self._norm_minus_one = arch == "gemma3"
         self._heads = {"attn_q": config["num_attention_heads"],
                        "attn_k": config["num_key_value_heads"]} if permute else {}
         self._map = np.memmap(self.path, mode="r")
         self.tensors: dict[str, _Tensor] = {}
+        self.rope_freqs: np.ndarray | None = None  # llama 3.1+ rope scaling, per-frequency divisors
         for info in header.tensors:
-            if info.name == "rope_freqs.weight":  # llama 3.1+ rope scaling, as per-frequency factors
-                continue
             try:
                 kind = GGMLQuantizationType(info.type_id)
             except ValueError:
@@ -254,8 +271,11 @@ class GGUFWeights:
                 shape = (*shape[:-1], shape[-1] // block * type_size)
             n_bytes = n * type_size // block
             data = self._map[info.offset: info.offset + n_bytes].view(dtype).reshape(shape)
-            self.tensors[_hf_name(info.name)] = _Tensor(info.name, kind.name, info.dims, info.offset,
-                                                        n_bytes, data)
+            if info.name == "rope_freqs.weight":
+                self.rope_freqs = np.array(data, dtype=np.float32)
+                continue
+            self.tensors[_hf_name(info.name, arch)] = _Tensor(info.name, kind.name, info.dims, info.offset,
+                                                              n_bytes, data)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -284,9 +304,11 @@ class GGUFWeights:
     def float(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32 (a copy, off the mmap)."""
         t = self._tensor(name)
-        out = torch.from_numpy(np.array(_dequantize(t, self._rows(t)), np.float32))
+        w = np.array(_dequantize(t, self._rows(t)), np.float32)
+        if self._norm_minus_one and t.name.endswith("norm.weight"):
+            w -= 1
         self._release(t)
-        return out.reshape(self.shape(name))
+        return torch.from_numpy(w).reshape(self.shape(name))
 
     def quantized(self, name: str, bits: int) -> QuantWeight:
         """The [n, k] tensor as the kernel's int4 or int8 blocks, converted a slice of rows at a
@@ -409,11 +431,20 @@ _EXACT = {"Q4_0": (4, _q4_0), "Q4_1": (4, _q4_1), "Q4_K": (4, _q4_k), "Q5_0": (8
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, generation_config.json and tokenizer files for `gguf_path` into the
     empty `out_dir`. The weights stay in the GGUF file (GGUFWeights reads them)."""
+    config = write_config(gguf_path, out_dir)  # first: an unsupported family fails in milliseconds
+    _convert_tokenizer(gguf_path, out_dir, config["max_position_embeddings"])
+
+
+def write_config(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
+    """config.json and generation_config.json for `gguf_path`; returns the config."""
     header = open_gguf(gguf_path)
     config = hf_config(header)
+    freqs = GGUFWeights(gguf_path, config).rope_freqs
+    if freqs is not None:  # read by families.ModelConfig with the rest of the rope
+        config["rope_freqs"] = freqs.tolist()
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(header, config))
-    _convert_tokenizer(gguf_path, out_dir, config["max_position_embeddings"])
+    return config
 
 
 def _generation_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:

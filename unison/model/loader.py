@@ -11,10 +11,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .families import family_of
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-)
 # Bump when the conversion output changes, so stale cache entries are not reused.
 CACHE_FORMAT = 2
 
@@ -76,10 +75,7 @@ def check_model_dir(path: Path) -> dict:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_file} is not valid JSON: {e}") from e
-    archs = config.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported model architecture {archs} in {config_file}; "
-                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    family_of(config.get("architectures"), str(config_file))
     return config
 
 

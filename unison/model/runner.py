@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
-from .llama import LlamaModel, ModelConfig, dummy_model
+from .decoder import DecoderModel, dummy_model
+from .families import ModelConfig
 from .loader import open_weights, resolve_model_dir
 from .weights import resolve_quantization
 
@@ -60,15 +61,22 @@ class _Paged:
 
 
 @dataclass(slots=True)
+class _TorchAttn:
+    """Torch's view of a step for layers of one window (masks differ with the window)."""
+
+    decodes: list[_Attn]  # single-token requests: grouped by context length, in chunks
+    prefills: list[_Attn]  # multi-token chunks, one each
+    whole: bool  # a single decode group covering the whole batch, in order
+
+
+@dataclass(slots=True)
 class _Step:
     """Per-step attention metadata, built once per forward and shared by every layer."""
 
     slots: Tensor  # [N] cache slot of each new token
     serial: bool  # attention on one thread (see SERIAL_ATTENTION_WORK)
-    paged: _Paged | None = None  # the C kernel's metadata; else torch's below
-    decodes: list[_Attn] = field(default_factory=list)  # grouped by context length, in chunks
-    prefills: list[_Attn] = field(default_factory=list)  # multi-token chunks, one each
-    whole: bool = False  # a single decode group covering the whole batch, in order
+    paged: _Paged | None = None  # the C kernel's metadata; else torch's, per window
+    torch: dict[int | None, _TorchAttn] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -105,7 +113,7 @@ class ModelRunner:
             if self.quantization != "none" and self.dtype != torch.float32:
                 raise ValueError(f"quantization={self.quantization!r} computes in float32 on CPU; "
                                  f"dtype={dtype!r} cannot be combined with it")
-            self.model = LlamaModel(self.config, weights, self.device, self.dtype, self.quantization,
+            self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.quantization,
                                     from_gguf)
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.dtype, self.quantization)
         self.block_size = block_size
@@ -209,7 +217,8 @@ class ModelRunner:
         if self._kernel is not None:
             self._step = _Step(step_slots, serial, paged=self._paged_meta(batch, pos_all))
         else:
-            self._step = self._torch_meta(batch, step_slots, serial)
+            self._step = _Step(step_slots, serial, torch={
+                w: self._torch_meta(batch, w) for w in self.config.windows})
         rows_t = (None if len(logits_rows) == row
                   else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(pos_all).to(dev), rows_t)
@@ -225,31 +234,31 @@ class ModelRunner:
         row_seq = np.repeat(np.arange(len(batch), dtype=np.int64), [len(it.token_ids) for it in batch])
         return _Paged(torch.from_numpy(tables), torch.from_numpy(row_seq), torch.from_numpy(positions + 1))
 
-    def _torch_meta(self, batch: list[BatchItem], slots: Tensor, serial: bool) -> _Step:
+    def _torch_meta(self, batch: list[BatchItem], window: int | None) -> _TorchAttn:
         decode, prefills, row = [], [], 0
         for item in batch:
             if len(item.token_ids) == 1:
                 decode.append((row, item))
             else:
-                prefills.append(self._prefill_meta(row, item))
+                prefills.append(self._prefill_meta(row, item, window))
             row += len(item.token_ids)
-        decodes = self._decode_meta(decode, all_decode=len(decode) == row)
+        decodes = self._decode_meta(decode, len(decode) == row, window)
         only = decodes[0].rows if len(decodes) == 1 else None
         whole = isinstance(only, slice) and only == slice(0, row)
-        return _Step(slots, serial, decodes=decodes, prefills=prefills, whole=whole)
+        return _TorchAttn(decodes, prefills, whole)
 
-    def _prefill_meta(self, row: int, item: BatchItem) -> _Attn:
+    def _prefill_meta(self, row: int, item: BatchItem, window: int | None) -> _Attn:
         n, start, bs = len(item.token_ids), item.start_pos, self.block_size
-        window = self.config.sliding_window
         rows = slice(row, row + n)
         if start == 0 and (window is None or n <= window):
             return _Attn(rows, None, None)  # a whole prompt: attend over its own new K/V
         nblocks = -(-(start + n) // bs)
         blocks = torch.tensor(item.block_table[:nblocks], dtype=torch.int64, device=self.device)
         q_pos = torch.arange(start, start + n, device=self.device)[:, None]
-        return _Attn(rows, blocks, self._mask(q_pos, nblocks * bs))
+        return _Attn(rows, blocks, self._mask(q_pos, nblocks * bs, window))
 
-    def _decode_meta(self, decode: list[tuple[int, BatchItem]], all_decode: bool) -> list[_Attn]:
+    def _decode_meta(self, decode: list[tuple[int, BatchItem]], all_decode: bool,
+                     window: int | None) -> list[_Attn]:
         # Contexts are padded to the longest of their group: group by length so that padding at
         # most doubles the work (or adds 256 tokens): a short request is not padded to long ones.
         bs = self.block_size
@@ -265,7 +274,7 @@ class ModelRunner:
         for group in groups:
             group.sort(key=lambda d: d[0])
             cap = self._decode_chunk_rows(max(nblocks[row] for row, _ in group))
-            chunks += [self._decode_chunk(group[i: i + cap], in_order)
+            chunks += [self._decode_chunk(group[i: i + cap], in_order, window)
                        for i in range(0, len(group), cap)]
         return chunks
 
@@ -275,7 +284,8 @@ class ModelRunner:
         block_bytes = self.bytes_per_block // self.config.num_hidden_layers  # K and V, one layer
         return max(1, DECODE_CHUNK_BYTES // (width * block_bytes))
 
-    def _decode_chunk(self, chunk: list[tuple[int, BatchItem]], in_order: bool) -> _Attn:
+    def _decode_chunk(self, chunk: list[tuple[int, BatchItem]], in_order: bool,
+                      window: int | None) -> _Attn:
         bs = self.block_size
         nblocks = [-(-(item.start_pos + 1) // bs) for _, item in chunk]
         blocks = np.zeros((len(chunk), max(nblocks)), dtype=np.int64)  # padding: block 0, masked
@@ -285,7 +295,7 @@ class ModelRunner:
         rows = (slice(chunk[0][0], chunk[-1][0] + 1) if in_order
                 else torch.tensor([row for row, _ in chunk], dtype=torch.int64, device=self.device))
         return _Attn(rows, torch.from_numpy(blocks.reshape(-1)).to(self.device),
-                     self._mask(q_pos, max(nblocks) * bs)[:, None, None])
+                     self._mask(q_pos, max(nblocks) * bs, window)[:, None, None])
 
     # --- attention, called by the model for each layer ------------------------------------
 
@@ -307,18 +317,20 @@ class ModelRunner:
             p = step.paged
             threads = 1 if step.serial else torch.get_num_threads()
             return self._kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
-                                                self.config.sliding_window, threads).view(n, heads * d)
+                                                self.config.layer_window[layer], threads,
+                                                self.config.attention_scale).view(n, heads * d)
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))
-        if step.whole:  # the common all-decode step: no scatter needed
-            return self._decode(step.decodes[0], q, kc, vc).view(n, heads * d)
+        meta = step.torch[self.config.layer_window[layer]]
+        if meta.whole:  # the common all-decode step: no scatter needed
+            return self._decode(meta.decodes[0], q, kc, vc).view(n, heads * d)
         out = torch.empty_like(q)
-        for a in step.decodes:
+        for a in meta.decodes:
             if isinstance(a.rows, slice):
                 out[a.rows] = self._decode(a, q[a.rows], kc, vc)
             else:
                 out.index_copy_(0, a.rows, self._decode(a, q.index_select(0, a.rows), kc, vc))
-        for a in step.prefills:
+        for a in meta.prefills:
             out[a.rows] = self._prefill(a, q[a.rows], k[a.rows], v[a.rows], kc, vc)
         return out.view(n, heads * d)
 
@@ -330,7 +342,7 @@ class ModelRunner:
         keys = self._gather(0, kc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
         values = self._gather(1, vc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q.view(b, kv_heads, self._group, d), keys, values,
-                                           attn_mask=a.mask)
+                                           attn_mask=a.mask, scale=self.config.attention_scale)
         return o.view(b, heads, d)
 
     def _prefill(self, a: _Attn, q: Tensor, k: Tensor, v: Tensor,
@@ -342,18 +354,18 @@ class ModelRunner:
             values = self._gather(1, vc, a.blocks).flatten(0, 1).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=a.mask, is_causal=a.mask is None, enable_gqa=True)
+            attn_mask=a.mask, is_causal=a.mask is None, enable_gqa=True, scale=self.config.attention_scale)
         return o[0].transpose(0, 1)
 
-    def _mask(self, q_pos: Tensor, width: int) -> Tensor:
+    def _mask(self, q_pos: Tensor, width: int, window: int | None) -> Tensor:
         """[len(q_pos), width] additive mask: causal over positions, within any sliding window.
 
         Additive (0 / -inf) rather than bool, so SDPA does not convert it again in every layer.
         """
         k_pos = torch.arange(width, device=self.device)[None, :]
         allowed = k_pos <= q_pos
-        if self.config.sliding_window is not None:
-            allowed &= k_pos > q_pos - self.config.sliding_window
+        if window is not None:
+            allowed &= k_pos > q_pos - window
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, -math.inf)
 

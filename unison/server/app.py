@@ -207,10 +207,10 @@ def create_app(settings: dict[str, Any] | None = None) -> FastAPI:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         text = worker.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         params = body.sampling_params(default_max_tokens=worker.info["context_length"])
-        prompt_len = len(worker.tokenizer.encode(text))
+        prompt_ids = worker.tokenizer.encode(text, add_special_tokens=False)  # the template has them
         if body.max_tokens is None and body.max_completion_tokens is None:
-            params.max_new_tokens = max(worker.info["context_length"] - prompt_len, 1)
-        ids = [worker.prepare(None, worker.tokenizer.encode(text), params)]
+            params.max_new_tokens = max(worker.info["context_length"] - len(prompt_ids), 1)
+        ids = [worker.prepare(None, prompt_ids, params)]
         return await _run(request, worker, ids, params, body, kind="chat.completion",
                           logprobs=body.logprobs, top_n=body.top_logprobs or 0)
 

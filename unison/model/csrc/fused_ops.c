@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd_math.h"
+
 #define PARALLEL_ROWS 64  // fewer rows than this run on the calling thread
 
 // h += delta (when delta is given); out = h * rsqrt(mean(h^2) + eps) * weight.
@@ -80,13 +82,53 @@ void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache,
     }
 }
 
-// out [rows, n] = silu(gate) * up, for gate_up [rows, 2n] = gate | up side by side.
-void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int num_threads) {
+#ifdef UNISON_AVX2
+// silu(x) = x / (1 + exp(-x)) and tanh(x), with exp taken of -|x| only (it cannot overflow).
+static inline __m256 silu8(__m256 x) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e / (1 + e)
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+static inline __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_and_ps(_mm256_set1_ps(-0.0f), x);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_or_ps(t, sign);
+}
+#endif
+
+// GELU, tanh approximation (transformers' gelu_pytorch_tanh): 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
+#define GELU_C 0.7978845608028654f
+
+// out [rows, n] = act(gate) * up, for gate_up [rows, 2n] = gate | up side by side.
+// activation: 0 silu, 1 gelu (tanh approximation).
+void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * n, *u = g + n;
         float *o = out + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+#ifdef UNISON_AVX2
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            __m256 a;
+            if (activation == 1) {
+                const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(GELU_C),
+                    _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
+                a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x),
+                                  _mm256_add_ps(_mm256_set1_ps(1.0f), tanh8(inner)));
+            } else {
+                a = silu8(x);
+            }
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < n; i++) {
+            const float x = g[i];
+            const float a = activation == 1 ? 0.5f * x * (1.0f + tanhf(GELU_C * (x + 0.044715f * x * x * x)))
+                                            : x / (1.0f + expf(-x));
+            o[i] = a * u[i];
+        }
     }
 }

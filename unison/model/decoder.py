@@ -1,139 +1,28 @@
-"""Llama family, plain PyTorch: Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (qk-norm)."""
+"""The decoder, plain PyTorch plus the C kernels: every family of families.py with one forward.
+
+Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (qk-norm), Gemma 3
+(sandwich norms, GELU, windowed and global layers with their own rope), OLMo 2 (post-norms).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels, quant
+from .families import ModelConfig
 from .quant import QuantWeight
 from .weights import DictWeights, WeightSource, linear_bits
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
 # attention(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) -> [N, heads * head_dim]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-    torch_dtype: str | None = None
-
-    @property
-    def context_length(self) -> int:
-        return self.max_position_embeddings
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        model_dir = Path(model_dir)
-        hf = _read_json(model_dir / "config.json")
-        gen_file = model_dir / "generation_config.json"
-        return cls.from_hf(hf, _read_json(gen_file) if gen_file.is_file() else {})
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"unsupported model architecture {archs}; "
-                             f"supported: {list(ARCHITECTURES)}")
-        if hf.get("use_sliding_window") and arch != "MistralForCausalLM":
-            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
-        heads = hf["num_attention_heads"]
-        # transformers 5 keeps theta and scaling under rope_parameters; older configs at top level
-        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_ids(hf.get("eos_token_id")) + _ids((gen or {}).get("eos_token_id")),
-            torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
-        )
-
-    def __post_init__(self) -> None:
-        self.eos_token_ids = list(dict.fromkeys(self.eos_token_ids))
-
-
-def _ids(value: int | list[int] | None) -> list[int]:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotary frequencies after the config's rope scaling, computed as transformers does."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
 
 
 class Linear:
@@ -240,17 +129,21 @@ def _kind(linear: Linear | QuantLinear) -> str:
 
 @dataclass(slots=True)
 class Layer:
-    input_norm: torch.Tensor
     qkv: Linear | QuantLinear  # q, k, v projections fused: [(heads + 2 * kv_heads) * head_dim, hidden]
     o_proj: Linear | QuantLinear
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    post_norm: torch.Tensor
     gate_up: Linear | QuantLinear  # gate and up projections fused: [2 * intermediate, hidden]
     down: Linear | QuantLinear
+    # The norms a family has (families.Family.norms), None where it has none.
+    input_norm: torch.Tensor | None
+    post_attention_norm: torch.Tensor | None
+    pre_mlp_norm: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    rope: int  # index into the model's ropes
 
 
-class LlamaModel:
+class DecoderModel:
     """Weights as plain tensors and a forward over a flat batch of tokens; attention is supplied.
 
     `quantization` (none, int8 or int4, resolved by weights.resolve_quantization) picks the
@@ -262,35 +155,39 @@ class LlamaModel:
         # The C kernels where they apply (CPU, float32); torch ops elsewhere.
         kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
         self.ops: TorchOps | cpu_kernels.CpuKernels = kernels or TorchOps()
-        get = _WeightGetter(weights, device, dtype, quantization, from_gguf, kernels)
+        get = _WeightGetter(weights, device, dtype, quantization, from_gguf, kernels,
+                            cfg.family.norm_plus_one)
         self.embed = get.embedding("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.family.embed_scale else None
+        self.norm = get.norm("model.norm.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = get.head(self.embed) if tied else get.linear(["lm_head.weight"], head=True)
-        self.layers = [self._layer(get, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
-        self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.layers = [self._layer(get, i) for i in range(cfg.num_hidden_layers)]
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
 
-    @staticmethod
-    def _layer(get: _WeightGetter, p: str) -> Layer:
+    def _layer(self, get: _WeightGetter, i: int) -> Layer:
+        p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         bias = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        norms = {role: get.norm(p + name + ".weight") for role, name in self.cfg.family.norms.items()}
+        optional = {x: get.norm(a + x + ".weight") if get.has(a + x + ".weight") else None
+                    for x in ("q_norm", "k_norm")}
         return Layer(
-            input_norm=get(p + "input_layernorm.weight"),
             qkv=get.linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                            bias if get.has(bias[0]) else None),
             o_proj=get.linear([a + "o_proj.weight"]),
-            q_norm=get(a + "q_norm.weight") if get.has(a + "q_norm.weight") else None,
-            k_norm=get(a + "k_norm.weight") if get.has(a + "k_norm.weight") else None,
-            post_norm=get(p + "post_attention_layernorm.weight"),
             gate_up=get.linear([m + "gate_proj.weight", m + "up_proj.weight"]),
             down=get.linear([m + "down_proj.weight"]),
+            input_norm=norms.get("input"), post_attention_norm=norms.get("post_attention"),
+            pre_mlp_norm=norms.get("pre_mlp"), post_mlp_norm=norms.get("post_mlp"),
+            rope=self.cfg.layer_rope[i], **optional,
         )
 
     def weights_bytes(self) -> int:
         """Bytes of the weights as executed (packed, quantized or not), norms included."""
-        norms = [(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) for layer in self.layers]
+        norms = [(layer.input_norm, layer.post_attention_norm, layer.pre_mlp_norm, layer.post_mlp_norm,
+                  layer.q_norm, layer.k_norm) for layer in self.layers]
         tensors = [self.norm] + [t for group in norms for t in group if t is not None]
         total = sum(t.numel() * t.element_size() for t in tensors) + self.embed.nbytes
         linears = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o_proj", "gate_up", "down")]
@@ -305,36 +202,57 @@ class LlamaModel:
                 kinds[f"layers.{i}.{name}"] = _kind(getattr(layer, name))
         return kinds
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, head_dim / 2] for the given positions; computed once per step."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
         """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids`."""
-        cfg, ops, qs, kvs, eps = self.cfg, self.ops, self.q_size, self.kv_size, self.cfg.rms_norm_eps
-        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = self.rope(positions)
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        rope = [r.cos_sin(positions, self.dtype) for r in cfg.ropes]  # once per step, not per layer
         h = self.embed(input_ids)
-        n = h.shape[0]
-        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
+        if self.embed_scale is not None:  # as transformers: the scale rounded to the model's dtype
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        nexts = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        x = _add_norm(ops, h, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
-            if layer.q_norm is not None:  # Qwen3: per-head norms before the rotation
-                qkv[:, :qs] = rms_norm(qkv[:, :qs].view(n, heads, d), layer.q_norm, eps).view(n, qs)
-                qkv[:, qs: qs + kvs] = rms_norm(qkv[:, qs: qs + kvs].view(n, kv_heads, d), layer.k_norm,
-                                                eps).view(n, kvs)
-            ops.rope_(qkv[:, : qs + kvs], heads + kv_heads, d, cos, sin)  # q and k heads, side by side
-            q = qkv[:, :qs].view(n, heads, d)
-            k = qkv[:, qs: qs + kvs].view(n, kv_heads, d)
-            v = qkv[:, qs + kvs:].view(n, kv_heads, d)
-            x = ops.add_rms_norm(h, layer.o_proj(attention(i, q, k, v)), layer.post_norm, eps)
-            x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), norms[i], eps)
+            delta = layer.o_proj(attention(i, *self._qkv(layer, x, *rope[layer.rope])))
+            if layer.post_attention_norm is not None:
+                delta = ops.add_rms_norm(delta, None, layer.post_attention_norm, eps)
+            x = _add_norm(ops, h, delta, layer.pre_mlp_norm, eps)
+            delta = layer.down(ops.act_mul(layer.gate_up(x), cfg.family.activation))
+            if layer.post_mlp_norm is not None:
+                delta = ops.add_rms_norm(delta, None, layer.post_mlp_norm, eps)
+            x = _add_norm(ops, h, delta, nexts[i], eps)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
         return self.lm_head(x).float()
+
+    def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [N, heads, d], k and v [N, kv_heads, d]: projected, normed where the family norms
+        them, rotated."""
+        cfg, qs, kvs, eps = self.cfg, self.q_size, self.kv_size, self.cfg.rms_norm_eps
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = layer.qkv(x)
+        n = qkv.shape[0]
+        if layer.q_norm is not None:
+            if cfg.family.qk_norm == "head":  # Qwen3, Gemma 3: per head, before the rotation
+                qkv[:, :qs] = rms_norm(qkv[:, :qs].view(n, heads, d), layer.q_norm, eps).view(n, qs)
+                qkv[:, qs: qs + kvs] = rms_norm(qkv[:, qs: qs + kvs].view(n, kv_heads, d), layer.k_norm,
+                                                eps).view(n, kvs)
+            else:  # OLMo 2: over the whole q and k projections
+                qkv[:, :qs] = rms_norm(qkv[:, :qs], layer.q_norm, eps)
+                qkv[:, qs: qs + kvs] = rms_norm(qkv[:, qs: qs + kvs], layer.k_norm, eps)
+        self.ops.rope_(qkv[:, : qs + kvs], heads + kv_heads, d, cos, sin)  # q and k heads side by side
+        return (qkv[:, :qs].view(n, heads, d), qkv[:, qs: qs + kvs].view(n, kv_heads, d),
+                qkv[:, qs + kvs:].view(n, kv_heads, d))
+
+
+def _add_norm(ops: TorchOps | cpu_kernels.CpuKernels, h: torch.Tensor, delta: torch.Tensor | None,
+              weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """h += delta, then the next norm's input: norm(h), or h itself where no norm comes next."""
+    if weight is not None:
+        return ops.add_rms_norm(h, delta, weight, eps)
+    if delta is not None:
+        h.add_(delta)
+    return h.clone()  # the caller's next residual add must not change what the layer reads
 
 
 class TorchOps:
@@ -354,8 +272,10 @@ class TorchOps:
         x.copy_(apply_rope(x, cos[:, None], sin[:, None]))
 
     @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
+        if activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh").mul_(up)
         return F.silu(gate, inplace=True).mul_(up)
 
 
@@ -376,15 +296,23 @@ class _WeightGetter:
     linears as packed oneDNN weights or quantized blocks, per the model's quantization."""
 
     def __init__(self, weights: WeightSource, device: torch.device, dtype: torch.dtype,
-                 quantization: str, from_gguf: bool, kernels: cpu_kernels.CpuKernels | None):
+                 quantization: str, from_gguf: bool, kernels: cpu_kernels.CpuKernels | None,
+                 norm_plus_one: bool = False):
         self.weights, self.device, self.dtype = weights, device, dtype
         self.quantization, self.from_gguf, self.kernels = quantization, from_gguf, kernels
+        self.norm_plus_one = norm_plus_one
 
     def has(self, name: str) -> bool:
         return name in self.weights
 
     def __call__(self, name: str) -> torch.Tensor:
         return self.weights.float(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def norm(self, name: str) -> torch.Tensor:
+        """A norm's scale. Gemma stores w for a (1 + w) scale: added here, in float32 as
+        transformers does, so the forward always multiplies by the weight."""
+        w = self.weights.float(name).float()
+        return (1.0 + w if self.norm_plus_one else w).to(device=self.device, dtype=self.dtype).contiguous()
 
     def _bits(self, name: str, head: bool = False) -> int | None:
         return linear_bits(self.quantization, self.weights.source_type(name), head=head,
@@ -419,25 +347,24 @@ class _WeightGetter:
         return QuantLinear([embed.quant], None, self.kernels)
 
 
-def dummy_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[ModelConfig, LlamaModel]:
-    """A tiny random model with the real vocabulary: the forward costs next to nothing, so
-    benchmarks of the frontends are not limited by the model."""
+def dummy_model(cfg: ModelConfig, device: torch.device,
+                dtype: torch.dtype) -> tuple[ModelConfig, DecoderModel]:
+    """A tiny random one-layer model of the same family with the real vocabulary: the forward
+    costs next to nothing, so benchmarks of the frontends are not limited by the model."""
     import dataclasses
+
+    from .rope import Rope
 
     tiny = dataclasses.replace(cfg, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                               tie_word_embeddings=True, qk_norm=False)
+                               tie_word_embeddings=True, ropes=[Rope(32)], layer_rope=[0],
+                               layer_window=[None], attention_scale=32 ** -0.5)
     g = torch.Generator().manual_seed(0)
-    shapes = {
-        "model.embed_tokens.weight": (tiny.vocab_size, 64), "model.norm.weight": (64,),
-        "model.layers.0.input_layernorm.weight": (64,),
-        "model.layers.0.post_attention_layernorm.weight": (64,),
-        "model.layers.0.self_attn.q_proj.weight": (64, 64),
-        "model.layers.0.self_attn.k_proj.weight": (32, 64),
-        "model.layers.0.self_attn.v_proj.weight": (32, 64),
-        "model.layers.0.self_attn.o_proj.weight": (64, 64),
-        "model.layers.0.mlp.gate_proj.weight": (128, 64), "model.layers.0.mlp.up_proj.weight": (128, 64),
-        "model.layers.0.mlp.down_proj.weight": (64, 128),
-    }
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    shapes = {"model.embed_tokens.weight": (tiny.vocab_size, 64), "model.norm.weight": (64,),
+              a + "q_proj.weight": (64, 64), a + "k_proj.weight": (32, 64), a + "v_proj.weight": (32, 64),
+              a + "o_proj.weight": (64, 64), m + "gate_proj.weight": (128, 64),
+              m + "up_proj.weight": (128, 64), m + "down_proj.weight": (64, 128)}
+    shapes |= {f"model.layers.0.{name}.weight": (64,) for name in cfg.family.norms.values()}
     weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
-    return tiny, LlamaModel(tiny, DictWeights(weights), device, dtype)
+    return tiny, DecoderModel(tiny, DictWeights(weights), device, dtype)
