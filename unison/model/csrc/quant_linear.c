@@ -31,7 +31,14 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -43,7 +50,7 @@
 #define INT4_RECORD 160
 #define INT8_RECORD 288
 #define INT4_ROWS 2  // rows of x per int4 micro-kernel call (two int16 sums each: registers)
-#define INT8_ROWS 6  // rows per int8 call: the widened weights are shared by all of them
+#define INT8_NARROW_TILES 8  // tiles per int8 call for few rows: 8 FMA chains
 // Bytes ahead of the record in use to prefetch: at batch 1 the weights stream from memory, and
 // each linear is too short a stream for the hardware prefetchers to reach full speed.
 #define PREFETCH 1024
@@ -77,12 +84,14 @@ static inline float fp16_to_float(uint16_t h) {
 // The int4 kernel's view of x [rows, k] (row stride x_stride floats), per row and 32-block:
 // q = round(x / da) in [-32767, 32767] as its high byte (hi, signed) and low byte (lo, unsigned),
 // da, sa = da * sum(q) (for the weights' min term) and l8 = 8 * sum(lo) (for the kernel's signed
-// low-byte weights). Columns k..kp (padding to a whole block) are 0.
+// low-byte weights), and q itself as floats (qf, for the many-row path). Columns k..kp (padding
+// to a whole block) are 0.
 typedef struct {
     int8_t *hi;
     uint8_t *lo;
     float *da, *sa;
     int32_t *l8;
+    float *qf;
 } act16;
 
 static act16 act16_at(void *buf, int64_t rows, int64_t kp) {
@@ -93,11 +102,55 @@ static act16 act16_at(void *buf, int64_t rows, int64_t kp) {
     a.da = (float *)(a.lo + rows * kp);
     a.sa = a.da + rows * nb;
     a.l8 = (int32_t *)(a.sa + rows * nb);
+    a.qf = (float *)(a.l8 + rows * nb);
     return a;
 }
 
-// Scratch bytes for a linear of `rows` rows: act16 (int4 parts) and the block sums (int8 parts).
-int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 2 + rows * (kp / QBLOCK) * 16; }
+// Scratch bytes for a linear of `rows` rows: act16 (int4 parts), then the block sums (int8 parts).
+int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 6 + rows * (kp / QBLOCK) * 16; }
+#define XS_OFFSET(rows, kp) ((rows) * (kp) * 6 + (rows) * ((kp) / QBLOCK) * 12)
+
+#ifdef QL_AVX2
+// One whole block, 8 lanes at a time: the same values as the scalar loop below (cvtps rounds to
+// nearest even, as nearbyintf does), only faster: at 512 rows the scalar loop took a quarter as
+// long as the GEMM it fed.
+static inline void act16_block(const float *x, act16 a, int64_t at, int64_t rb) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    const __m256i lim = _mm256_set1_epi32(32767), nlim = _mm256_set1_epi32(-32767), ff = _mm256_set1_epi32(0xff);
+    __m256i sum = _mm256_setzero_si256(), lows = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+        q = _mm256_max_epi32(_mm256_min_epi32(q, lim), nlim);
+        const __m256i lo = _mm256_and_si256(q, ff);
+        sum = _mm256_add_epi32(sum, q);
+        lows = _mm256_add_epi32(lows, lo);
+        _mm256_storeu_ps(a.qf + at + 8 * i, _mm256_cvtepi32_ps(q));
+        int32_t qs[8], ls[8];
+        _mm256_storeu_si256((__m256i *)qs, _mm256_srai_epi32(q, 8));
+        _mm256_storeu_si256((__m256i *)ls, lo);
+        for (int j = 0; j < 8; j++) {
+            a.hi[at + 8 * i + j] = (int8_t)qs[j];
+            a.lo[at + 8 * i + j] = (uint8_t)ls[j];
+        }
+    }
+    int32_t s8[8], l8[8], total = 0, low_total = 0;
+    _mm256_storeu_si256((__m256i *)s8, sum);
+    _mm256_storeu_si256((__m256i *)l8, lows);
+    for (int j = 0; j < 8; j++) total += s8[j], low_total += l8[j];
+    a.da[rb] = d;
+    a.sa[rb] = d * (float)total;
+    a.l8[rb] = 8 * low_total;
+}
+#endif
 
 void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t kp, void *buf,
                     int num_threads) {
@@ -108,6 +161,12 @@ void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, i
         const float *xr = x + r * x_stride;
         for (int64_t b = 0; b < nb; b++) {
             const int64_t k0 = b * QBLOCK, n = k - k0 < QBLOCK ? (k - k0 > 0 ? k - k0 : 0) : QBLOCK;
+#ifdef QL_AVX2
+            if (n == QBLOCK) {
+                act16_block(xr + k0, a, r * kp + k0, r * nb + b);
+                continue;
+            }
+#endif
             float amax = 0.0f;
             for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(xr[k0 + i]));
             const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
@@ -117,6 +176,7 @@ void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, i
                 v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;
                 a.hi[r * kp + k0 + i] = (int8_t)(v >> 8);  // arithmetic: v = 256 hi + lo
                 a.lo[r * kp + k0 + i] = (uint8_t)(v & 0xff);
+                a.qf[r * kp + k0 + i] = (float)v;
                 sum += v;
                 lows += v & 0xff;
             }
@@ -211,56 +271,205 @@ static void int4_tile(const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *
 }
 #endif
 
-// ---- int8 -------------------------------------------------------------------------------------
-//
-// The weights widened to float in registers, times float32 activations, each block's sum
-// scaled by its d once (plus m times the block's sum of x, xs): the float32 path's arithmetic on
-// the stored int8 values.
+// With many rows the same sums go through the FMA ports instead (maddubs has one port on Zen 3,
+// FMA two): a group of column tiles is widened once to floats, then every row runs against it.
+// For int4 the weights widen to 0..15 and q is taken as floats: a block's sum of at most 32
+// products |15 * 32767| stays below 2^24, so it is the exact integer whatever the order, and
+// bit-identical to the maddubs path's; so is everything after it.
+#define FMA_ROWS 6  // rows x FMA_TILES tiles of 8 columns: 12 accumulators, 12 FMA chains
+#define FMA_TILES 2
+#define INT4_FMA_MIN_ROWS 16  // int4 batches from this size take the FMA path
+#define INT8_WIDE_MIN_ROWS 4  // int8 batches from this size widen a tile group once
+
+// wf [kp][ntiles][8]: the tiles' q as floats, k-major, the group's tiles side by side.
+static void widen_tiles(int bits, const uint8_t *w, int64_t nb, int ntiles, float *wf) {
+    const int64_t record = bits == 4 ? INT4_RECORD : INT8_RECORD, stride = ntiles * TILE;
+    for (int t = 0; t < ntiles; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *rec = w + (t * nb + b) * record;
+            float *o = wf + b * QBLOCK * stride + t * TILE;
+#ifdef QL_AVX2
+            if (bits == 8) {
+                for (int k = 0; k < QBLOCK; k++)
+                    _mm256_storeu_ps(o + k * stride, _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 8 * k)))));
+                continue;
+            }
+            const __m256i low = _mm256_set1_epi32(0x0f);
+            for (int c = 0; c < 4; c++) {  // lane col holds bytes j of k = 8c + j and 8c + 4 + j
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 32 * c));
+                for (int j = 0; j < 4; j++) {
+                    const __m256i byte = _mm256_srli_epi32(v, 8 * j);
+                    _mm256_storeu_ps(o + (8 * c + j) * stride, _mm256_cvtepi32_ps(_mm256_and_si256(byte, low)));
+                    _mm256_storeu_ps(o + (8 * c + 4 + j) * stride,
+                                     _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(byte, 4), low)));
+                }
+            }
+            continue;
+#endif
+            if (bits == 8) {
+                for (int k = 0; k < QBLOCK; k++)
+                    for (int col = 0; col < TILE; col++) o[k * stride + col] = (float)(int8_t)rec[8 * k + col];
+                continue;
+            }
+            for (int c = 0; c < 4; c++)  // lane col holds bytes j of k = 8c + j and 8c + 4 + j
+                for (int col = 0; col < TILE; col++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t byte = rec[32 * c + 4 * col + j];
+                        o[(8 * c + j) * stride + col] = (float)(byte & 0x0f);
+                        o[(8 * c + 4 + j) * stride + col] = (float)(byte >> 4);
+                    }
+        }
+}
 
 #ifdef QL_AVX2
-static inline __attribute__((always_inline)) void int8_tile(
-        const uint8_t *w, int64_t nb, const float *x, int64_t x_stride, const float *xs, float *out,
-        int64_t ldo, const int nrows) {
-    __m256 acc[INT8_ROWS];
-    for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += INT8_RECORD) {
-        for (int i = 0; i < INT8_RECORD; i += 64) _mm_prefetch((const char *)(w + PREFETCH + i), _MM_HINT_T0);
-        __m256 part[INT8_ROWS];  // this block's sum of q * x; its scale d applied once, below
-        for (int r = 0; r < nrows; r++) part[r] = _mm256_setzero_ps();
-#pragma GCC unroll 4
+// Rows [0, nrows) of a (row-major, row stride a_stride) against ntiles widened tiles. Per block
+// and output: part = sum_k w x; out = part * d * s1 + m * s2 + out, with s1 = da, s2 = sa for
+// int4, and s1 = 1, s2 = the block's sum of x for int8. out is the accumulator between blocks.
+static inline __attribute__((always_inline)) void fma_tile(
+        const float *wf, const uint8_t *const *rec, int64_t record, int64_t nb, const float *a,
+        int64_t a_stride, const float *s1, const float *s2, float *out, int64_t ldo, const int nrows,
+        const int ntiles) {
+    const int64_t stride = ntiles * TILE;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 part[FMA_ROWS][FMA_TILES];
+        for (int r = 0; r < nrows; r++)
+            for (int t = 0; t < ntiles; t++) part[r][t] = _mm256_setzero_ps();
+#pragma GCC unroll 2
         for (int k = 0; k < QBLOCK; k++) {
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8 * k))));
-            for (int r = 0; r < nrows; r++)
-                part[r] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x + r * x_stride + b * QBLOCK + k), part[r]);
+            __m256 wk[FMA_TILES];
+            for (int t = 0; t < ntiles; t++) wk[t] = _mm256_loadu_ps(wf + (b * QBLOCK + k) * stride + t * TILE);
+            for (int r = 0; r < nrows; r++) {
+                const __m256 x = _mm256_broadcast_ss(a + r * a_stride + b * QBLOCK + k);
+                for (int t = 0; t < ntiles; t++) part[r][t] = _mm256_fmadd_ps(wk[t], x, part[r][t]);
+            }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 272)));
-        for (int r = 0; r < nrows; r++) {
-            acc[r] = _mm256_fmadd_ps(part[r], d, acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+        for (int t = 0; t < ntiles; t++) {
+            const uint8_t *rt = rec[t] + b * record;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + record - 32)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + record - 16)));
+            for (int r = 0; r < nrows; r++) {
+                float *o = out + r * ldo + t * TILE;
+                __m256 acc = b ? _mm256_loadu_ps(o) : _mm256_setzero_ps();
+                const __m256 scale = s1 ? _mm256_mul_ps(d, _mm256_set1_ps(s1[r * nb + b])) : d;
+                acc = _mm256_fmadd_ps(part[r][t], scale, acc);
+                acc = _mm256_fmadd_ps(m, _mm256_set1_ps(s2[r * nb + b]), acc);
+                _mm256_storeu_ps(o, acc);
+            }
         }
     }
-    for (int r = 0; r < nrows; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+static void fma_rows(const float *wf, const uint8_t *const *rec, int64_t record, int64_t nb, const float *a,
+                     int64_t a_stride, const float *s1, const float *s2, float *out, int64_t ldo, int nrows,
+                     int ntiles) {
+#define FMA_CASE(R)                                                                                  \
+    case R:                                                                                          \
+        if (ntiles == 2)                                                                             \
+            fma_tile(wf, rec, record, nb, a, a_stride, s1, s2, out, ldo, R, 2);                      \
+        else                                                                                         \
+            fma_tile(wf, rec, record, nb, a, a_stride, s1, s2, out, ldo, R, 1);                      \
+        break;
+    switch (nrows) {  // constant shapes: registers, unrolled loops
+        FMA_CASE(6) FMA_CASE(5) FMA_CASE(4) FMA_CASE(3) FMA_CASE(2)
+        default: FMA_CASE(1)
+    }
+#undef FMA_CASE
+}
+
+// out [m, ldo] columns [0, n) for W of `bits` through widened tile groups: each thread widens a
+// group, then runs every row against it. Returns 0, or -1 without the memory (nothing written).
+static int fma_linear(int bits, const uint8_t *w, int64_t n, int64_t kp, const float *a, int64_t a_stride,
+                      const float *s1, const float *s2, int64_t m, float *out, int64_t ldo, int num_threads) {
+    const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + FMA_TILES - 1) / FMA_TILES;
+    const int64_t record = bits == 4 ? INT4_RECORD : INT8_RECORD;
+    float *widened = malloc(sizeof(float) * kp * TILE * FMA_TILES * num_threads);
+    if (!widened) return -1;
+    // Rows in chunks whose activations stay in L2 while all of a thread's tile groups pass them
+    // (re-reading every row from L3 for every group halved the speed at 512 rows).
+    int64_t chunk = (256 << 10) / (kp * 4);
+    chunk = chunk < 24 ? 24 : chunk / FMA_ROWS * FMA_ROWS;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *wf = widened + omp_get_thread_num() * kp * TILE * FMA_TILES;
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            // static: each thread gets the same groups in every chunk, so no chunk waits for another
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const int ntiles = tiles - g * FMA_TILES < FMA_TILES ? (int)(tiles - g * FMA_TILES) : FMA_TILES;
+                const uint8_t *rec[FMA_TILES];
+                for (int t = 0; t < ntiles; t++) rec[t] = w + (g * FMA_TILES + t) * nb * record;
+                widen_tiles(bits, rec[0], nb, ntiles, wf);
+                for (int64_t r = m0; r < m1; r += FMA_ROWS) {
+                    const int nr = m1 - r < FMA_ROWS ? (int)(m1 - r) : FMA_ROWS;
+                    fma_rows(wf, rec, record, nb, a + r * a_stride, a_stride, s1 ? s1 + r * nb : NULL,
+                             s2 + r * nb, out + r * ldo + g * FMA_TILES * TILE, ldo, nr, ntiles);
+                }
+            }
+        }
+    }
+    free(widened);
+    return 0;
+}
+#endif
+
+// ---- int8 -------------------------------------------------------------------------------------
+//
+// The weights widened to float, times float32 activations, each block's sum (one FMA chain,
+// k in order) scaled by its d once, plus m times the block's sum of x (xs): the float32 path's
+// arithmetic on the stored int8 values. Few rows widen in registers, many widen a tile group
+// once (fma_linear): the same operations either way.
+
+#ifdef QL_AVX2
+static inline __attribute__((always_inline)) void int8_narrow_tile(
+        const uint8_t *w, int64_t nb, const float *x, const float *xs, float *out, const int ntiles) {
+    __m256 acc[INT8_NARROW_TILES];
+    for (int t = 0; t < ntiles; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 part[INT8_NARROW_TILES];
+        for (int t = 0; t < ntiles; t++) {
+            part[t] = _mm256_setzero_ps();
+            for (int i = 0; i < INT8_RECORD; i += 64)
+                _mm_prefetch((const char *)(w + (t * nb + b) * INT8_RECORD + PREFETCH + i), _MM_HINT_T0);
+        }
+#pragma GCC unroll 2
+        for (int k = 0; k < QBLOCK; k++) {
+            const __m256 xk = _mm256_broadcast_ss(x + b * QBLOCK + k);
+            for (int t = 0; t < ntiles; t++) {
+                const uint8_t *q = w + (t * nb + b) * INT8_RECORD + 8 * k;
+                const __m256 wk = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+                part[t] = _mm256_fmadd_ps(wk, xk, part[t]);
+            }
+        }
+        for (int t = 0; t < ntiles; t++) {
+            const uint8_t *rt = w + (t * nb + b) * INT8_RECORD;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + 256)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + 272)));
+            acc[t] = _mm256_fmadd_ps(part[t], d, acc[t]);
+            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b]), acc[t]);
+        }
+    }
+    for (int t = 0; t < ntiles; t++) _mm256_storeu_ps(out + t * TILE, acc[t]);
 }
 #else
-static void int8_tile(const uint8_t *w, int64_t nb, const float *x, int64_t x_stride, const float *xs,
-                      float *out, int64_t ldo, const int nrows) {
-    for (int r = 0; r < nrows; r++) {
-        float acc[TILE] = {0};
-        const uint8_t *rec = w;
-        for (int64_t b = 0; b < nb; b++, rec += INT8_RECORD)
-            for (int col = 0; col < TILE; col++) {
+static void int8_narrow_tile(const uint8_t *w, int64_t nb, const float *x, const float *xs, float *out,
+                             const int ntiles) {
+    for (int t = 0; t < ntiles; t++)
+        for (int col = 0; col < TILE; col++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *rec = w + (t * nb + b) * INT8_RECORD;
                 uint16_t dh, mh;
                 memcpy(&dh, rec + 256 + 2 * col, 2);
                 memcpy(&mh, rec + 272 + 2 * col, 2);
                 float part = 0.0f;
-                for (int k = 0; k < QBLOCK; k++)
-                    part = fmaf((float)(int8_t)rec[8 * k + col], x[r * x_stride + b * QBLOCK + k], part);
-                acc[col] = fmaf(part, fp16_to_float(dh), acc[col]);
-                acc[col] = fmaf(fp16_to_float(mh), xs[r * nb + b], acc[col]);
+                for (int k = 0; k < QBLOCK; k++) part = fmaf((float)(int8_t)rec[8 * k + col], x[b * QBLOCK + k], part);
+                acc = fmaf(part, fp16_to_float(dh), acc);
+                acc = fmaf(fp16_to_float(mh), xs[b], acc);
             }
-        memcpy(out + r * ldo, acc, sizeof(acc));
-    }
+            out[t * TILE + col] = acc;
+        }
 }
 #endif
 
@@ -274,6 +483,11 @@ void int4_linear(const uint8_t *w, int64_t n, int64_t kp, void *act, int64_t m, 
                  int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE;
     const act16 all = act16_at(act, m, kp);
+#ifdef QL_AVX2
+    if (m >= INT4_FMA_MIN_ROWS &&
+        fma_linear(4, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
+        return;  // (without the memory for it, the maddubs path below gives the same numbers)
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
         const int64_t m1 = m0 + ROW_CHUNK < m ? m0 + ROW_CHUNK : m;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tiles * (m1 - m0) >= 64)
@@ -281,7 +495,7 @@ void int4_linear(const uint8_t *w, int64_t n, int64_t kp, void *act, int64_t m, 
             const uint8_t *wt = w + t * nb * INT4_RECORD;
             for (int64_t r = m0; r < m1; r += INT4_ROWS) {
                 const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
-                                 all.l8 + r * nb};
+                                 all.l8 + r * nb, NULL};
                 float *o = out + r * ldo + t * TILE;
                 if (m1 - r >= 2)
                     int4_tile(wt, nb, a, kp, o, ldo, 2);
@@ -306,25 +520,30 @@ void block_sums(const float *x, int64_t x_stride, int64_t rows, int64_t kp, floa
 void int8_linear(const uint8_t *w, int64_t n, int64_t kp, const float *x, int64_t x_stride,
                  const float *xs, int64_t m, float *out, int64_t ldo, int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE;
-    for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
-        const int64_t m1 = m0 + ROW_CHUNK < m ? m0 + ROW_CHUNK : m;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (tiles * (m1 - m0) >= 64)
-        for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *wt = w + t * nb * INT8_RECORD;
-            for (int64_t r = m0; r < m1; r += INT8_ROWS) {
-                const float *xr = x + r * x_stride, *sr = xs + r * nb;
-                float *o = out + r * ldo + t * TILE;
-                switch (m1 - r < INT8_ROWS ? m1 - r : INT8_ROWS) {  // constant row counts: registers
-                case 6: int8_tile(wt, nb, xr, x_stride, sr, o, ldo, 6); break;
-                case 5: int8_tile(wt, nb, xr, x_stride, sr, o, ldo, 5); break;
-                case 4: int8_tile(wt, nb, xr, x_stride, sr, o, ldo, 4); break;
-                case 3: int8_tile(wt, nb, xr, x_stride, sr, o, ldo, 3); break;
-                case 2: int8_tile(wt, nb, xr, x_stride, sr, o, ldo, 2); break;
-                default: int8_tile(wt, nb, xr, x_stride, sr, o, ldo, 1); break;
-                }
+    const int64_t groups = (tiles + INT8_NARROW_TILES - 1) / INT8_NARROW_TILES;
+#ifdef QL_AVX2
+    if (m >= INT8_WIDE_MIN_ROWS && fma_linear(8, w, n, kp, x, x_stride, NULL, xs, m, out, ldo, num_threads) == 0)
+        return;
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2) if (tiles * m >= 64)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t t0 = g * INT8_NARROW_TILES;
+            const int nt = tiles - t0 < INT8_NARROW_TILES ? (int)(tiles - t0) : INT8_NARROW_TILES;
+            const uint8_t *wt = w + t0 * nb * INT8_RECORD;
+            const float *xr = x + r * x_stride, *sr = xs + r * nb;
+            float *o = out + r * ldo + t0 * TILE;
+            switch (nt) {  // constant tile counts: registers
+            case 8: int8_narrow_tile(wt, nb, xr, sr, o, 8); break;
+            case 7: int8_narrow_tile(wt, nb, xr, sr, o, 7); break;
+            case 6: int8_narrow_tile(wt, nb, xr, sr, o, 6); break;
+            case 5: int8_narrow_tile(wt, nb, xr, sr, o, 5); break;
+            case 4: int8_narrow_tile(wt, nb, xr, sr, o, 4); break;
+            case 3: int8_narrow_tile(wt, nb, xr, sr, o, 3); break;
+            case 2: int8_narrow_tile(wt, nb, xr, sr, o, 2); break;
+            default: int8_narrow_tile(wt, nb, xr, sr, o, 1); break;
             }
         }
-    }
 }
 
 // The linear as the model calls it: x [m, k] (row stride x_stride, k == kp unless the caller
@@ -336,7 +555,7 @@ void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, 
                         const int64_t *n_padded, const int64_t *col_offset, void *scratch,
                         float *out, int64_t ldo, int num_threads) {
     int quantized = 0, summed = 0;
-    float *xs = (float *)((uint8_t *)scratch + m * kp * 2 + m * (kp / QBLOCK) * 12);
+    float *xs = (float *)((uint8_t *)scratch + XS_OFFSET(m, kp));
     for (int64_t p = 0; p < parts; p++) {
         const uint8_t *w = (const uint8_t *)(intptr_t)weights[p];
         if (bits[p] == 8) {
