@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c")]
+SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c")]
 HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
@@ -113,6 +113,8 @@ class CpuKernels:
         lib.store_kv.restype = None
         lib.act_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
         lib.act_mul.restype = None
+        lib.norm_groups.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _F32]
+        lib.norm_groups.restype = None
         lib.quantize_act16.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
         lib.quantize_act16.restype = None
         lib.act16_bytes.argtypes = [_I64, _I64]
@@ -122,6 +124,10 @@ class CpuKernels:
         lib.quant_linear_parts.restype = None
         lib.dequantize_columns.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR]
         lib.dequantize_columns.restype = None
+        lib.decoder_workspace_bytes.argtypes = [_PTR, _I64]
+        lib.decoder_workspace_bytes.restype = _I64
+        lib.decoder_forward.argtypes = [_PTR, _PTR]
+        lib.decoder_forward.restype = _INT
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
@@ -160,6 +166,12 @@ class CpuKernels:
         assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
         self.lib.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads,
                       head_dim, torch.get_num_threads())
+
+    def norm_groups_(self, x: torch.Tensor, groups: int, dim: int, weight: torch.Tensor, eps: float) -> None:
+        """RMS norm, in place, of `groups` groups of `dim` at the start of each row of x (rows may be
+        strided: q or k inside the fused QKV output)."""
+        assert x.stride(1) == 1 and weight.is_contiguous()
+        self.lib.norm_groups(x.data_ptr(), x.stride(0), x.shape[0], groups, dim, weight.data_ptr(), eps)
 
     def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """act(gate) * up for gate_up [rows, 2 n] contiguous: [rows, n]. act: silu | gelu_tanh."""
@@ -229,3 +241,87 @@ class QuantPlan:
         self.n_padded = arr(*(p.n_padded for p in parts))
         self.offsets = arr(*offsets)
         self._keep = parts  # the packed tensors must outlive the pointers
+
+
+# ---- the whole forward in one call (csrc/decoder.c) ---------------------------------------------
+
+class QLinearC(ctypes.Structure):
+    _fields_ = [("parts", _I64), ("bits", _PTR), ("weights", _PTR), ("n_padded", _PTR), ("offsets", _PTR),
+                ("k", _I64), ("kp", _I64), ("n", _I64), ("out_cols", _I64), ("bias", _PTR)]
+
+
+class DLayerC(ctypes.Structure):
+    _fields_ = [("qkv", QLinearC), ("o_proj", QLinearC), ("gate_up", QLinearC), ("down", QLinearC),
+                ("input_norm", _PTR), ("post_attention_norm", _PTR), ("pre_mlp_norm", _PTR),
+                ("post_mlp_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("rope", _I64), ("window", _I64),
+                ("k_cache", _PTR), ("v_cache", _PTR)]
+
+
+class DModelC(ctypes.Structure):
+    _fields_ = [("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("vocab", _I64), ("block_size", _I64), ("eps", _F32),
+                ("attention_scale", _F32), ("embed_scale", _F32), ("activation", _INT), ("qk_norm", _INT),
+                ("kv_dtype", _INT), ("embed_bits", _I64), ("embed_kp", _I64), ("embed", _PTR), ("norm", _PTR),
+                ("lm_head", QLinearC), ("layer", ctypes.POINTER(DLayerC))]
+
+
+class DStepC(ctypes.Structure):
+    _fields_ = [("rows", _I64), ("ids", _PTR), ("cos", ctypes.POINTER(_PTR)), ("sin", ctypes.POINTER(_PTR)),
+                ("slots", _PTR), ("tables", _PTR), ("row_seq", _PTR), ("row_len", _PTR),
+                ("table_stride", _I64), ("logit_rows", _I64), ("logit_index", _PTR), ("workspace", _PTR),
+                ("logits", _PTR), ("num_threads", _INT), ("attention_threads", _INT)]
+
+
+def _qlinear(plan: QuantPlan, bias: torch.Tensor | None) -> QLinearC:
+    return QLinearC(plan.parts, ctypes.addressof(plan.bits), ctypes.addressof(plan.weights),
+                    ctypes.addressof(plan.n_padded), ctypes.addressof(plan.offsets), plan.k, plan.kp, plan.n,
+                    plan.out_cols, _ptr(bias))
+
+
+QK_NORMS = {None: 0, "head": 1, "full": 2}
+NORMS = ("input_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
+
+
+class CompiledDecoder:
+    """A quantized decoder.DecoderModel and its KV cache as csrc/decoder.c takes them: a step's
+    forward in one call (the model's Python forward calls the same kernels one by one)."""
+
+    def __init__(self, kernels: CpuKernels, model, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        cfg, self.kernels, self.model = model.cfg, kernels, model
+        self.vocab = cfg.vocab_size
+        layers = (DLayerC * len(model.layers))()
+        for i, (layer, c) in enumerate(zip(model.layers, layers)):
+            c.qkv, c.o_proj = _qlinear(layer.qkv.plan, layer.qkv.bias), _qlinear(layer.o_proj.plan, None)
+            c.gate_up, c.down = _qlinear(layer.gate_up.plan, None), _qlinear(layer.down.plan, None)
+            for name in NORMS:
+                setattr(c, name, _ptr(getattr(layer, name)))
+            c.rope, c.window = layer.rope, cfg.layer_window[i] or 0
+            c.k_cache, c.v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
+        head, embed = model.lm_head, model.embed.quant
+        self.c = DModelC(
+            len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, k_cache.shape[2], cfg.rms_norm_eps,
+            cfg.attention_scale, model.embed_scale or 0.0, ACTIVATIONS[cfg.family.activation],
+            QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.bits, embed.kp,
+            embed.packed.data_ptr(), model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)
+        self._keep = (layers, k_cache, v_cache)
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+
+    def forward(self, ids: torch.Tensor, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
+                slots: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
+                logits_rows: torch.Tensor | None, serial: bool) -> torch.Tensor:
+        n = ids.numel()
+        need = self.kernels.lib.decoder_workspace_bytes(ctypes.byref(self.c), n)
+        if self._workspace.numel() < need:  # grown, never shrunk: one forward runs at a time
+            self._workspace = torch.empty(need, dtype=torch.uint8)
+        rows = n if logits_rows is None else logits_rows.numel()
+        logits = torch.empty(rows * self.c.lm_head.out_cols)
+        cos = (_PTR * len(cos_sin))(*(c.data_ptr() for c, _ in cos_sin))
+        sin = (_PTR * len(cos_sin))(*(s.data_ptr() for _, s in cos_sin))
+        threads = torch.get_num_threads()
+        step = DStepC(n, ids.data_ptr(), cos, sin, slots.data_ptr(), tables.data_ptr(),
+                      row_seq.data_ptr(), row_len.data_ptr(), tables.shape[1], rows, _ptr(logits_rows),
+                      self._workspace.data_ptr(), logits.data_ptr(), threads, 1 if serial else threads)
+        if self.kernels.lib.decoder_forward(ctypes.byref(self.c), ctypes.byref(step)) != 0:
+            raise MemoryError("decoder forward: out of memory for the attention scores")
+        return logits[: rows * self.vocab].view(rows, self.vocab)

@@ -232,14 +232,12 @@ class DecoderModel:
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv = layer.qkv(x)
         n = qkv.shape[0]
-        if layer.q_norm is not None:
-            if cfg.family.qk_norm == "head":  # Qwen3, Gemma 3: per head, before the rotation
-                qkv[:, :qs] = rms_norm(qkv[:, :qs].view(n, heads, d), layer.q_norm, eps).view(n, qs)
-                qkv[:, qs: qs + kvs] = rms_norm(qkv[:, qs: qs + kvs].view(n, kv_heads, d), layer.k_norm,
-                                                eps).view(n, kvs)
-            else:  # OLMo 2: over the whole q and k projections
-                qkv[:, :qs] = rms_norm(qkv[:, :qs], layer.q_norm, eps)
-                qkv[:, qs: qs + kvs] = rms_norm(qkv[:, qs: qs + kvs], layer.k_norm, eps)
+        if layer.q_norm is not None:  # before the rotation: per head (Qwen3, Gemma 3), or over
+            per_head = cfg.family.qk_norm == "head"  # the whole q and k projections (OLMo 2)
+            self.ops.norm_groups_(qkv[:, :qs], heads if per_head else 1, d if per_head else qs,
+                                  layer.q_norm, eps)
+            self.ops.norm_groups_(qkv[:, qs: qs + kvs], kv_heads if per_head else 1, d if per_head else kvs,
+                                  layer.k_norm, eps)
         self.ops.rope_(qkv[:, : qs + kvs], heads + kv_heads, d, cos, sin)  # q and k heads side by side
         return (qkv[:, :qs].view(n, heads, d), qkv[:, qs: qs + kvs].view(n, kv_heads, d),
                 qkv[:, qs + kvs:].view(n, kv_heads, d))
@@ -270,6 +268,11 @@ class TorchOps:
     def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         x = x.view(x.shape[0], heads, head_dim)
         x.copy_(apply_rope(x, cos[:, None], sin[:, None]))
+
+    @staticmethod
+    def norm_groups_(x: torch.Tensor, groups: int, dim: int, weight: torch.Tensor, eps: float) -> None:
+        n = x.shape[0]
+        x.copy_(rms_norm(x.reshape(n, groups, dim), weight, eps).view(n, groups * dim))
 
     @staticmethod
     def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:

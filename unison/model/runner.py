@@ -136,6 +136,10 @@ class ModelRunner:
         self._group = c.num_attention_heads // c.num_key_value_heads
         ops = self.model.ops
         self._kernel = ops if isinstance(ops, cpu_kernels.CpuKernels) else None
+        # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
+        # in the same order as the Python forward, without its per-op cost.
+        self._compiled = (cpu_kernels.CompiledDecoder(self._kernel, self.model, self.k_cache, self.v_cache)
+                          if self._kernel is not None and self.quantization != "none" else None)
         self._step: _Step | None = None
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
         # page faults that make decode attention 3x slower on CPU.
@@ -182,6 +186,11 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         ids, positions, logits_rows = self._prepare(batch)
         try:
+            if self._compiled is not None:
+                p, cfg = self._step.paged, self.config
+                cos_sin = [r.cos_sin(positions, torch.float32) for r in cfg.ropes]
+                return self._compiled.forward(ids, cos_sin, self._step.slots, p.tables, p.row_seq, p.row_len,
+                                              logits_rows, self._step.serial)
             return self.model.forward(ids, positions, self._attention, logits_rows)
         finally:
             self._step = None

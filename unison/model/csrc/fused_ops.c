@@ -32,6 +32,21 @@ void add_rms_norm(float *h, const float *delta, const float *weight, float *out,
     }
 }
 
+// RMS norm in place over groups of `dim` floats (the heads of q or k inside each fused QKV row:
+// Qwen3's and Gemma 3's qk-norm): x * rsqrt(mean(x^2) + eps) * weight.
+void norm_groups(float *x, int64_t row_stride, int64_t rows, int64_t groups, int64_t dim,
+                 const float *weight, float eps) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float *v = x + r * row_stride + g * dim, ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) ss += v[i] * v[i];
+            const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) v[i] = weight[i] * (v[i] * inv);
+        }
+}
+
 // Rotary embedding, in place, on `heads` heads of head_dim starting at each row of x:
 // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos / sin [rows, head_dim / 2].
 void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows,

@@ -1,0 +1,189 @@
+// The whole forward of a quantized decoder in one call, for CPUs.
+//
+// decoder.py's forward, op for op, through the same kernels (quant_linear.c, paged_attention.c,
+// fused_ops.c): at batch 1 a step is about 120 small kernel calls, and from Python each costs
+// 5-10 µs of argument passing and tensor allocation, a third of a decode step on this model.
+// Here the step is one call. The layer's shape is data (DModel, DLayer), so every family of
+// families.py runs here as it runs there.
+//
+// Built with the other kernels by unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+// ---- the kernels this calls (the other files of this shared object) ---------------------------
+
+void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t kp,
+                        int64_t parts, const int64_t *bits, const int64_t *weights,
+                        const int64_t *n_padded, const int64_t *col_offset, void *scratch,
+                        float *out, int64_t ldo, int num_threads);
+int64_t act16_bytes(int64_t rows, int64_t kp);
+void dequantize_columns(int bits, const uint8_t *w, int64_t kp, int64_t k, const int64_t *ids,
+                        int64_t count, float *out);
+void add_rms_norm(float *h, const float *delta, const float *weight, float *out, int64_t rows,
+                  int64_t dim, float eps, int num_threads);
+void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows,
+          int64_t heads, int64_t head_dim, int num_threads);
+void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
+              const int64_t *slots, int64_t rows, int64_t width, int dtype);
+void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
+void norm_groups(float *x, int64_t row_stride, int64_t rows, int64_t groups, int64_t dim,
+                 const float *weight, float eps);
+int paged_attention(const float *q, const void *k_cache, const void *v_cache,
+                    const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
+                    const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
+                    int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+                    float scale, int num_threads, int dtype);
+
+// ---- the model as data (mirrored by ctypes Structures in cpu_kernels.py) -----------------------
+
+typedef struct {  // a quantized linear's parts, as quant_linear_parts takes them
+    int64_t parts;
+    const int64_t *bits, *weights, *n_padded, *offsets;
+    int64_t k, kp, n, out_cols;
+    const float *bias;  // NULL: none
+} QLinear;
+
+typedef struct {
+    QLinear qkv, o_proj, gate_up, down;
+    const float *input_norm, *post_attention_norm, *pre_mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
+    int64_t rope, window;  // window 0: attends to everything
+    void *k_cache, *v_cache;  // this layer's [blocks, block_size, kv_heads, head_dim]
+} DLayer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size;
+    float eps, attention_scale, embed_scale;  // embed_scale 0: none
+    int activation, qk_norm, kv_dtype;  // qk_norm: 0 none, 1 per head, 2 over the projection
+    int64_t embed_bits, embed_kp;
+    const uint8_t *embed;
+    const float *norm;
+    QLinear lm_head;
+    const DLayer *layer;
+} DModel;
+
+typedef struct {
+    int64_t rows;
+    const int64_t *ids;
+    const float *const *cos, *const *sin;  // per rope: [rows, head_dim / 2]
+    const int64_t *slots, *tables, *row_seq, *row_len;
+    int64_t table_stride;
+    int64_t logit_rows;  // rows of logits wanted, those in logit_index (NULL: every row)
+    const int64_t *logit_index;
+    void *workspace;  // decoder_workspace_bytes(model, rows)
+    float *logits;  // [logit_rows, vocab]
+    int num_threads, attention_threads;
+} DStep;
+
+// The step's buffers, carved from one workspace. Widths have room for a linear's padding
+// columns (up to 7, written then compacted away) and inputs for whole blocks of 32.
+typedef struct {
+    float *h, *x, *delta, *qkv, *q, *attn, *gate_up, *act, *padded;
+    void *scratch;
+} Buffers;
+
+#define PAD 8
+#define BLOCKS(k) (((k) + 31) / 32 * 32)
+
+static int64_t widest(const DModel *m) {  // of the linears' inputs: hidden, intermediate, q heads
+    const int64_t q = m->heads * m->head_dim, w = m->intermediate > m->hidden ? m->intermediate : m->hidden;
+    return q > w ? q : w;
+}
+
+static Buffers carve(const DModel *m, int64_t rows, void *base) {
+    const int64_t H = m->hidden, q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
+    const int64_t widths[] = {H, H, H + PAD, q + 2 * kv + PAD, q, q, 2 * m->intermediate + PAD,
+                              m->intermediate, BLOCKS(widest(m))};
+    float *p = base;
+    Buffers b;
+    float **order[] = {&b.h, &b.x, &b.delta, &b.qkv, &b.q, &b.attn, &b.gate_up, &b.act, &b.padded};
+    for (int i = 0; i < 9; i++) {
+        *order[i] = p;
+        p += rows * widths[i];
+    }
+    b.scratch = (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    return b;
+}
+
+int64_t decoder_workspace_bytes(const DModel *m, int64_t rows) {
+    const Buffers b = carve(m, rows, NULL);
+    return (int64_t)(uintptr_t)b.scratch + act16_bytes(rows, BLOCKS(widest(m))) + 64;
+}
+
+static void linear(const QLinear *l, const float *x, int64_t rows, float *out, Buffers *b, int threads) {
+    if (l->kp != l->k) {  // the int8 kernel reads whole blocks: zero columns to the last one
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(b->padded + r * l->kp, x + r * l->k, sizeof(float) * l->k);
+            memset(b->padded + r * l->kp + l->k, 0, sizeof(float) * (l->kp - l->k));
+        }
+        x = b->padded;
+    }
+    quant_linear_parts(x, l->kp, rows, l->k, l->kp, l->parts, l->bits, l->weights, l->n_padded, l->offsets,
+                       b->scratch, out, l->out_cols, threads);
+    if (l->out_cols != l->n)  // compact the padding columns away
+        for (int64_t r = 1; r < rows; r++) memmove(out + r * l->n, out + r * l->out_cols, sizeof(float) * l->n);
+    if (l->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < l->n; i++) out[r * l->n + i] += l->bias[i];
+}
+
+// h += delta; x = norm(h), or a copy of h where no norm follows (OLMo 2's pre-norm-less layers).
+static void add_norm(float *h, const float *delta, const float *weight, float *x, int64_t rows, int64_t dim,
+                     float eps, int threads) {
+    if (weight) {
+        add_rms_norm(h, delta, weight, x, rows, dim, eps, threads);
+        return;
+    }
+    for (int64_t i = 0; delta && i < rows * dim; i++) h[i] += delta[i];
+    memcpy(x, h, sizeof(float) * rows * dim);
+}
+
+int decoder_forward(const DModel *m, const DStep *s) {
+    const int64_t n = s->rows, H = m->hidden, d = m->head_dim, I = m->intermediate;
+    const int64_t q = m->heads * d, kv = m->kv_heads * d, qkv_w = q + 2 * kv;
+    const int t = s->num_threads;
+    Buffers b = carve(m, n, s->workspace);
+    float *h = b.h, *x = b.x, *delta = b.delta, *qkv = b.qkv, *qbuf = b.q, *attn = b.attn;
+    float *gate_up = b.gate_up, *act = b.act;
+
+    dequantize_columns((int)m->embed_bits, m->embed, m->embed_kp, H, s->ids, n, h);
+    if (m->embed_scale != 0.0f)
+        for (int64_t i = 0; i < n * H; i++) h[i] *= m->embed_scale;
+    add_norm(h, NULL, m->layer[0].input_norm, x, n, H, m->eps, t);
+    for (int64_t li = 0; li < m->layers; li++) {
+        const DLayer *L = &m->layer[li];
+        linear(&L->qkv, x, n, qkv, &b, t);
+        if (m->qk_norm == 1) {
+            norm_groups(qkv, qkv_w, n, m->heads, d, L->q_norm, m->eps);
+            norm_groups(qkv + q, qkv_w, n, m->kv_heads, d, L->k_norm, m->eps);
+        } else if (m->qk_norm == 2) {
+            norm_groups(qkv, qkv_w, n, 1, q, L->q_norm, m->eps);
+            norm_groups(qkv + q, qkv_w, n, 1, kv, L->k_norm, m->eps);
+        }
+        rope(qkv, qkv_w, s->cos[L->rope], s->sin[L->rope], n, m->heads + m->kv_heads, d, t);
+        store_kv(qkv + q, qkv + q + kv, qkv_w, L->k_cache, L->v_cache, s->slots, n, kv, m->kv_dtype);
+        for (int64_t r = 0; r < n; r++) memcpy(qbuf + r * q, qkv + r * qkv_w, sizeof(float) * q);
+        if (paged_attention(qbuf, L->k_cache, L->v_cache, s->tables, s->table_stride, s->row_seq, s->row_len,
+                            attn, n, m->heads, m->kv_heads, d, m->block_size, L->window,
+                            m->attention_scale, s->attention_threads, m->kv_dtype) != 0)
+            return -1;
+        linear(&L->o_proj, attn, n, delta, &b, t);
+        if (L->post_attention_norm) add_rms_norm(delta, NULL, L->post_attention_norm, delta, n, H, m->eps, t);
+        add_norm(h, delta, L->pre_mlp_norm, x, n, H, m->eps, t);
+        linear(&L->gate_up, x, n, gate_up, &b, t);
+        act_mul(gate_up, act, n, I, m->activation, t);
+        linear(&L->down, act, n, delta, &b, t);
+        if (L->post_mlp_norm) add_rms_norm(delta, NULL, L->post_mlp_norm, delta, n, H, m->eps, t);
+        add_norm(h, delta, li + 1 < m->layers ? m->layer[li + 1].input_norm : m->norm, x, n, H, m->eps, t);
+    }
+    // The LM head is costly: only the rows that need logits, gathered.
+    const float *rows = x;
+    if (s->logit_index) {
+        float *sel = delta;  // free by now, and a hidden row wide
+        for (int64_t r = 0; r < s->logit_rows; r++) memcpy(sel + r * H, x + s->logit_index[r] * H, sizeof(float) * H);
+        rows = sel;
+    }
+    if (s->logit_rows > 0) linear(&m->lm_head, rows, s->logit_rows, s->logits, &b, t);
+    return 0;
+}
