@@ -75,9 +75,10 @@ def measure_server(name: str, cmd: list[str], port: int, levels: list[int]) -> d
         log.close()
 
 
-def offline(concurrency: int) -> float:
+def offline(concurrency: int, gguf: str) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([*UNISON, "bench", "offline", "--num-prompts", str(concurrency), "--input-len", "40",
+        subprocess.run([*UNISON, "bench", "offline", "--model-path", gguf, "--num-prompts", str(concurrency),
+                        "--input-len", "40",
                         "--output-len", "128", "--no-ceiling", "--quiet", "--result-file", f.name],
                        check=True, stdout=subprocess.DEVNULL)
         return json.load(open(f.name))["unison"]["output_tok_s"]
@@ -89,12 +90,15 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model-path", default=None, help="a GGUF file (default: the embedded model)")
+    p.add_argument("--unison-args", default="", help="more `unison serve` flags, e.g. '--quantization none'")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    gguf = str(default_gguf_path())
+    gguf = args.model_path or str(default_gguf_path())
     llama = [args.llama_server, "-m", gguf, "-t", str(args.threads), "--host", "127.0.0.1"]
+    unison = [*UNISON, "serve", "--port", "30100", "--model-path", gguf, *args.unison_args.split()]
     setups = {
-        "unison": ([*UNISON, "serve", "--port", "30100"], 30100, levels),
+        "unison": (unison, 30100, levels),
         "llama-server -np 16": ([*llama, "-np", "16", "-c", "8192", "--port", "30101"], 30101, levels),
         # 64 slots share the context: 16384 gives each the 256 tokens a request needs here.
         "llama-server -np 64": ([*llama, "-np", "64", "-c", "16384", "--port", "30102"], 30102,
@@ -106,7 +110,7 @@ def main() -> int:
             for c, summary in measure_server(name.split()[0] + name.split()[-1], cmd, port, lv).items():
                 rows.setdefault((name, c), []).append(summary)
         for c in levels:
-            rows.setdefault(("unison offline", c), []).append({"output_throughput": offline(c)})
+            rows.setdefault(("unison offline", c), []).append({"output_throughput": offline(c, gguf)})
         print(f"trial {trial + 1} done", file=sys.stderr)
     print(f"{'server':<22}{'clients':>8}{'out tok/s (runs)':>34}{'median':>9}{'TTFT ms':>9}{'TPOT ms':>9}")
     for (name, c), runs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):

@@ -309,20 +309,23 @@ def _peak_rss(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-def test_core_memory_is_the_weights_as_executed():
+@pytest.mark.parametrize("model", ["embedded", "gemma3"])
+def test_core_memory_is_the_weights_as_executed(model: str, request: pytest.FixtureRequest):
     """Peak RSS of the core, minus that of a dummy-weight core with the same KV cache, is within
     1.3x of the quantized weights' bytes: no float copy of the file exists at any point."""
-    opts = {"max_total_tokens": 8192, "num_threads": 1}
+    path = default_gguf_path() if model == "embedded" else request.getfixturevalue("gemma3_path")
+    opts = {"model_path": str(path), "max_total_tokens": 8192, "num_threads": 1}
     with Engine(load_format="dummy", **opts) as dummy:
         base = _peak_rss(dummy.get_server_info()["core_pid"])
     with Engine(**opts) as engine:
         info = engine.get_server_info()
         peak = _peak_rss(info["core_pid"])
-    size = default_gguf_path().stat().st_size
-    print(f"\n[figure] core peak RSS over a dummy core: {(peak - base) / 2**20:.1f} MiB; weights as "
-          f"executed {info['weights_bytes'] / 2**20:.1f} MiB; the file {size / 2**20:.1f} MiB")
+    size = path.stat().st_size
+    print(f"\n[figure] {model}: core peak RSS over a dummy core: {(peak - base) / 2**20:.1f} MiB; "
+          f"weights as executed {info['weights_bytes'] / 2**20:.1f} MiB; the file {size / 2**20:.1f} MiB")
     assert peak - base <= 1.3 * info["weights_bytes"]
-    assert info["weights_bytes"] < 1.1 * size
+    # Q4_* and Q8_0 run at their own size; Gemma's Q5_0 / Q6_K tensors run as int8 (8.5 bits).
+    assert info["weights_bytes"] < (1.1 if model == "embedded" else 1.25) * size
 
 
 def test_quantization_on_cuda_is_a_clear_error():

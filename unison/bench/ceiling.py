@@ -78,11 +78,12 @@ def linears_time(model: DecoderModel, shapes: Counter[tuple[int, int]], reps: in
 
     def layers(m: int) -> float:
         x = torch.randn(m, cfg.hidden_size, dtype=model.dtype)
+        a = torch.randn(m, cfg.num_attention_heads * cfg.head_dim, dtype=model.dtype)  # attention out
         y = torch.randn(m, cfg.intermediate_size, dtype=model.dtype)
 
         def run() -> None:
             for layer in model.layers:
-                layer.qkv(x), layer.o_proj(x), layer.gate_up(x), layer.down(y)
+                layer.qkv(x), layer.o_proj(a), layer.gate_up(x), layer.down(y)
         return _best_of(run, reps)
 
     def head(m: int) -> float:
