@@ -30,7 +30,7 @@ import pytest
 import zmq
 
 from tests.test_engine import PROMPTS, top_dicts, wait_idle
-from tests.utils import assert_greedy_close
+from tests.utils import assert_greedy_close, wait_until
 from unison import Engine, EngineDeadError, protocol, registry
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -110,17 +110,6 @@ def references(engine) -> dict[str, tuple[list[int], list[dict[int, float]]]]:
 # ---- helpers ----------------------------------------------------------------------------------
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    """Poll until `predicate()` is truthy; returns its value, fails after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
-        time.sleep(interval)
-
-
 def frontend_pids(info: dict) -> list[int]:
     return sorted(fe["pid"] for fe in info["frontends"])
 
@@ -196,7 +185,7 @@ def send_foreign_abort(registry_file: str | Path, rid: str) -> None:
         sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token=info.token)))
         assert isinstance(receive(), protocol.Welcome), "Hello was not welcomed"
         sock.send(protocol.encode(protocol.Abort(rid)))
-        sock.send(protocol.encode(protocol.Control(cid=7, op="server_info")))
+        sock.send(protocol.encode(protocol.Control(cid=7, op=protocol.ControlOp.SERVER_INFO)))
         while not isinstance(reply := receive(), protocol.ControlReply):
             pass  # a StepOutputs would mean the Abort was acted on: the owner's check sees it
         assert reply.cid == 7 and reply.error is None, reply
@@ -534,12 +523,20 @@ def test_pause_from_attached_frontend_holds_the_owners_work(engine):
             child.call("pause_generation")
             try:
                 held = pool.submit(engine.generate, PROMPTS[0], GREEDY_8)
-                time.sleep(0.5)
-                info = engine.get_server_info()
-                assert info["paused"], "a pause from the attached frontend must pause the engine"
+
+                def queued(held=held) -> bool:
+                    info = engine.get_server_info()
+                    assert info["paused"], "a pause from the attached frontend must pause the engine"
+                    assert info["num_running"] == 0 and not held.done(), \
+                        "the owner's request ran while paused"
+                    return info["num_waiting"] == 1
+
+                wait_until(queued, 10, "the owner's request to be queued in the paused engine")
+                # Each reply comes from a later turn of the core's loop, and each turn would step
+                # (admit the request) were the engine not paused.
+                for _ in range(3):
+                    assert queued(), "the owner's request left the queue while paused"
                 assert child.call("get_server_info")["paused"]
-                assert info["num_waiting"] == 1 and not held.done(), \
-                    "the owner's request ran while paused"
             finally:
                 if resumer == "attached":
                     child.call("continue_generation")
@@ -850,6 +847,9 @@ def test_ctrl_c_in_sync_generate_aborts_the_request(engine):
         assert child.stdout.readline().strip() == "attached"
         wait_until(lambda: in_flight(engine.get_server_info(), child.pid) == 1, 10,
                    "the child's request to be in flight")
+        # Not a wait before an assertion but a margin before acting: the core has the request
+        # as soon as the child sent it, a moment before the child's generate() reaches the loop
+        # that aborts on Ctrl-C, and no public state tells when it has.
         time.sleep(0.3)
         child.send_signal(signal.SIGINT)
         line = child.stdout.readline().strip()
@@ -906,13 +906,13 @@ def test_a_stopped_frontend_cannot_stall_the_core(bound, capfd):
             reader = threading.Thread(target=read, daemon=True)
             reader.start()
             assert child.stdout.readline().strip() == "streaming"
-            time.sleep(1.0)
+            time.sleep(1.0)  # the owner's pace for a second before the stop: the "before" window
             child.send_signal(signal.SIGSTOP)
             t0 = time.monotonic()
             wait_until(lambda: in_flight(owner.get_server_info(), child.pid) == 0, 4,
                        "the stopped frontend's request to be aborted")
             took = time.monotonic() - t0
-            time.sleep(1.0)
+            time.sleep(1.0)  # and for a second after the abort: the "after" window
             # The owner's inter-token gaps: the second before the stop, while stopped, after.
             gaps = {name: statistics.median(b - a for a, b in itertools.pairwise(
                         [t for t in stamps if lo <= t < hi]))

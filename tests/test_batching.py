@@ -20,10 +20,10 @@ def test_alone_equals_batched_under_chunking_and_preemption():
     # 384 KV tokens cannot hold 16 requests of ~30-110 tokens each: the scheduler must preempt.
     with Engine(chunked_prefill_size=32, max_total_tokens=384, block_size=16) as engine:
         alone = [run(engine, p) for p in BATCH]
-        assert engine.get_server_info()["num_preemptions"] == 0
+        assert engine.get_server_info()["stats"]["num_preemptions"] == 0
         batched = run(engine, BATCH)
         info = wait_idle(engine)
-        assert info["num_preemptions"] > 0, "the small KV pool should have forced preemption"
+        assert info["stats"]["num_preemptions"] > 0, "the small KV pool should have forced preemption"
         engine.check_integrity()
     for prompt, a, b in zip(BATCH, alone, batched):
         assert_greedy_close(a["output_ids"], top_dicts(a), b["output_ids"], top_dicts(b), name=prompt)

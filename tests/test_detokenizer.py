@@ -166,6 +166,7 @@ def test_prompt_context_keeps_leading_space():
     vocab = {"▁Q:": 0, "▁Hello": 1, "▁there": 2}
     raw = RawTokenizer(models.WordLevel(vocab, unk_token="▁Q:"))
     raw.decoder = decoders.Metaspace()
+    raw = Tokenizer(raw, {})
     detok, deltas = stream(raw, [1, 2], [1])
     assert deltas == ["Hello", " there", ""]
     detok, deltas = stream(raw, [1, 2], [1], prompt_ids=[0])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.utils import assert_greedy_close, hf_reference
+from tests.utils import assert_greedy_close, hf_reference, wait_until, wait_until_async
 from unison import Engine, EngineDeadError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
@@ -236,12 +236,27 @@ async def _async_generate_and_cancel(engine):
     alone = await asyncio.to_thread(engine.generate, PROMPTS[:4], GREEDY)
     assert [o["text"] for o in outs] == [o["text"] for o in alone]
     long = {"max_new_tokens": 500, "ignore_eos": True}
+    generated_before = (await asyncio.to_thread(engine.get_server_info))["stats"]["generation_tokens"]
     task = asyncio.ensure_future(engine.async_generate(PROMPTS[1], long))
-    await asyncio.sleep(0.5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await asyncio.to_thread(wait_idle, engine, 3)
+
+    def generated() -> int:  # by the long request: the engine runs nothing else now
+        return engine.get_server_info()["stats"]["generation_tokens"] - generated_before
+
+    def running() -> bool:
+        return engine.get_server_info()["num_running"] == 1 and generated() > 0
+
+    await wait_until_async(running, 10, "the long request to run and produce a token")
+    await asyncio.to_thread(engine.pause_generation)  # from here it cannot finish by itself
+    try:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Gone, KV freed, while paused: the cancel aborted it, it did not run to its length.
+        await asyncio.to_thread(wait_idle, engine, 3)
+    finally:
+        await asyncio.to_thread(engine.continue_generation)
+    tokens = await asyncio.to_thread(generated)
+    assert 0 < tokens < long["max_new_tokens"], f"the cancelled request generated {tokens} tokens"
 
 
 def test_sync_generate_inside_running_loop_warns(engine):
@@ -341,9 +356,18 @@ def test_pause_and_continue(engine):
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("out", engine.generate(PROMPTS[0], GREEDY)))
         t.start()
-        time.sleep(0.5)
-        info = engine.get_server_info()
-        assert info["paused"] and info["num_waiting"] == 1 and "out" not in result
+
+        def queued() -> bool:
+            info = engine.get_server_info()
+            assert info["paused"], "the engine is not paused"
+            assert info["num_running"] == 0 and "out" not in result, "the request ran while paused"
+            return info["num_waiting"] == 1
+
+        wait_until(queued, 10, "the request to be queued in the paused engine")
+        # Each reply comes from a later turn of the core's loop, and each turn would step
+        # (admit the request) were the engine not paused.
+        for _ in range(3):
+            assert queued(), "the request left the queue while paused"
     finally:
         engine.continue_generation()
     t.join(30)
@@ -411,3 +435,21 @@ def test_kv_capacity_from_a_memory_budget_is_reported():
     # float16 cache) = 23,040 bytes per token.
     assert info["kv_cache_dtype"] == "float16"
     assert info["max_total_tokens"] == (1 << 29) // (23040 * 16) * 16
+
+
+def test_a_slow_consumer_gets_merged_deltas(engine):
+    """A consumer that falls behind the core gets fewer, larger items: everything since it last
+    looked, merged, with nothing lost and the same final text and ids."""
+    params = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}
+    fast = list(engine.generate(PROMPTS[0], params, stream=True))
+    slow = []
+    for item in engine.generate(PROMPTS[0], params, stream=True):
+        slow.append(item)
+        time.sleep(0.1)  # several decode steps pass while this consumer is away
+    assert len(slow) < len(fast) / 2, (len(slow), len(fast))
+    assert (slow[-1]["text"], slow[-1]["output_ids"]) == (fast[-1]["text"], fast[-1]["output_ids"])
+    assert len(slow[-1]["output_ids"]) == 48
+    for before, after in zip(slow, slow[1:]):  # each item extends the last: nothing skipped
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    assert [i["meta_info"]["finish_reason"] for i in slow].count(None) == len(slow) - 1

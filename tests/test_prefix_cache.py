@@ -37,7 +37,7 @@ def test_outputs_are_identical_under_eviction_and_preemption():
         cached = engine.generate(input_ids=prompts, sampling_params=PARAMS, **LOGPROBS)
         info = wait_idle(engine)
         engine.check_integrity()
-    assert info["num_preemptions"] > 0, "the small pool should force preemption"
+    assert info["stats"]["num_preemptions"] > 0, "the small pool should force preemption"
     assert info["num_evicted_blocks"] > 0, "the small pool should force eviction"
     assert any(o["meta_info"]["cached_tokens"] > 0 for o in cached)
     with Engine(num_threads=1, disable_radix_cache=True) as engine:

@@ -34,7 +34,8 @@ def test_insert_then_match_returns_the_same_blocks():
     blocks = owned(pool, [1, 2, 3, 4, 5])  # [0, 1, 2]: the last block is partial
     assert cache.insert([1, 2, 3, 4, 5], blocks) == 0
     pool.release(blocks)  # the request is done: the tree keeps its two full blocks
-    assert pool.refs == [1, 1, 0, 0, 0, 0, 0, 0] and list(pool.free) == [3, 4, 5, 6, 7, 2]
+    assert [pool.refcount(b) for b in range(8)] == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert list(pool.free) == [3, 4, 5, 6, 7, 2]
     assert cache.match([1, 2, 3, 4, 9])[0] == [0, 1]
     assert cache.match([1, 2, 3])[0] == [0]  # only whole blocks match
     assert cache.match([9, 9])[0] == []
@@ -77,8 +78,7 @@ def test_locked_nodes_are_not_evicted_and_eviction_is_lru():
     # Ages: [1,2,3,4] oldest. Touch it, then lock [5,6,...] as a running request would.
     cache.match([1, 2, 3, 4])
     blocks, node = cache.match([5, 6, 7, 8])
-    for b in blocks:
-        pool.refs[b] += 1
+    pool.share(blocks)
     cache.lock(node)
     assert cache.evict(2) == 2
     assert cache.match([9, 9, 8, 8])[0] == []  # the least recently used unlocked leaf went first

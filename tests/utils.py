@@ -1,8 +1,11 @@
-"""Test helpers: the one rule for comparing greedy outputs, and the Hugging Face reference."""
+"""Test helpers: the one rule for comparing greedy outputs, the Hugging Face reference, and
+waiting on a condition (never a fixed sleep) before an assertion."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import time
 
 TOP_N = 5
 MAX_GAP = 0.1  # a divergence is tolerated only where the reference's top-2 logprobs are this close
@@ -137,3 +140,29 @@ def greedy(runner, prompts: list[list[int]], new_tokens: int):
     return outs
 
 
+# ---- waiting on a condition, never a fixed sleep, before an assertion -------------------------
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "the condition", interval: float = 0.02):
+    """Poll until `predicate()` is truthy and return its value; an AssertionError naming `what`
+    once `timeout` seconds have passed. A predicate may raise itself to fail at once, where what
+    it sees can no longer turn into what is awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(interval)
+
+
+async def wait_until_async(predicate, timeout: float = 10.0, what: str = "the condition",
+                           interval: float = 0.02):
+    """wait_until for a coroutine: `predicate` is a plain function, run in a worker thread (it may
+    block, e.g. on an Engine's sync methods), and the loop keeps running between polls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        await asyncio.sleep(interval)

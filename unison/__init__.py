@@ -2,7 +2,7 @@
 
 from unison.engine import Engine
 from unison.errors import EngineDeadError
-from unison.sampling_params import SamplingParams
+from unison.frontend.sampling_params import SamplingParams
 
 __all__ = ["Engine", "EngineDeadError", "SamplingParams"]
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -67,6 +68,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
         return cls(**kwargs)
+
+    def check_model_path(self) -> None:
+        """Fail at once, in the owner, on a path that is not there (the core resolves the rest)."""
+        if self.model_path is not None and not Path(self.model_path).expanduser().exists():
+            raise FileNotFoundError(f"model path {self.model_path!r} does not exist")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -32,14 +32,15 @@ ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": 
 
 
 class CoreProcess:
-    def __init__(self, config: EngineConfig, model_dir: str, publish: bool) -> None:
+    def __init__(self, config: EngineConfig, publish: bool) -> None:
+        config.check_model_path()
         # 0700; short (ipc paths < 107 bytes); named by the owner so a leftover can be traced
         self.runtime_dir = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")
         self.endpoint = f"ipc://{self.runtime_dir}/core.sock"
         self.token = secrets.token_hex(16)
         self.registry_path = registry.free_registry_path(os.getpid()) if publish else None
         args = CoreArgs(
-            config=config.to_dict(), model_dir=model_dir, endpoint=self.endpoint,
+            config=config, endpoint=self.endpoint,
             runtime_dir=self.runtime_dir, token=self.token, owner_pid=os.getpid(),
             registry_path=str(self.registry_path) if self.registry_path else None,
             # PR_SET_PDEATHSIG fires when the starting *thread* exits: only safe from the main one.

@@ -9,12 +9,11 @@ another process that owns only a frontend attached to that engine's core.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,10 @@ from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.errors import EngineDeadError
-from unison.frontend.worker import ReqState, TokenizerWorker
-from unison.output import Collector
-from unison.sampling_params import SamplingParams
-
-ATTACH_TIMEOUT = 5.0
+from unison.frontend.collector import Collector
+from unison.frontend.sampling_params import SamplingParams
+from unison.frontend.worker import TokenizerWorker
+from unison.protocol import ControlOp
 
 
 class _LoopThread:
@@ -51,29 +49,6 @@ class _LoopThread:
             self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
-
-
-class _LoopWaker:
-    """Wakes the streams awaited on one caller loop: one cross-thread call per burst of tokens,
-    not one per stream (64 streams would otherwise cost 64 self-pipe writes per step)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.pending: list[asyncio.Event] = []
-
-    def wake(self, event: asyncio.Event) -> None:
-        with self.lock:
-            self.pending.append(event)
-            if len(self.pending) > 1:
-                return  # a flush is scheduled already
-        self.loop.call_soon_threadsafe(self._flush)
-
-    def _flush(self) -> None:
-        with self.lock:
-            events, self.pending = self.pending, []
-        for event in events:
-            event.set()
 
 
 class _Stream:
@@ -113,12 +88,6 @@ class _AsyncStream:
         self._finalizer()
 
 
-def _abort(h: _Handle, collector: Collector) -> None:
-    for rid in collector.unfinished_rids():
-        if not h.closed and h.loop.thread.is_alive():
-            h.loop.submit(h.worker.abort(rid))
-
-
 class _Handle:
     """What an Engine owns; closed once, by shutdown(), the garbage collector, or exit."""
 
@@ -147,27 +116,22 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         self._h = _Handle()
-        self._wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:
-            self._start_owner()
+            cfg = self.config
+            core = self._h.core = CoreProcess(cfg, publish=cfg.tokenizer_worker_num > 1)
+            worker = TokenizerWorker(core.endpoint, core.token, core.pid)
+            self._start(worker.start(cfg.startup_timeout, core.startup_problem))
         except BaseException:
             self._h.close()
             raise
 
-    def _start_owner(self) -> None:
-        from unison.model.loader import resolve_model_dir  # converts a GGUF once, into the cache
-
-        cfg = self.config
-        self.model_dir = str(resolve_model_dir(cfg.model_path))
-        core = self._h.core = CoreProcess(cfg, self.model_dir, publish=cfg.tokenizer_worker_num > 1)
-        self._connect(core.endpoint, core.token, core.pid, cfg.startup_timeout, core.startup_problem)
-
-    def _connect(self, endpoint: str, token: str, core_pid: int, timeout: float, alive) -> None:
+    def _start(self, attaching: Coroutine[Any, Any, TokenizerWorker]) -> None:
+        """Run the frontend's start (or attach) on a fresh loop thread: its home from now on."""
         h = self._h
         h.loop = _LoopThread()
-        h.worker = TokenizerWorker(self.model_dir, endpoint, token, core_pid)
-        h.loop.run(h.worker.start(timeout, alive))
+        h.worker = h.loop.run(attaching)
+        self.model_dir = h.worker.info.model_dir
 
     @classmethod
     def attach_tokenizer_worker(cls, parent_pid: int | None = None, *,
@@ -179,15 +143,12 @@ class Engine:
         """
         pid = os.getppid() if parent_pid is None else parent_pid
         path = Path(registry_file) if registry_file else registry.registry_path(pid)
-        info = registry.read_for_attach(path, pid)
         self = cls.__new__(cls)
-        self.config = EngineConfig(**info.config)
-        self.model_dir = info.model_dir
+        self.config = registry.read_for_attach(path, pid).config
         self._h = _Handle()
-        self._wakers = weakref.WeakKeyDictionary()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:
-            self._connect(info.endpoint, info.token, info.core_pid, ATTACH_TIMEOUT, lambda: None)
+            self._start(TokenizerWorker.attach(path, pid))
         except BaseException:
             self._h.close()
             raise
@@ -204,12 +165,14 @@ class Engine:
         if _running_loop() is not None:
             warnings.warn("Engine.generate blocks the running event loop; use async_generate there",
                           RuntimeWarning, stacklevel=2)
-        batch, states = self._submit(prompt, sampling_params, input_ids, return_logprob,
-                                     logprob_start_len, top_logprobs_num, rid, priority)
-        collector = Collector(states, batch)
+        worker = self._worker()
+        req = worker.make_request(prompt, sampling_params, input_ids, return_logprob=return_logprob,
+                                  logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                                  rid=rid, priority=priority)
+        collector = self._h.loop.run(worker.submit(req))
         if stream:
-            return _Stream(self._stream_sync(collector), self._aborter(collector))
-        for _ in self._stream_sync(collector):
+            return _Stream(_items(collector.follow_sync(), collector), collector.close)
+        for _ in collector.follow_sync():
             pass
         return collector.results()
 
@@ -220,71 +183,21 @@ class Engine:
                              top_logprobs_num: int = 0, rid: str | list[str] | None = None,
                              priority: int = 0) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
-        batch, states = await asyncio.to_thread(
-            self._submit, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, priority)
-        collector = Collector(states, batch)
+        worker = self._worker()
+        req = worker.make_request(prompt, sampling_params, input_ids, return_logprob=return_logprob,
+                                  logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                                  rid=rid, priority=priority)
+        submitted = self._h.loop.submit(worker.submit(req))
+        try:
+            collector = await asyncio.shield(asyncio.wrap_future(submitted))
+        except asyncio.CancelledError:  # the submit finishes on its loop; then abort what it queued
+            submitted.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            raise
         if stream:
-            return _AsyncStream(self._stream_async(collector), self._aborter(collector))
-        async for _ in self._stream_async(collector):
+            return _AsyncStream(_aitems(collector.follow(), collector), collector.close)
+        async for _ in collector.follow():
             pass
         return collector.results()
-
-    def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                top_logprobs_num, rid, priority) -> tuple[bool, list[ReqState]]:
-        worker = self._worker()
-        batch, prompts, id_lists = _normalize_prompts(prompt, input_ids)
-        params = _per_prompt(sampling_params, len(prompts) or len(id_lists), "sampling_params")
-        params = [SamplingParams.from_any(p) for p in params]
-        rids = _per_prompt(rid, len(params), "rid")
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
-            raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num!r}")
-        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
-            raise ValueError(f"logprob_start_len must be -1 (none) or >= 0, got {logprob_start_len!r}")
-        ids = [worker.prepare(p, i, sp) for p, i, sp in
-               zip(prompts or [None] * len(id_lists), id_lists or [None] * len(prompts), params)]
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        states = self._h.loop.run(worker.submit(ids, params, rids, return_logprob, logprob_start_len,
-                                                top_logprobs_num, priority))
-        return batch, states
-
-    def _stream_sync(self, collector: Collector) -> Iterator[dict]:
-        wake = threading.Event()
-        collector.set_waker(wake.set)
-        try:
-            while True:
-                yield from collector.drain()
-                if collector.done:
-                    return
-                while not wake.wait(0.1):  # short waits keep Ctrl-C deliverable
-                    pass
-                wake.clear()
-        finally:
-            self._abort_unfinished(collector)
-
-    async def _stream_async(self, collector: Collector) -> AsyncIterator[dict]:
-        loop, wake = asyncio.get_running_loop(), asyncio.Event()
-        waker = self._wakers.get(loop)
-        if waker is None:
-            waker = self._wakers[loop] = _LoopWaker(loop)
-        collector.set_waker(functools.partial(waker.wake, wake))
-        try:
-            while True:
-                for chunk in collector.drain():
-                    yield chunk
-                if collector.done:
-                    return
-                await wake.wait()
-                wake.clear()
-        finally:
-            self._abort_unfinished(collector)
-
-    def _abort_unfinished(self, collector: Collector) -> None:
-        _abort(self._h, collector)
-
-    def _aborter(self, collector: Collector) -> Callable[[], None]:
-        return functools.partial(_abort, self._h, collector)
 
     def abort_request(self, rid: str) -> None:
         """Abort one of this frontend's requests (a request of another frontend is never touched)."""
@@ -292,28 +205,28 @@ class Engine:
 
     # ---- engine-wide controls, acted on in the core ------------------------------------------
 
-    def _control(self, op: str) -> Any:
+    def _control(self, op: ControlOp) -> Any:
         return self._h.loop.run(self._worker().control(op))
 
     def get_server_info(self) -> dict[str, Any]:
-        info = self._control("server_info")
+        """The core's engine-wide state as a dict; the model's fields at the top level, as before."""
+        info = self._control(ControlOp.SERVER_INFO).to_dict()
         info["worker_id"] = self._h.worker.worker_id
         info["model_path"] = self.config.model_path
-        info["model_dir"] = self.model_dir
         return info
 
     def flush_cache(self) -> bool:
-        return self._control("flush_cache")
+        return self._control(ControlOp.FLUSH_CACHE)
 
     def pause_generation(self) -> None:
-        self._control("pause")
+        self._control(ControlOp.PAUSE)
 
     def continue_generation(self) -> None:
-        self._control("continue")
+        self._control(ControlOp.CONTINUE)
 
     def check_integrity(self) -> None:
         """Raise if the core's KV block pool has a leaked or double-owned block."""
-        self._control("check_integrity")
+        self._control(ControlOp.CHECK_INTEGRITY)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -339,28 +252,15 @@ class Engine:
         self.shutdown()
 
 
-def _normalize_prompts(prompt, input_ids) -> tuple[bool, list[str], list[list[int]]]:
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("give exactly one of prompt and input_ids")
-    if prompt is not None:
-        if isinstance(prompt, str):
-            return False, [prompt], []
-        if isinstance(prompt, list) and prompt:
-            return True, prompt, []
-        raise ValueError("prompt must be a string or a non-empty list of strings")
-    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-        return True, [], input_ids
-    if isinstance(input_ids, list):
-        return False, [], [input_ids]
-    raise ValueError("input_ids must be a list of token ids or a list of such lists")
+def _items(follow: Iterator[list[int]], collector: Collector) -> Iterator[dict]:
+    for changed in follow:
+        yield from collector.outputs(changed)
 
 
-def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
-    if isinstance(value, list):  # one entry per prompt
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return value
-    return [value] * n
+async def _aitems(follow: AsyncIterator[list[int]], collector: Collector) -> AsyncIterator[dict]:
+    async for changed in follow:
+        for item in collector.outputs(changed):
+            yield item
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -1,19 +1,23 @@
 """Every message that crosses a process boundary, as msgspec Structs encoded with msgpack.
 
-frontend -> core: Hello, Generate, Abort, Control, RequestStats, Ack, Goodbye
+frontend -> core: Hello, Generate, Abort, Control, Ack, Goodbye
 core -> frontend: Welcome, Reject, StepOutputs, ControlReply
 
-Nothing is pickled. The core sees token ids, never text: stop strings, detokenizing and chat
+Nothing is pickled and nothing is a dict of strings: what the core reports (CoreInfo, ServerInfo)
+is typed here too. The core sees token ids, never text: stop strings, detokenizing and chat
 templates stay in the frontend.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+import enum
+from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = "1"
+from unison.config import EngineConfig
+
+PROTOCOL_VERSION = "2"
 
 
 class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -60,21 +64,23 @@ class Generate(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     rid: str
+    finished: bool = False  # a stop string ended it in the frontend: counted as finished, not aborted
+
+
+class ControlOp(enum.Enum):
+    """Engine-wide operations, acted on in the core so every frontend sees one state."""
+
+    SERVER_INFO = "server_info"
+    FLUSH_CACHE = "flush_cache"
+    PAUSE = "pause"
+    CONTINUE = "continue"
+    CHECK_INTEGRITY = "check_integrity"
+    STEP_SHAPES = "step_shapes"  # benchmarks: needs UNISON_RECORD_STEP_SHAPES=1 in the core's env
 
 
 class Control(msgspec.Struct, tag=True):
-    """Engine-wide operations, acted on in the core so every frontend sees one state."""
-
     cid: int  # echoed in the reply
-    op: str  # flush_cache | server_info | pause | continue | check_integrity
-
-
-class RequestStats(msgspec.Struct, tag=True):
-    """Timings of one finished request, measured where the client sees them (for /metrics)."""
-
-    ttft: float
-    tpot: float | None
-    e2e: float
+    op: ControlOp
 
 
 class Ack(msgspec.Struct, tag=True):
@@ -90,9 +96,26 @@ class Goodbye(msgspec.Struct, tag=True):
 # ---- core -> frontend -------------------------------------------------------------------------
 
 
+class CoreInfo(msgspec.Struct):
+    """What a frontend needs to know of the model and the KV cache, sent once in Welcome."""
+
+    model_dir: str  # config and tokenizer files, resolved by the core (a GGUF's cache entry)
+    context_length: int
+    max_req_input_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_blocks: int
+    max_total_tokens: int
+    quantization: str
+    kv_cache_dtype: str
+    weights: dict[str, str]  # linear -> what it runs as (float32, int8, int4, ...)
+    weights_bytes: int
+
+
 class Welcome(msgspec.Struct, tag=True):
     worker_id: int
-    info: dict[str, Any]  # scheduler info: context_length, vocab_size, eos_token_ids, ...
+    info: CoreInfo
 
 
 class Reject(msgspec.Struct, tag=True):
@@ -121,13 +144,63 @@ class StepOutputs(msgspec.Struct, tag=True):
     seq: int = 0  # per frontend, from 1; acknowledged with Ack so the core can see who lags
 
 
+class EngineStats(msgspec.Struct):
+    prompt_tokens: int = 0  # of finished requests
+    generation_tokens: int = 0
+    steps: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, found
+    num_finished: int = 0
+    num_aborted: int = 0
+
+
+class HistogramData(msgspec.Struct):
+    buckets: list[float]  # upper bounds; counts[i] observations in (buckets[i-1], buckets[i]]
+    counts: list[int]
+    sum: float
+    count: int
+
+
+class FrontendInfo(msgspec.Struct):
+    pid: int
+    worker_id: int
+    requests_in_flight: int
+
+
+class ServerInfo(msgspec.Struct):
+    """The core's engine-wide state, the same whichever frontend asks."""
+
+    version: str
+    core_pid: int
+    owner_pid: int
+    config: EngineConfig
+    core: CoreInfo
+    paused: bool
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int  # held by requests
+    kv_blocks_cached: int  # held only by the prefix cache: evictable
+    num_evicted_blocks: int
+    stats: EngineStats
+    histograms: dict[str, HistogramData]  # latency, measured at the core's step times
+    admissions: list[tuple[int, str]]  # (worker id, rid) in admission order, the last few
+    frontends: list[FrontendInfo]
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able values, the model's fields at the top level (as sglang's server_info)."""
+        info = msgspec.to_builtins(self)
+        info |= info.pop("core")
+        return info
+
+
 class ControlReply(msgspec.Struct, tag=True):
     cid: int
-    result: Any = None
+    result: ServerInfo | list[tuple[int, int, int]] | bool | None = None
     error: str | None = None
 
 
-ToCore = Union[Hello, Generate, Abort, Control, RequestStats, Ack, Goodbye]
+ToCore = Union[Hello, Generate, Abort, Control, Ack, Goodbye]
 ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply]
 
 encode = msgspec.msgpack.Encoder().encode
@@ -139,8 +212,7 @@ decode_to_frontend = msgspec.msgpack.Decoder(ToFrontend).decode
 
 
 class CoreArgs(msgspec.Struct):
-    config: dict[str, Any]  # EngineConfig.to_dict()
-    model_dir: str
+    config: EngineConfig
     endpoint: str  # ipc:// path inside runtime_dir
     runtime_dir: str  # private (0700); removed by the core when it exits
     token: str  # what a Hello must present
@@ -156,7 +228,6 @@ class EngineInfo(msgspec.Struct):
     owner_pid: int
     core_pid: int
     token: str
-    model_dir: str
-    config: dict[str, Any]
-    info: dict[str, Any]  # scheduler info, as in Welcome
+    config: EngineConfig
+    info: CoreInfo  # as in Welcome
     version: str = PROTOCOL_VERSION

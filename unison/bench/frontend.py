@@ -2,7 +2,9 @@
 
 The core runs a tiny random model (`load_format="dummy"`: the real tokenizer and vocabulary, a
 forward that costs next to nothing), so the frontends are the bottleneck. W attached processes
-share the streams; each reports its own CPU time (getrusage: all threads) and tokens.
+share the streams; each reports its own CPU time (getrusage: all threads) and tokens. With
+--http the frontend is a `unison serve` worker, timed from /proc while a client that discards
+the bytes streams SSE from it.
 """
 
 from __future__ import annotations
@@ -86,7 +88,78 @@ def run(workers: int, streams: int, requests: int, tokens: int, model_path: str 
             "tokens": tokens_total, "wall_s": wall}
 
 
+def _proc_cpu_seconds(pid: int) -> float:
+    fields_ = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def _sse_client(url: str, streams: int, requests: int, tokens: int) -> int:
+    """`requests` streamed completions, `streams` at a time; the bytes are read and dropped."""
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    queue = list(range(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def one() -> None:
+            while queue:
+                queue.pop()
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200, r.status_code
+                    async for _ in r.aiter_raw():
+                        pass
+        await asyncio.gather(*(one() for _ in range(streams)))
+    return requests * tokens
+
+
+def run_http(streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, Any]:
+    """One `unison serve` worker in front of a dummy core: its CPU per streamed SSE token."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "unison.cli", "serve", "--port", str(port), "--load-format", "dummy",
+           "--max-running-requests", str(max(streams, 64)), "--log-level", "error"]
+    if model_path:
+        cmd += ["--model-path", model_path]
+    server, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/get_server_info", timeout=2) as r:
+                    info = json.load(r)
+                if info["frontends"]:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("unison serve did not start")
+            time.sleep(0.2)
+        worker = info["frontends"][0]["pid"]
+        asyncio.run(_sse_client(url, 2, 4, 8))  # warm up
+        cpu0, t0 = _proc_cpu_seconds(worker), time.perf_counter()
+        n = asyncio.run(_sse_client(url, streams, requests, tokens))
+        cpu, wall = _proc_cpu_seconds(worker) - cpu0, time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {"workers": 1, "requests_s": requests / wall, "tokens_s": n / wall,
+            "us_per_token": 1e6 * cpu / n, "tokens": n, "wall_s": wall}
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.http:
+        r = run_http(args.streams, args.requests, args.tokens, args.model_path)
+        print(f"HTTP worker: {r['tokens_s']:.0f} tok/s, {r['us_per_token']:.1f} µs of its CPU per "
+              f"streamed SSE token ({r['tokens']} tokens, {args.streams} streams; cores here: "
+              f"{os.cpu_count()})")
+        return 0
     rows = [run(w, args.streams, args.requests, args.tokens, args.model_path)
             for w in (int(x) for x in args.workers.split(","))]
     print(f"{'workers':>7} {'req/s':>8} {'tok/s':>9} {'frontend µs/tok':>16}  (cores here: {os.cpu_count()})")
@@ -105,4 +178,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests", type=int, default=256, help="requests in all")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--model-path", default=None, help="its tokenizer and vocabulary are used")
+    p.add_argument("--http", action="store_true",
+                   help="time one `unison serve` worker streaming SSE instead of Engine frontends")
     p.set_defaults(func=main)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any
 
 from unison import Engine
 from unison.bench.datasets import sample_lengths, sharegpt_requests
+from unison.core.metrics import RECORD_STEP_SHAPES_ENV
+from unison.protocol import ControlOp
 
 
 @dataclass
@@ -109,11 +112,11 @@ def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = 
     engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params=_greedy(2))
     from unison.bench import ceiling  # torch: imported only by the runs that need it
 
-    before = engine.get_server_info()["step_shapes"]
+    before = engine._control(ControlOp.STEP_SHAPES)  # recorded: main() sets RECORD_STEP_SHAPES_ENV
     t0 = time.perf_counter()
     outs = asyncio.run(_generate_all(engine, reqs, quiet, ignore_eos))
     dt = time.perf_counter() - t0
-    shapes = ceiling.subtract(engine.get_server_info()["step_shapes"], before)
+    shapes = ceiling.subtract(engine._control(ControlOp.STEP_SHAPES), before)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     return {**_rates(len(reqs), sum(len(r.input_ids) for r in reqs), out_tokens, dt),
             "step_shapes": shapes}
@@ -140,6 +143,7 @@ class HFBaseline:
 
         if quiet:
             hf_logging.disable_progress_bar()  # its weight-loading bar
+            os.environ["TQDM_DISABLE"] = "1"  # and its GGUF loader's, which ignores that switch
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -237,6 +241,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    os.environ[RECORD_STEP_SHAPES_ENV] = "1"  # the ceiling is timed at the run's step shapes
     t0 = time.perf_counter()
     engine = Engine(**engine_options(args))
     load_s = time.perf_counter() - t0

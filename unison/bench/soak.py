@@ -330,7 +330,7 @@ def soak_phases(server: Server, plans: list[Plan], clients: int, baseline_at: in
     idle against idle, because under load the core's heap moves by tens of MiB from one step to
     the next (the activations of each batch shape come and go)."""
     solos = asyncio.run(solo_runs(server.url, max(p.max_tokens for p in plans)))
-    tally, duration, rss_mib, not_idle, shapes = Tally(), 0.0, {}, [], {}
+    tally, duration, rss_mib, not_idle = Tally(), 0.0, {}, []
     bar = None
     if progress:
         from tqdm import tqdm
@@ -342,7 +342,6 @@ def soak_phases(server: Server, plans: list[Plan], clients: int, baseline_at: in
             idle, info = server.wait_idle(idle_timeout)
             if not idle:
                 not_idle.append(info)
-            shapes[name] = len(info.get("step_shapes", []))  # the core's distinct batch shapes
             for proc, rss_bytes in _sample(pids).items():
                 rss_mib.setdefault(proc, {})[name] = rss_bytes / MIB
     finally:
@@ -350,7 +349,7 @@ def soak_phases(server: Server, plans: list[Plan], clients: int, baseline_at: in
             bar.close()
     for m in rss_mib.values():
         m["growth"] = m["end"] - m["baseline"]
-    return {"tally": tally, "duration_s": duration, "rss_mib": rss_mib, "step_shapes": shapes,
+    return {"tally": tally, "duration_s": duration, "rss_mib": rss_mib,
             "idle_ok": not not_idle, "not_idle": not_idle, "idle_info": info}
 
 
@@ -445,9 +444,8 @@ def format_report(r: dict[str, Any]) -> str:
              f"duration {r['duration_s']:.1f} s  {r['request_throughput']:.2f} req/s  "
              f"{r['output_throughput']:.1f} output tok/s",
              f"KV pool {c['kv_tokens']} tokens: {i.get('num_evicted_blocks')} blocks evicted, "
-             f"{i.get('num_preemptions')} preemptions",
-             f"RSS (MiB), idle after {c['baseline_after']} requests -> idle at the end "
-             f"(core batch shapes seen: {r['step_shapes']['baseline']} -> {r['step_shapes']['end']}):"]
+             f"{i.get('stats', {}).get('num_preemptions')} preemptions",
+             f"RSS (MiB), idle after {c['baseline_after']} requests -> idle at the end:"]
     for name, m in r["rss_mib"].items():
         lines.append(f"  {name:<16}{m['baseline']:9.1f} -> {m['end']:9.1f}   {m['growth']:+7.1f}")
     lines.append(f"idle afterwards: {'yes' if r['idle_ok'] else 'NO'}   exit code on SIGTERM: "

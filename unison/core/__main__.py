@@ -27,14 +27,17 @@ def main() -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != args.owner_pid:
         return 1  # the owner died before we could watch it
-    logging.basicConfig(level=args.config["log_level"].upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s unison.core[%(process)d] %(levelname)s %(message)s")
     try:
-        from unison.config import EngineConfig
         from unison.core.engine_core import EngineCore
         from unison.core.server import CoreServer
+        from unison.model.loader import resolve_model_dir
 
-        core = EngineCore(EngineConfig(**args.config), args.model_dir)
+        # The model is resolved here (a GGUF converted into the cache once), not in the owner:
+        # frontends learn the directory from Welcome and never import torch or transformers.
+        model_dir = str(resolve_model_dir(args.config.model_path))
+        core = EngineCore(args.config, model_dir)
         core.runner.warmup()
         server = CoreServer(args, core)
     except BaseException as e:

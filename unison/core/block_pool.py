@@ -28,6 +28,15 @@ class BlockPool:
             self.refs[b] = 1
         return blocks
 
+    def share(self, blocks: Iterable[int]) -> None:
+        """One more owner for blocks already allocated (a prefix-cache hit, the cache's own hold)."""
+        for b in blocks:
+            assert self.refs[b] > 0, f"block {b} is free: share() needs an allocated block"
+            self.refs[b] += 1
+
+    def refcount(self, block: int) -> int:
+        return self.refs[block]
+
     def release(self, blocks: Iterable[int]) -> None:
         for b in blocks:
             self.refs[b] -= 1

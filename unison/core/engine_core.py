@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
+import msgspec
 import torch
 
 from unison.config import EngineConfig
 from unison.core.block_pool import BlockPool
 from unison.core.grammar import Grammars
+from unison.core.metrics import LatencyMetrics
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 from unison.core.sampler import Sampler, top_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.model.runner import BatchItem, ModelRunner
-from unison.protocol import Generate, ReqOutput
+from unison.protocol import CoreInfo, EngineStats, Generate, ReqOutput
 
 log = logging.getLogger(__name__)
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
-
-MAX_STEP_SHAPES = 4096  # distinct (tokens, logits rows) step shapes counted; later new ones are not
 
 
 class EngineCore:
@@ -51,46 +53,78 @@ class EngineCore:
         self.grammars: Grammars | None = None  # started by the first constrained request
         self.compiling: list[Request] = []  # waiting for their grammar's matcher
         self.bad_grammars: list[Request] = []  # compiled with an error: refused next step
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        # How many forwards ran with each (tokens, logits rows): what `bench offline` times the
-        # model's GEMMs at to print the linear-layer ceiling of a run.
-        self.step_shapes: Counter[tuple[int, int]] = Counter()
+        self._stats = EngineStats()
+        self.latency = LatencyMetrics()
+        # Instrumentation for benchmarks (see metrics.StepShapes): called with each forward's
+        # (tokens, logits rows) when set, and only then.
+        self.on_step: Callable[[int, int], None] | None = None
 
     @property
     def has_work(self) -> bool:
         """Something to step: a running request, a waiting one that can be admitted (its grammar
-        compiled), or a request to refuse."""
+        compiled), or a request to refuse. Call poll_grammars() first to see finished compiles."""
         sched = self.scheduler
-        return bool(sched.running) or len(sched.waiting) > self._num_compiling() or bool(self.bad_grammars)
+        return bool(sched.running) or len(sched.waiting) > len(self.compiling) or bool(self.bad_grammars)
 
-    def _num_compiling(self) -> int:
+    def poll_grammars(self) -> None:
+        """Move requests whose grammar finished compiling out of `compiling` (failures are refused
+        at the next step)."""
         if self.compiling:
             done = [r for r in self.compiling if r.grammar.done()]
             self.bad_grammars += [r for r in done if r.grammar.exception() is not None]
             self.compiling = [r for r in self.compiling if not r.grammar.done()]
-        return len(self.compiling)
 
     @property
     def cached_blocks(self) -> int:
         """Blocks only the prefix cache holds: free to evict when requests need room."""
         cache = self.scheduler.cache
-        return 0 if cache is None else sum(1 for b in cache.blocks() if self.pool.refs[b] == 1)
+        return 0 if cache is None else sum(1 for b in cache.blocks() if self.pool.refcount(b) == 1)
 
-    def info(self) -> dict:
-        return {
-            "context_length": self.context_length,
-            "max_req_input_len": self.context_length - 1,
-            "vocab_size": self.runner.vocab_size,
-            "eos_token_ids": sorted(self.eos_token_ids),
-            "block_size": self.config.block_size,
-            "num_blocks": self.pool.num_blocks,
-            "max_total_tokens": self.pool.num_blocks * self.config.block_size,
-            "quantization": self.runner.quantization,
-            "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
-            "weights": self.runner.model.linear_kinds(),
-            "weights_bytes": self.runner.model.weights_bytes(),
-            "step_shapes": [[t, rows, n] for (t, rows), n in sorted(self.step_shapes.items())],
-        }
+    def info(self) -> CoreInfo:
+        return CoreInfo(
+            model_dir=self.model_dir, context_length=self.context_length,
+            max_req_input_len=self.context_length - 1, vocab_size=self.runner.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids), block_size=self.config.block_size,
+            num_blocks=self.pool.num_blocks, max_total_tokens=self.pool.num_blocks * self.config.block_size,
+            quantization=self.runner.quantization,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            weights=self.runner.model.linear_kinds(), weights_bytes=self.runner.model.weights_bytes(),
+        )
+
+    # ---- what the server reports and controls (so it never reaches into the parts) --------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.pool.num_used - self.cached_blocks
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        return self.scheduler.cache.num_evicted if self.scheduler.cache else 0
+
+    def admissions(self) -> list[tuple[bytes, str]]:
+        """(frontend, rid) of the latest admissions, oldest first."""
+        return list(self.scheduler.admissions)
+
+    def requests_per_frontend(self) -> Counter[bytes]:
+        return Counter(req.frontend for req in self.requests.values())
+
+    def flush_cache(self) -> None:
+        self.scheduler.flush_cache()
+
+    def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
+
+    def stats(self) -> EngineStats:
+        return msgspec.structs.replace(self._stats, num_preemptions=self.scheduler.num_preemptions)
 
     def add(self, frontend: bytes, msg: Generate) -> ReqOutput | None:
         """Queue a request; returns a refusal instead when it cannot be served."""
@@ -139,18 +173,31 @@ class EngineCore:
         req.grammar = self.grammars.compile(grammar)
         self.compiling.append(req)
 
-    def abort(self, frontend: bytes, rid: str) -> ReqOutput | None:
+    def abort(self, frontend: bytes, rid: str, finished: bool = False) -> ReqOutput | None:
+        """End a request of `frontend` (only its owner may); `finished`: a stop string ended it
+        in the frontend, so it counts as finished there and then."""
         req = self.requests.get(rid)
-        if req is None or req.frontend != frontend:  # only the owner may abort
+        if req is None or req.frontend != frontend:
             return None
         self._drop(req)
+        if finished:
+            self._finished(req, time.monotonic())
+            return None  # the frontend has delivered its end already
+        self._stats.num_aborted += 1
         return ReqOutput(rid, finish="abort")
 
     def abort_frontend(self, frontend: bytes) -> list[str]:
         reqs = [r for r in self.requests.values() if r.frontend == frontend]
         for req in reqs:
             self._drop(req)
+        self._stats.num_aborted += len(reqs)
         return [r.rid for r in reqs]
+
+    def _finished(self, req: Request, now: float) -> None:
+        self._stats.prompt_tokens += req.num_prompt_tokens
+        self._stats.num_finished += 1
+        self.latency.finished(req.arrival, req.first_token_at, req.last_token_at,
+                              req.num_output_tokens, now)
 
     def _drop(self, req: Request) -> None:
         self.scheduler.remove(req)
@@ -187,20 +234,26 @@ class EngineCore:
             if it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
                 self.scheduler.cache_computed(it.req)
             row += n_rows
-        self.stats["steps"] += 1
-        shape = (sum(it.num_new for it in items), logits.shape[0])
-        if shape in self.step_shapes or len(self.step_shapes) < MAX_STEP_SHAPES:
-            self.step_shapes[shape] += 1
+        self._stats.steps += 1
+        if self.on_step is not None:
+            self.on_step(sum(it.num_new for it in items), logits.shape[0])
+        now = time.monotonic()  # the step's time: what every latency metric is measured at
+        for it in items:
+            if it.req.scheduled_at is None:  # admitted this step, after its prefix-cache lookup
+                it.req.scheduled_at = now
+                self.latency.queue.observe(now - it.req.arrival)
+                self._stats.prefix_cache_queries += it.req.num_prompt_tokens
+                self._stats.prefix_cache_hits += it.req.cached_tokens
         if sampled:
-            self._sample(logits[[r for r, _, _ in sampled]], sampled)
-        outputs = self._collect(items, outs)
+            self._sample(logits[[r for r, _, _ in sampled]], sampled, now)
+        outputs = self._collect(items, outs, now)
         for frontend, refusals in refused.items():
             outputs[frontend] += refusals
         return outputs
 
     def _refuse_bad_grammars(self) -> Outputs:
         refused: Outputs = defaultdict(list)
-        self._num_compiling()
+        self.poll_grammars()
         while self.bad_grammars:
             req = self.bad_grammars[0]
             self._drop(req)
@@ -233,9 +286,17 @@ class EngineCore:
             out.prompt_top_logprobs.extend(top_logprobs(rows, req.top_logprobs_num))
         req.next_prompt_logprob = hi + 1
 
-    def _sample(self, logits: torch.Tensor, sampled: list[tuple[int, Request, ReqOutput]]) -> None:
+    def _sample(self, logits: torch.Tensor, sampled: list[tuple[int, Request, ReqOutput]],
+                now: float) -> None:
         result = self.sampler(logits, [req for _, req, _ in sampled])
+        ttft, itl = self.latency.ttft, self.latency.itl
         for i, (_, req, out) in enumerate(sampled):
+            if req.first_token_at is None:
+                req.first_token_at = now
+                ttft.observe(now - req.arrival)
+            else:
+                itl.observe(now - req.last_token_at)
+            req.last_token_at = now
             tok = result.token_ids[i]
             req.token_ids.append(tok)
             out.token_ids.append(tok)
@@ -246,7 +307,7 @@ class EngineCore:
             self._check_finish(req, tok)
             if req.grammar is not None:
                 self._advance_grammar(req, tok)
-        self.stats["generation_tokens"] += len(sampled)
+        self._stats.generation_tokens += len(sampled)
 
     def _advance_grammar(self, req: Request, tok: int) -> None:
         matcher = req.matcher
@@ -264,7 +325,7 @@ class EngineCore:
         elif req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.context_length:
             req.finish = "length"
 
-    def _collect(self, items: list[ScheduledItem], outs: list[ReqOutput]) -> Outputs:
+    def _collect(self, items: list[ScheduledItem], outs: list[ReqOutput], now: float) -> Outputs:
         """Finish what ended this step; group what there is to report by frontend."""
         outputs: Outputs = defaultdict(list)
         for it, out in zip(items, outs):
@@ -275,7 +336,7 @@ class EngineCore:
             if req.finish is not None:
                 self.scheduler.finish(req)
                 del self.requests[req.rid]
-                self.stats["prompt_tokens"] += req.num_prompt_tokens
+                self._finished(req, now)
                 out.finish, out.matched, out.prompt_tokens = req.finish, req.matched, req.num_prompt_tokens
             if out.token_ids or out.finish or out.prompt_logprobs:  # not a silent mid-prompt chunk
                 outputs[req.frontend].append(out)

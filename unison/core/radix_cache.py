@@ -1,7 +1,7 @@
 """RadixCache: a radix tree of token ids over KV blocks, so shared prefixes are computed once.
 
 Edges hold whole blocks: a node's `tokens` is a multiple of block_size long and `blocks` has one
-block id per block_size tokens. The tree holds one reference (BlockPool.refs) on each of its
+block id per block_size tokens. The tree holds one reference (BlockPool.share) on each of its
 blocks; a request using a cached prefix holds one more, and locks the path so it is not evicted.
 Unlocked leaves are evicted in least-recently-used order when the pool runs short.
 
@@ -104,8 +104,7 @@ class RadixCache:
             rest = tokens[have * bs: n_full * bs]
             child = Node(node, tuple(rest), list(blocks[have:n_full]))
             node.children[self._key(child.tokens)] = child
-            for b in child.blocks:
-                self.pool.refs[b] += 1  # the tree's own reference
+            self.pool.share(child.blocks)  # the tree's own reference
         return have
 
     def lock(self, node: Node) -> None:
@@ -127,7 +126,7 @@ class RadixCache:
         while heap and freed < n_blocks:
             _, _, leaf = heapq.heappop(heap)
             self.pool.release(leaf.blocks)
-            freed += sum(1 for b in leaf.blocks if self.pool.refs[b] == 0)
+            freed += sum(1 for b in leaf.blocks if self.pool.refcount(b) == 0)
             self.num_evicted += len(leaf.blocks)
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens)]

@@ -22,6 +22,9 @@ class Request:
     logprob_start_len: int = -1
     priority: int = 0  # higher is admitted first
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # its first step (queue time ends)
+    first_token_at: float | None = None  # step times, for TTFT and inter-token latency
+    last_token_at: float | None = None
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     next_prompt_logprob: int = -1  # next prompt position whose logprob is owed (see __post_init__)

@@ -153,8 +153,7 @@ class Scheduler:
         if req.wants_prompt_logprobs:  # rows before the first owed logprob are not recomputed
             limit = min(limit, max(req.next_prompt_logprob - 1, 0))
         blocks, node = self.cache.match(req.token_ids[:limit])
-        for b in blocks:
-            self.pool.refs[b] += 1
+        self.pool.share(blocks)
         self.cache.lock(node)
         req.cache_node, req.block_table = node, blocks
         req.num_computed_tokens = len(blocks) * self.block_size

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import os
 import shutil
 import signal
@@ -23,21 +22,23 @@ import zmq
 
 from unison import registry
 from unison.core.engine_core import EngineCore
-from unison.core.metrics import LatencyMetrics
+from unison.core.metrics import StepShapes
 from unison.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
     Control,
+    ControlOp,
     ControlReply,
     CoreArgs,
     EngineInfo,
+    FrontendInfo,
     Generate,
     Goodbye,
     Hello,
     Reject,
     ReqOutput,
-    RequestStats,
+    ServerInfo,
     StepOutputs,
     Welcome,
     decode_to_core,
@@ -47,8 +48,9 @@ from unison.protocol import (
 log = logging.getLogger("unison.core")
 
 IDLE_POLL_MS = 100
-GRAMMAR_POLL_MS = 2
+SHORT_POLL_MS = 2  # while a grammar compiles or a Hello is held: look again soon
 STATS_INTERVAL = 10.0
+HELLO_GRACE_S = 0.25
 MAX_MESSAGES_PER_POLL = 4096  # a flood of messages can delay a step, never starve it
 
 
@@ -66,15 +68,17 @@ class Frontend:
 class CoreServer:
     def __init__(self, args: CoreArgs, core: EngineCore) -> None:
         self.args = args
+        self.config = args.config
         self.core = core
-        self.cap = args.config["tokenizer_worker_num"]
+        self.step_shapes = core.on_step = StepShapes.from_env()
+        self.cap = args.config.tokenizer_worker_num
         self.frontends: dict[bytes, Frontend] = {}
         self.by_pidfd: dict[int, Frontend] = {}
         self.worker_ids: dict[bytes, int] = {}  # kept after detach while admission records name them
         self.next_worker_id = 0
         self.paused = False
+        self.deferred_hellos: list[tuple[bytes, Hello, float]] = []  # at capacity, held briefly
         self.stopping = False
-        self.latency = LatencyMetrics()
         self._stats_at, self._stats_gen = time.monotonic(), 0
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -94,8 +98,7 @@ class CoreServer:
         if self.args.registry_path:
             registry.publish(self.args.registry_path, EngineInfo(
                 endpoint=self.args.endpoint, owner_pid=self.args.owner_pid, core_pid=os.getpid(),
-                token=self.args.token, model_dir=self.args.model_dir, config=self.args.config,
-                info=self.core.info(),
+                token=self.args.token, config=self.config, info=self.core.info(),
             ))
 
     def serve_forever(self) -> None:
@@ -103,6 +106,7 @@ class CoreServer:
         try:
             while not self.stopping:
                 self.poll_once()
+                self.core.poll_grammars()
                 if self.core.has_work and not self.paused:
                     self.send_outputs(self.core.step())
                     self.log_stats()
@@ -114,16 +118,15 @@ class CoreServer:
         now = time.monotonic()
         if now - self._stats_at < STATS_INTERVAL:
             return
-        gen = self.core.stats["generation_tokens"]
-        sched, pool = self.core.scheduler, self.core.pool
+        core = self.core
+        gen, used, total = core.stats().generation_tokens, core.kv_blocks_used, core.info().num_blocks
         log.info("running %d, waiting %d, KV %.0f%% (%d/%d blocks), %.1f gen tok/s",
-                 len(sched.running), len(sched.waiting), 100 * pool.num_used / pool.num_blocks,
-                 pool.num_used, pool.num_blocks, (gen - self._stats_gen) / (now - self._stats_at))
+                 core.num_running, core.num_waiting, 100 * used / total, used, total,
+                 (gen - self._stats_gen) / (now - self._stats_at))
         self._stats_at, self._stats_gen = now, gen
 
     def close(self) -> None:
-        if self.core.grammars is not None:
-            self.core.grammars.close()
+        self.core.close()
         registry.unlink(self.args.registry_path)
         shutil.rmtree(self.args.runtime_dir, ignore_errors=True)
         for fe in list(self.frontends.values()):
@@ -137,8 +140,10 @@ class CoreServer:
     def poll_once(self) -> None:
         busy = self.core.has_work and not self.paused
         timeout = 0 if busy or any(fe.outbox for fe in self.frontends.values()) else IDLE_POLL_MS
+        if self.deferred_hellos:
+            timeout = min(timeout, SHORT_POLL_MS)
         if self.core.compiling and not busy:
-            timeout = GRAMMAR_POLL_MS  # a grammar is compiling on its thread: look again soon
+            timeout = SHORT_POLL_MS  # a grammar is compiling on its thread: look again soon
         for what, _ in self.poller.poll(timeout):
             if what is self.sock:
                 self.drain()
@@ -147,6 +152,10 @@ class CoreServer:
                 self.stopping = True
             elif what in self.by_pidfd:
                 self.drop_frontend(self.by_pidfd[what], "its process exited")
+        if self.deferred_hellos:
+            deferred, self.deferred_hellos = self.deferred_hellos, []
+            for ident, msg, at in deferred:
+                self.hello(ident, msg, at)
         self.flush_outboxes()
         self.abort_lagging()
 
@@ -183,18 +192,15 @@ class CoreServer:
             if refusal is not None:
                 self.send_step(fe, [refusal])
         elif isinstance(msg, Abort):
-            out = self.core.abort(ident, msg.rid)
+            out = self.core.abort(ident, msg.rid, msg.finished)
             if out is not None:
                 self.send_step(fe, [out])
         elif isinstance(msg, Control):
             self.send(fe, self.control(msg))
-        elif isinstance(msg, RequestStats):
-            if all(math.isfinite(x) and x >= 0 for x in (msg.ttft, msg.e2e, msg.tpot or 0.0)):
-                self.latency.observe(msg.ttft, msg.tpot, msg.e2e)
         elif isinstance(msg, Goodbye):
             self.drop_frontend(fe, "it said goodbye")
 
-    def hello(self, ident: bytes, msg: Hello) -> None:
+    def hello(self, ident: bytes, msg: Hello, deferred_at: float | None = None) -> None:
         reason = None
         if not hmac.compare_digest(msg.token.encode(), self.args.token.encode()):
             reason = "wrong token: the registry's token is required to attach"
@@ -203,6 +209,12 @@ class CoreServer:
         elif ident in self.frontends:
             reason = "this frontend is attached already"
         elif len(self.frontends) >= self.cap:
+            # A process that detaches and attaches again sends Goodbye and Hello on two sockets,
+            # which the ROUTER may read in either order: hold a Hello at capacity for a moment.
+            now = time.monotonic()
+            if deferred_at is None or now - deferred_at < HELLO_GRACE_S:
+                self.deferred_hellos.append((ident, msg, deferred_at or now))
+                return
             reason = (f"engine {self.args.owner_pid} has {len(self.frontends)} of {self.cap} "
                       "frontends attached")
         if reason:
@@ -223,7 +235,7 @@ class CoreServer:
     def drop_frontend(self, fe: Frontend, why: str) -> None:
         aborted = len(self.core.abort_frontend(fe.ident))
         self.frontends.pop(fe.ident, None)
-        named = {f for f, _ in self.core.scheduler.admissions} | self.frontends.keys()
+        named = {f for f, _ in self.core.admissions()} | self.frontends.keys()
         self.worker_ids = {f: w for f, w in self.worker_ids.items() if f in named}  # bounded
         if fe.pidfd is not None and fe.pidfd != self.owner_pidfd:
             self.by_pidfd.pop(fe.pidfd, None)
@@ -238,46 +250,37 @@ class CoreServer:
         except Exception as e:  # a bad control op must not take the core down
             return ControlReply(msg.cid, error=f"{type(e).__name__}: {e}")
 
-    def control_op(self, op: str) -> Any:
-        if op == "server_info":
+    def control_op(self, op: ControlOp) -> Any:
+        if op is ControlOp.SERVER_INFO:
             return self.server_info()
-        if op == "check_integrity":
+        if op is ControlOp.CHECK_INTEGRITY:
             self.core.check_integrity()
             return True
-        if op == "flush_cache":
-            self.core.scheduler.flush_cache()
+        if op is ControlOp.FLUSH_CACHE:
+            self.core.flush_cache()
             return True
-        if op in ("pause", "continue"):
-            self.paused = op == "pause"
+        if op in (ControlOp.PAUSE, ControlOp.CONTINUE):
+            self.paused = op is ControlOp.PAUSE
             return self.paused
+        if op is ControlOp.STEP_SHAPES:
+            if self.step_shapes is None:
+                raise ValueError("step shapes are recorded only when the core starts with "
+                                 "UNISON_RECORD_STEP_SHAPES=1 in its environment")
+            return self.step_shapes.rows()
         raise ValueError(f"unknown control op {op!r}")
 
-    def server_info(self) -> dict[str, Any]:
-        inflight: dict[bytes, int] = {}
-        for req in self.core.requests.values():
-            inflight[req.frontend] = inflight.get(req.frontend, 0) + 1
-        sched = self.core.scheduler
-        return {
-            "version": PROTOCOL_VERSION,
-            "core_pid": os.getpid(),
-            "owner_pid": self.args.owner_pid,
-            "config": self.args.config,
-            **self.core.info(),
-            "paused": self.paused,
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "kv_blocks_used": self.core.pool.num_used - self.core.cached_blocks,
-            "kv_blocks_cached": self.core.cached_blocks,
-            "num_preemptions": sched.num_preemptions,
-            "num_evicted_blocks": sched.cache.num_evicted if sched.cache else 0,
-            "stats": dict(self.core.stats),
-            "histograms": self.latency.to_dict(),
-            "admissions": [[self.worker_ids.get(f, -1), rid] for f, rid in sched.admissions],
-            "frontends": [
-                {"pid": fe.pid, "worker_id": fe.worker_id, "requests_in_flight": inflight.get(fe.ident, 0)}
-                for fe in self.frontends.values()
-            ],
-        }
+    def server_info(self) -> ServerInfo:
+        core, inflight = self.core, self.core.requests_per_frontend()
+        return ServerInfo(
+            version=PROTOCOL_VERSION, core_pid=os.getpid(), owner_pid=self.args.owner_pid,
+            config=self.config, core=core.info(), paused=self.paused, num_running=core.num_running,
+            num_waiting=core.num_waiting, kv_blocks_used=core.kv_blocks_used,
+            kv_blocks_cached=core.cached_blocks, num_evicted_blocks=core.num_evicted_blocks,
+            stats=core.stats(), histograms=core.latency.data(),
+            admissions=[(self.worker_ids.get(f, -1), rid) for f, rid in core.admissions()],
+            frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident])
+                       for fe in self.frontends.values()],
+        )
 
     # ---- output ------------------------------------------------------------------------------
 
@@ -295,17 +298,17 @@ class CoreServer:
     def abort_lagging(self) -> None:
         """Abort the requests of a frontend that stopped processing its outputs (stopped, wedged
         or swamped), so that it cannot hold KV blocks and batch slots indefinitely."""
-        cfg, now = self.args.config, time.monotonic()
-        busy = {req.frontend for req in self.core.requests.values()}
+        cfg, now = self.config, time.monotonic()
+        busy = self.core.requests_per_frontend()
         for fe in self.frontends.values():
             if fe.ident not in busy or not fe.unacked:
                 continue
             lag, count = now - fe.unacked[0][1], len(fe.unacked)
-            if lag <= cfg["frontend_max_lag_s"] and count <= cfg["frontend_max_unacked"]:
+            if lag <= cfg.frontend_max_lag_s and count <= cfg.frontend_max_unacked:
                 continue
             why = (f"frontend {fe.worker_id} (pid {fe.pid}) fell behind: {count} outputs unprocessed "
-                   f"for {lag:.1f} s (frontend_max_unacked={cfg['frontend_max_unacked']}, "
-                   f"frontend_max_lag_s={cfg['frontend_max_lag_s']})")
+                   f"for {lag:.1f} s (frontend_max_unacked={cfg.frontend_max_unacked}, "
+                   f"frontend_max_lag_s={cfg.frontend_max_lag_s})")
             rids = self.core.abort_frontend(fe.ident)
             log.warning("%s; aborted its %d request(s)", why, len(rids))
             fe.unacked.clear()

@@ -1,90 +1,162 @@
-"""Collector: turns request deltas into sglang.Engine-shaped output dicts, on the caller's side."""
+"""Collector: follows one call's requests for its consumer, wherever that consumer runs.
+
+The frontend's loop updates ReqStates in place and calls each consumer's waker once per core
+step. A consumer wakes, takes everything that changed since it last looked (merged: a consumer
+that fell behind by ten steps gets one item, not ten) and goes back to waiting. One follow loop
+serves the three consumers: `follow()` on any asyncio loop (the async Engine, the HTTP routes on
+the frontend's own loop), `follow_sync()` in a plain thread (the sync Engine).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from unison.frontend.worker import Delta, ReqState
+from unison.frontend.request import ReqState
 
 
-class _Output:
-    def __init__(self, state: ReqState) -> None:
-        self.state = state
-        self.text = ""
-        self.output_ids: list[int] = []
-        self.finish_reason: dict[str, Any] | None = None
-        self.cached_tokens = 0
-        self.logprobs: list = []
-        self.top_logprobs: list = []
-        self.prompt_logprobs: list = []
-        self.prompt_top_logprobs: list = []
+class _LoopWaker:
+    """Wakes the collectors awaited on one foreign loop: one cross-thread call per step, not
+    one per stream (64 streams would otherwise cost 64 self-pipe writes per step)."""
 
-    def apply(self, d: Delta) -> None:
-        if d.error is not None:
-            raise d.error
-        self.text += d.text
-        self.output_ids.extend(d.token_ids)
-        self.logprobs.extend(d.logprobs)
-        self.top_logprobs.extend(d.top_logprobs)
-        self.prompt_logprobs.extend(d.prompt_logprobs)
-        self.prompt_top_logprobs.extend(d.prompt_top_logprobs)
-        self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
-        if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-            # A stop string may end the request on a token whose logprob came with it.
-            del self.logprobs[len(self.output_ids):], self.top_logprobs[len(self.output_ids):]
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[asyncio.Event] = []
 
-    def to_dict(self) -> dict[str, Any]:
-        meta = {
-            "id": self.state.rid,
-            "prompt_tokens": len(self.state.prompt_ids),
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finish_reason,
-            "e2e_latency": time.monotonic() - self.state.created,
-        }
-        if self.state.return_logprob:
-            meta["output_token_logprobs"] = list(self.logprobs)
-            meta["output_top_logprobs"] = list(self.top_logprobs)
-            meta["input_token_logprobs"] = list(self.prompt_logprobs)
-            meta["input_top_logprobs"] = list(self.prompt_top_logprobs)
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+    def wake(self, event: asyncio.Event) -> None:
+        with self.lock:
+            self.pending.append(event)
+            if len(self.pending) > 1:
+                return  # a flush is scheduled already
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            events, self.pending = self.pending, []
+        for event in events:
+            event.set()
+
+
+_loop_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
+
+
+def _waker_for(event: asyncio.Event, loop: asyncio.AbstractEventLoop,
+               home: asyncio.AbstractEventLoop | None) -> Callable[[], None]:
+    if loop is home:  # the frontend's own loop (an HTTP route): set it directly
+        return event.set
+    waker = _loop_wakers.get(loop)
+    if waker is None:
+        waker = _loop_wakers[loop] = _LoopWaker(loop)
+    return lambda: waker.wake(event)
 
 
 class Collector:
-    """Drains the deltas of one call's requests; yields a cumulative dict per changed request."""
+    """The requests of one call (prompts x n), in order, and what each consumer has seen."""
 
-    def __init__(self, states: list[ReqState], batch: bool) -> None:
-        self.outputs = [_Output(s) for s in states]
+    def __init__(self, states: list[ReqState], batch: bool, home: asyncio.AbstractEventLoop | None,
+                 abort: Callable[[list[str]], None]) -> None:
+        self.states = states
         self.batch = batch or len(states) > 1
+        self.seen = [0] * len(states)  # the version of each state last handed out
+        self.home = home  # the frontend's loop
+        self._abort = abort  # called with the rids left unfinished when following stops
 
-    def set_waker(self, waker: Callable[[], None]) -> None:
-        for out in self.outputs:
-            out.state.waker = waker
-        waker()  # deltas may have arrived before the waker was set
+    # ---- following -------------------------------------------------------------------------
 
-    def drain(self) -> list[dict[str, Any]]:
-        chunks = []
-        for i, out in enumerate(self.outputs):
-            if not out.state.deltas:
-                continue
-            while out.state.deltas:
-                out.apply(out.state.deltas.popleft())
-            chunk = out.to_dict()
-            if self.batch:
-                chunk["index"] = i
-            chunks.append(chunk)
-        return chunks
+    def changed(self) -> list[int]:
+        """Indices of the requests that changed since the last call (raises a request's error)."""
+        out = []
+        for i, state in enumerate(self.states):
+            if state.version != self.seen[i]:
+                self.seen[i] = state.version
+                if state.error is not None:
+                    raise state.error
+                out.append(i)
+        return out
 
     @property
     def done(self) -> bool:
-        return all(out.finish_reason is not None for out in self.outputs)
+        return all(s.finished for s in self.states)
 
     def unfinished_rids(self) -> list[str]:
-        return [out.state.rid for out in self.outputs if out.finish_reason is None]
+        return [s.rid for s in self.states if not s.finished]
+
+    def close(self) -> None:
+        """Stop following: abort what has not finished (a consumer that left wants no more)."""
+        rids = self.unfinished_rids()
+        if rids:
+            self._abort(rids)
+
+    def _set_waker(self, waker: Callable[[], None]) -> None:
+        for state in self.states:
+            state.waker = waker
+
+    async def follow(self) -> AsyncIterator[list[int]]:
+        """Yield the indices changed since the last item, until every request has finished."""
+        event = asyncio.Event()
+        self._set_waker(_waker_for(event, asyncio.get_running_loop(), self.home))
+        try:
+            while True:
+                done = self.done  # before changed(): then that sees the final version
+                changed = self.changed()
+                if changed:
+                    yield changed
+                if done:
+                    return
+                await event.wait()
+                event.clear()
+        finally:
+            self.close()
+
+    def follow_sync(self) -> Iterator[list[int]]:
+        event = threading.Event()
+        self._set_waker(event.set)
+        try:
+            while True:
+                done = self.done
+                changed = self.changed()
+                if changed:
+                    yield changed
+                if done:
+                    return
+                while not event.wait(0.1):  # short waits keep Ctrl-C deliverable
+                    pass
+                event.clear()
+        finally:
+            self.close()
+
+    # ---- sglang.Engine-shaped output dicts ---------------------------------------------------
+
+    def output(self, i: int, indexed: bool = False) -> dict[str, Any]:
+        """Request i so far: cumulative text and ids, as sglang.Engine streams them."""
+        s = self.states[i]
+        meta = {
+            "id": s.rid,
+            "prompt_tokens": len(s.prompt_ids),
+            "completion_tokens": len(s.output_ids),
+            "cached_tokens": s.cached_tokens,
+            "finish_reason": s.finish_reason,
+            "e2e_latency": time.monotonic() - s.created,
+        }
+        if s.return_logprob:
+            meta["output_token_logprobs"] = list(s.logprobs)
+            meta["output_top_logprobs"] = list(s.top_logprobs)
+            meta["input_token_logprobs"] = list(s.prompt_logprobs)
+            meta["input_top_logprobs"] = list(s.prompt_top_logprobs)
+        out = {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
+        if indexed:
+            out["index"] = i
+        return out
+
+    def outputs(self, changed: list[int]) -> list[dict[str, Any]]:
+        """The stream items for `changed`: an `index` says which request when there are several."""
+        return [self.output(i, self.batch) for i in changed]
 
     def results(self) -> dict[str, Any] | list[dict[str, Any]]:
-        dicts = [out.to_dict() for out in self.outputs]
+        dicts = [self.output(i) for i in range(len(self.states))]
         return dicts if self.batch else dicts[0]

@@ -1,17 +1,16 @@
 """Incremental detokenizing with stop strings: one IncrementalDetokenizer per request.
 
-Decoding follows vLLM / HF text streaming: each step decodes only a small window,
-`ids[prefix:]`, and emits what it adds to `ids[prefix:read]` (the window gives a token its
-context, e.g. a SentencePiece leading space). A window whose text ends in U+FFFD stops inside a
-UTF-8 character, so it waits for the next token. Stop strings are searched in the new text plus
-the last `max_stop_len - 1` characters, and the longest tail that could still begin a stop
-string is held back, so no delta ever shows text that a later stop trims. Every step costs
-O(window + max_stop_len), never O(length of the output).
+Decoding is tokenizers' DecodeStream (one native call per token, as vLLM's fast path): it emits
+the text a token adds after the tokens before it (which give it its context, e.g. a SentencePiece
+leading space), and nothing while the text ends inside a UTF-8 character. Stop strings are
+searched in the new text plus the last `max_stop_len - 1` characters, and the longest tail that
+could still begin a stop string is held back, so no delta ever shows text that a later stop
+trims. Every step costs O(max_stop_len), never O(length of the output).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -21,6 +20,8 @@ PROMPT_CONTEXT = 5
 
 class _Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_stream(self, skip_special_tokens: bool, context: list[int]) -> Callable[[int], str | None]: ...
 
 
 class IncrementalDetokenizer:
@@ -33,7 +34,7 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
-        "_tok", "_skip", "_stops", "_max_stop", "_no_stop_trim", "_ctx", "_prev_prefix",
+        "_tok", "_skip", "_stops", "_max_stop", "_no_stop_trim", "_ctx", "_stream", "_prev_prefix",
         "_prefix", "_read", "_recent", "_held", "_chunks", "output_ids", "stop_matched",
         "finished",
     )  # fmt: skip
@@ -58,6 +59,7 @@ class IncrementalDetokenizer:
         self._no_stop_trim = no_stop_trim
         # Offsets index output_ids; negative ones reach back into the prompt's context tokens.
         self._ctx = self._context(prompt_ids or [])
+        self._stream = tokenizer.decode_stream(skip_special_tokens, self._ctx)
         self._prev_prefix = self._prefix = -len(self._ctx)
         self._read = 0
         self.output_ids: list[int] = []
@@ -79,6 +81,8 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append tokens; return the text they confirm. Tokens after a stop string are dropped."""
+        if not self._stops:  # the common case, once per token per request: kept to the bone
+            return self._add_plain(new_ids)
         out = []
         for token in new_ids:
             if self.finished:
@@ -88,11 +92,26 @@ class IncrementalDetokenizer:
                 out.append(self._push(delta, final=False))
         return "".join(out)
 
+    def _add_plain(self, new_ids: Sequence[int]) -> str:
+        if self.finished:
+            return ""
+        ids, stream, out = self.output_ids, self._stream, []
+        for token in new_ids:
+            ids.append(token)
+            text = stream(token)
+            if text is not None:
+                self._prev_prefix, self._prefix, self._read = self._prefix, self._read, len(ids)
+                out.append(text)
+        text = out[0] if len(out) == 1 else "".join(out)
+        if text:
+            self._chunks.append(text)
+        return text
+
     def flush(self) -> str:
         """End the request: release held-back text and any incomplete character (as U+FFFD)."""
         if self.finished:
             return ""
-        delta = self._push(self._step(final=True), final=True)
+        delta = self._push(self._final_step(), final=True)
         self.finished = True
         return delta
 
@@ -104,14 +123,24 @@ class IncrementalDetokenizer:
             return self.output_ids[start:end]
         return self._ctx[len(self._ctx) + start :] + self.output_ids[:end]
 
-    def _step(self, final: bool = False) -> str:
-        """Decode the window; advance it and return its new text once that ends on a whole
-        character (at the end, `final`, whatever it holds)."""
+    def _step(self) -> str:
+        """The text the newest token completes ("" while a character is incomplete)."""
+        text = self._stream(self.output_ids[-1])
+        if text is None:
+            return ""
+        # The delta spans output_ids[_prefix:_read]; _prev_prefix starts the one before it,
+        # which gives _truncate_ids its context.
+        self._prev_prefix, self._prefix, self._read = self._prefix, self._read, len(self.output_ids)
+        return text
+
+    def _final_step(self) -> str:
+        """At the end: whatever the tokens after the last delta hold, an incomplete character as
+        U+FFFD (decoded as a window, since the stream only ever returns whole characters)."""
+        if self._read == len(self.output_ids):
+            return ""
         prefix = self._prefix
         prefix_text = self._decode(self._slice(prefix, self._read))
         new_text = self._decode(self._slice(prefix))
-        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
-            return ""
         self._prev_prefix, self._prefix, self._read = prefix, self._read, len(self.output_ids)
         return new_text[len(prefix_text) :]
 

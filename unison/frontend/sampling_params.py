@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, fields
 from typing import Any
 
+from unison.errors import InvalidParam
 from unison.frontend.structured import grammar_text
 from unison.protocol import CoreSamplingParams
 
@@ -47,11 +48,13 @@ class SamplingParams:
         if isinstance(params, SamplingParams):
             return params
         if not isinstance(params, dict):
-            raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
+            raise InvalidParam("sampling_params", "sampling_params must be a dict or SamplingParams, "
+                               f"got {type(params).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
+            raise InvalidParam(unknown[0], f"unknown sampling parameter(s) {unknown}; "
+                               f"allowed: {sorted(known)}")
         return cls(**params)
 
     @property
@@ -59,7 +62,7 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def validate(self, *, vocab_size: int, context_length: int, prompt_len: int) -> None:
-        """Raise ValueError naming the field and the allowed range; nothing is queued before this."""
+        """Raise InvalidParam naming the field and the allowed range; nothing is queued before this."""
         _int("max_new_tokens", self.max_new_tokens, lo=0)
         _int("min_new_tokens", self.min_new_tokens, lo=0, hi=self.max_new_tokens)
         _int("n", self.n, lo=1, hi=MAX_N)
@@ -67,25 +70,27 @@ class SamplingParams:
         _float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _int("top_k", self.top_k, lo=-1)
         if self.top_k == 0:
-            raise ValueError("top_k must be -1 (all tokens) or >= 1, got 0")
+            raise InvalidParam("top_k", "top_k must be -1 (all tokens) or >= 1, got 0")
         _float("min_p", self.min_p, lo=0.0, hi=1.0)
         _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=2.0, lo_open=True)
         for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidParam(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.sampling_seed is not None:
             _int("sampling_seed", self.sampling_seed, lo=0, hi=2**63 - 1)
         self._validate_stop()
-        grammar_text(self.json_schema, self.regex, self.ebnf)  # raises on a bad one; cached for to_core
+        self._grammar()
         for tid in self.stop_token_ids or []:
             _int("stop_token_ids", tid, lo=0, hi=vocab_size - 1)
         self._bias_items(vocab_size)
         if prompt_len > context_length:
-            raise ValueError(f"prompt ({prompt_len} tokens) exceeds the context length ({context_length})")
+            raise InvalidParam("prompt", f"prompt ({prompt_len} tokens) exceeds the context length "
+                                         f"({context_length})")
         if prompt_len + self.max_new_tokens > context_length:
-            raise ValueError(
+            raise InvalidParam(
+                "max_new_tokens",
                 f"max_new_tokens ({self.max_new_tokens}) + the prompt ({prompt_len} tokens) exceeds the "
                 f"context length ({context_length}); lower max_new_tokens to at most "
                 f"{context_length - prompt_len} or shorten the prompt"
@@ -93,29 +98,39 @@ class SamplingParams:
 
     def _validate_stop(self) -> None:
         if self.stop is not None and not isinstance(self.stop, (str, list)):
-            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+            raise InvalidParam("stop", "stop must be a string or a list of strings, "
+                                       f"got {type(self.stop).__name__}")
         stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            raise InvalidParam("stop", f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} "
+                                       "are allowed")
         for s in stops:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise InvalidParam("stop", f"stop strings must be non-empty strings, got {s!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list):
-            raise ValueError("stop_token_ids must be a list of token ids")
+            raise InvalidParam("stop_token_ids", "stop_token_ids must be a list of token ids")
+
+    def _grammar(self) -> str | None:
+        """The constraint as llguidance grammar text (converted once per distinct spec)."""
+        try:
+            return grammar_text(self.json_schema, self.regex, self.ebnf)
+        except ValueError as e:
+            given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+            raise InvalidParam(given[0], str(e)) from None
 
     def _bias_items(self, vocab_size: int) -> dict[int, float]:
         if self.logit_bias is None:
             return {}
         if not isinstance(self.logit_bias, dict):
-            raise ValueError("logit_bias must be a dict of token id -> bias")
+            raise InvalidParam("logit_bias", "logit_bias must be a dict of token id -> bias")
         out = {}
         for key, bias in self.logit_bias.items():
             try:
                 tid = int(key)
             except (TypeError, ValueError):
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-            _int("logit_bias token id", tid, lo=0, hi=vocab_size - 1)
-            _float(f"logit_bias[{tid}]", bias, lo=-100.0, hi=100.0)
+                raise InvalidParam("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            _int("logit_bias", tid, lo=0, hi=vocab_size - 1, what="logit_bias token id")
+            _float("logit_bias", bias, lo=-100.0, hi=100.0, what=f"logit_bias[{tid}]")
             out[tid] = float(bias)
         return out
 
@@ -129,21 +144,24 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
             logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            grammar=grammar_text(self.json_schema, self.regex, self.ebnf),
+            grammar=self._grammar(),
         )
 
 
-def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None, what: str = "") -> None:
+    what = what or name
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidParam(name, f"{what} must be an integer, got {value!r}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be in [{lo}, {'inf' if hi is None else hi}], got {value}")
+        raise InvalidParam(name, f"{what} must be in [{lo}, {'inf' if hi is None else hi}], got {value}")
 
 
-def _float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+def _float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False,
+           what: str = "") -> None:
+    what = what or name
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidParam(name, f"{what} must be a number, got {value!r}")
     bad_lo = value <= lo if lo_open else value < lo
     if math.isnan(value) or bad_lo or value > hi:
         left = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")
+        raise InvalidParam(name, f"{what} must be in {left}{lo}, {hi}], got {value}")

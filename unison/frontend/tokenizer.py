@@ -7,7 +7,9 @@ config.json, chat_template.jinja) and renders chat templates exactly as
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -18,7 +20,10 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 import tokenizers
+import tokenizers.decoders
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from unison.errors import InvalidParam
 
 ROLES = ("system", "user", "assistant", "tool")
 # Names of special tokens a template may read as variables, as transformers' special_tokens_map.
@@ -103,6 +108,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, skip_special_tokens: bool, context: list[int]) -> Callable[[int], str | None]:
+        """An incremental decoder: call it with each new token id; it returns the text that
+        token completes, or None while a character is still incomplete. `context`: tokens
+        decoded before (a prompt's last ones), whose text is not returned."""
+        stream = tokenizers.decoders.DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self._tok)
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -149,32 +161,33 @@ class Tokenizer:
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Check OpenAI-style chat messages; join text parts; drop None fields as transformers does."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
+        raise InvalidParam("messages", f"messages must be a non-empty list of dicts, got {messages!r:.80}")
     return [_normalize_message(i, m) for i, m in enumerate(messages)]
 
 
 def _normalize_message(i: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
-        raise ValueError(f"messages[{i}] must be a dict with role and content, got {message!r:.80}")
+        raise InvalidParam(f"messages[{i}]", f"messages[{i}] must be a dict with role and content, "
+                                             f"got {message!r:.80}")
     message = {k: v for k, v in message.items() if v is not None}
     if (role := message.get("role")) not in ROLES:
-        raise ValueError(f"messages[{i}]: role must be one of {ROLES}, got {role!r}")
+        raise InvalidParam(f"messages[{i}]", f"messages[{i}]: role must be one of {ROLES}, got {role!r}")
     content = message.get("content")
     if isinstance(content, list):
         message["content"] = "\n".join(_text_part(i, j, p) for j, p in enumerate(content))
     elif content is None and role == "assistant" and message.get("tool_calls"):
         pass  # an assistant turn that only calls tools has no content
     elif not isinstance(content, str):
-        raise ValueError(
-            f"messages[{i}]: content must be a string or a list of text parts, got {content!r:.80}"
-        )
+        raise InvalidParam(f"messages[{i}]", f"messages[{i}]: content must be a string or a list of "
+                                             f"text parts, got {content!r:.80}")
     return message
 
 
 def _text_part(i: int, j: int, part: Any) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    raise ValueError(
+    raise InvalidParam(
+        f"messages[{i}].content[{j}]",
         f"messages[{i}].content[{j}]: only {{'type': 'text', 'text': str}} parts are supported, "
         f"got {part!r:.80}"
     )

@@ -1,8 +1,10 @@
-"""TokenizerWorker: one frontend. Tokenizes, talks to the core, detokenizes, feeds request streams.
+"""TokenizerWorker: one frontend. Attaches to the core, checks and tokenizes requests, follows
+their outputs, detokenizes.
 
 It lives on one asyncio loop (a private thread behind the Engine API, or an HTTP worker's own
-loop) and imports neither torch nor transformers. Per-request results cross to their consumer as
-deltas in a thread-safe deque with one wake-up per core step, not one per token.
+loop) and imports neither torch nor transformers. The Engine and the HTTP routes are thin
+adapters over it: they build one GenerateRequest through `make_request` (errors are
+InvalidParam naming the field), `submit` it, and read the Collector it returns.
 """
 
 from __future__ import annotations
@@ -15,125 +17,40 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
-from unison.errors import EngineDeadError
-from unison.frontend.detokenizer import IncrementalDetokenizer
+from unison import registry
+from unison.errors import EngineDeadError, InvalidParam
+from unison.frontend.collector import Collector
+from unison.frontend.request import GenerateRequest, ReqState
+from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import (
     Abort,
     Ack,
     Control,
+    ControlOp,
     ControlReply,
+    CoreInfo,
     Generate,
     Goodbye,
     Hello,
     Reject,
     ReqOutput,
-    RequestStats,
     StepOutputs,
     Welcome,
     decode_to_frontend,
     encode,
 )
 from unison.registry import pid_alive
-from unison.sampling_params import SamplingParams
 
-
-@dataclass(slots=True)
-class Delta:
-    """What one request gained since the consumer last looked."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[float, int, None]] = field(default_factory=list)
-    top_logprobs: list[list[tuple[float, int, None]]] = field(default_factory=list)
-    prompt_logprobs: list[tuple[float | None, int, None]] = field(default_factory=list)
-    prompt_top_logprobs: list[list[tuple[float, int, None]]] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    cached_tokens: int = 0
-    error: BaseException | None = None
-
-
-class ReqState:
-    """One request as its frontend sees it; `deltas` is read by the consumer, from any thread."""
-
-    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 return_logprob: bool, logprob_start_len: int) -> None:
-        self.rid = rid
-        self.prompt_ids = prompt_ids
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.detok = IncrementalDetokenizer(
-            tokenizer, skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop=params.stop_strings, no_stop_trim=params.no_stop_trim, prompt_ids=prompt_ids,
-        )
-        self.created = time.monotonic()
-        self.first_token_at: float | None = None
-        self.num_prompt_logprobs = 0
-        self.finished = False
-        self.deltas: deque[Delta] = deque()
-        self.waker: Callable[[], None] | None = None
-
-    def push(self, delta: Delta) -> None:
-        self.deltas.append(delta)
-        if self.waker is not None:
-            try:
-                self.waker()
-            except RuntimeError:  # the consumer's event loop is closed: nobody is waiting
-                self.waker = None
-
-    def update(self, out: ReqOutput) -> bool:
-        """Apply one core output; returns True when a stop string ended the request here."""
-        if out.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-        before = len(self.detok.output_ids)
-        text = self.detok.add(out.token_ids)
-        stopped = self.detok.stop_matched is not None
-        if out.finish is not None or stopped:
-            text += self.detok.flush()
-        new_ids = self.detok.output_ids[before:]
-        delta = Delta(text=text, token_ids=new_ids, cached_tokens=out.cached_tokens)
-        if self.return_logprob:
-            self._logprobs(out, delta, len(new_ids))
-        if stopped:
-            delta.finish_reason = {"type": "stop", "matched": self.detok.stop_matched}
-        elif out.error is not None:
-            delta.error = ValueError(out.error) if out.refused else RuntimeError(out.error)
-        elif out.finish is not None:
-            delta.finish_reason = {"type": out.finish, "matched": out.matched}
-        self.finished = delta.finish_reason is not None or delta.error is not None
-        self.push(delta)
-        return stopped and out.finish is None
-
-    def _logprobs(self, out: ReqOutput, delta: Delta, kept: int) -> None:
-        ids = out.token_ids[:kept]
-        delta.logprobs = [(lp, t, None) for lp, t in zip(out.logprobs, ids)]
-        delta.top_logprobs = [[(lp, t, None) for t, lp in top] for top in out.top_logprobs[:kept]]
-        if out.prompt_logprobs:
-            start = max(self.logprob_start_len, 0) + self.num_prompt_logprobs
-            ids = self.prompt_ids[start: start + len(out.prompt_logprobs)]
-            delta.prompt_logprobs = [(lp, t, None) for lp, t in zip(out.prompt_logprobs, ids)]
-            delta.prompt_top_logprobs = [[(lp, t, None) for t, lp in top]
-                                         for top in out.prompt_top_logprobs]
-            self.num_prompt_logprobs += len(out.prompt_logprobs)
-
-    def stats(self) -> RequestStats:
-        now, n = time.monotonic(), len(self.detok.output_ids)
-        tpot = (now - self.first_token_at) / (n - 1) if n > 1 else None
-        return RequestStats(ttft=self.first_token_at - self.created, tpot=tpot, e2e=now - self.created)
-
-    def fail(self, error: BaseException) -> None:
-        if not self.finished:
-            self.finished = True
-            self.push(Delta(error=error))
-
+ATTACH_TIMEOUT = 5.0  # an attaching frontend talks to a core that is up already
+MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES_PER_WAKE = 64  # StepOutputs taken together when they queue up
+RETRY_SEND_S = 0.001  # while the pipe to the core is full
 
 log = logging.getLogger("unison.frontend")
 
@@ -141,46 +58,69 @@ GOODBYE_LINGER_MS = 200
 
 
 class TokenizerWorker:
-    def __init__(self, model_dir: str | Path, endpoint: str, token: str, core_pid: int) -> None:
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+    def __init__(self, endpoint: str, token: str, core_pid: int) -> None:
         self.endpoint = endpoint
         self.token = token
         self.core_pid = core_pid
-        self.info: dict[str, Any] = {}
+        self.tokenizer: Tokenizer | None = None  # loaded from the directory Welcome names
+        self.info: CoreInfo | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.worker_id = -1
         self.states: dict[str, ReqState] = {}
         self.dead: EngineDeadError | None = None
         self._controls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._recv_task: asyncio.Task | None = None
+        self._sock: zmq.Socket | None = None
+        self._outbox: deque[bytes] = deque()  # encoded, waiting for room in the pipe to the core
+        self._retry: asyncio.TimerHandle | None = None
+        self._read_scheduled = False
         self._pidfd: int | None = None
         self.on_dead: Callable[[], None] | None = None  # e.g. an HTTP worker stops serving
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, timeout: float, alive: Callable[[], str | None] = lambda: None) -> None:
+    @classmethod
+    async def attach(cls, registry_path: str | Path, owner_pid: int) -> TokenizerWorker:
+        """A frontend for the running engine that `registry_path` describes (owned by `owner_pid`)."""
+        info = registry.read_for_attach(registry_path, owner_pid)
+        return await cls(info.endpoint, info.token, info.core_pid).start(ATTACH_TIMEOUT)
+
+    async def start(self, timeout: float,
+                    alive: Callable[[], str | None] = lambda: None) -> TokenizerWorker:
         """Connect and say Hello; `alive` returns why the engine cannot answer, or None."""
-        self._ctx = zmq.asyncio.Context()
+        self.loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.endpoint)
-        await self._sock.send(encode(Hello(pid=os.getpid(), token=self.token)))
+        # A plain socket read from the loop's own reader: every message is taken as it comes,
+        # without a future or a task per message. ZMQ's FD is edge-triggered, so every send and
+        # receive is followed by a look at what is pending (_check_pending).
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self.loop.add_reader(self._fd, self._on_readable)
+        self._welcome = self.loop.create_future()
+        self._send(Hello(pid=os.getpid(), token=self.token))
         reply = await self._await_welcome(timeout, alive)
         if isinstance(reply, Reject):
             self._close_socket()
             raise ConnectionRefusedError(f"the engine refused this frontend: {reply.reason}")
         self.worker_id, self.info = reply.worker_id, reply.info
+        try:
+            self.tokenizer = Tokenizer.from_dir(reply.info.model_dir)
+        except BaseException:
+            await self.close()
+            raise
         self._watch_core()
-        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        self._check_pending()
+        return self
 
     async def _await_welcome(self, timeout: float, alive: Callable[[], str | None]) -> Welcome | Reject:
         deadline = time.monotonic() + timeout
         while True:
-            if await self._sock.poll(100):
-                msg = decode_to_frontend(await self._sock.recv())
-                if isinstance(msg, (Welcome, Reject)):
-                    return msg
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._welcome), 0.1)
+            except asyncio.TimeoutError:
+                pass
             problem = alive()
             if problem is None and not pid_alive(self.core_pid):
                 problem = f"the core (pid {self.core_pid}) is not running"
@@ -225,17 +165,18 @@ class TokenizerWorker:
         linger = 0
         if goodbye and self.dead is None and self._sock is not None:
             try:
-                await self._sock.send(encode(Goodbye()), zmq.NOBLOCK)
+                self._sock.send(encode(Goodbye()), zmq.NOBLOCK)
                 linger = GOODBYE_LINGER_MS  # let it leave: the core frees our slot at once
             except zmq.ZMQError:
                 pass
         self._mark_dead(why)
-        if self._recv_task is not None:
-            self._recv_task.cancel()
         self._close_socket(linger)
 
     def _close_socket(self, linger: int = 0) -> None:
         if self._sock is not None:
+            self.loop.remove_reader(self._fd)
+            if self._retry is not None:
+                self._retry.cancel()
             self._sock.close(linger=linger)
             self._ctx.term()
             self._sock = None
@@ -246,98 +187,235 @@ class TokenizerWorker:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
 
-    def prepare(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams) -> list[int]:
-        """Tokenize and validate one prompt; raises ValueError before anything is queued."""
+    def make_request(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None, *,
+                     return_logprob: bool = False, logprob_start_len: int = -1,
+                     top_logprobs_num: int = 0, rid: Any = None, priority: int = 0) -> GenerateRequest:
+        """Check and tokenize one call (one prompt or a list, sglang.Engine's arguments); raises
+        InvalidParam naming the field, before anything is queued. Thread-safe: it only reads."""
+        batch, prompts, id_lists = _normalize_prompts(prompt, input_ids)
+        n = len(prompts) or len(id_lists)
+        params = [SamplingParams.from_any(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
+        rids = _per_prompt(rid, n, "rid")
+        for r in rids:
+            if r is not None and not isinstance(r, str):
+                raise InvalidParam("rid", f"rid must be a string, got {r!r}")
+        _check_int("top_logprobs_num", top_logprobs_num, 0, MAX_TOP_LOGPROBS)
+        _check_int("logprob_start_len", logprob_start_len, -1)
+        _check_int("priority", priority)
+        if not isinstance(return_logprob, bool):
+            raise InvalidParam("return_logprob", f"return_logprob must be a bool, got {return_logprob!r}")
+        ids = [self._prompt_ids(p, i, sp) for p, i, sp in
+               zip(prompts or [None] * n, id_lists or [None] * n, params)]
+        return GenerateRequest(ids, params, rids, batch, return_logprob, logprob_start_len,
+                               top_logprobs_num, priority)
+
+    def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None,
+                    params: SamplingParams) -> list[int]:
         if input_ids is None:
             if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+                raise InvalidParam("prompt", f"prompt must be a string, got {type(prompt).__name__}")
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise InvalidParam("prompt", "prompt is empty")
             input_ids = self.tokenizer.encode(prompt)
-        vocab = self.info["vocab_size"]
+        vocab = self.info.vocab_size
         if not isinstance(input_ids, list) or not input_ids:
-            raise ValueError("input_ids must be a non-empty list of token ids")
+            raise InvalidParam("input_ids", "input_ids must be a non-empty list of token ids")
         for t in input_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"input_ids must hold token ids in [0, {vocab - 1}], got {t!r}")
-        params.validate(vocab_size=vocab, context_length=self.info["context_length"],
+                raise InvalidParam("input_ids", f"input_ids must hold token ids in [0, {vocab - 1}], "
+                                                f"got {t!r}")
+        params.validate(vocab_size=vocab, context_length=self.info.context_length,
                         prompt_len=len(input_ids))
         return input_ids
 
-    async def submit(self, prompt_ids: list[list[int]], params: list[SamplingParams],
-                     rids: list[str | None], return_logprob: bool = False,
-                     logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                     priority: int = 0) -> list[ReqState]:
-        """Queue validated prompts (each expanded n times); returns their states in order."""
+    async def submit(self, req: GenerateRequest) -> Collector:
+        """Queue a checked request (each prompt n times); returns the Collector that follows it."""
         self.check_alive()
         states, msgs = [], []
-        for ids, sp, rid in zip(prompt_ids, params, rids):
+        for ids, sp, rid in zip(req.input_ids, req.params, req.rids):
             base = rid or uuid.uuid4().hex
             for i in range(sp.n):
                 child = base if sp.n == 1 else f"{base}-{i}"
-                states.append(ReqState(child, ids, sp, self.tokenizer, return_logprob, logprob_start_len))
-                msgs.append(Generate(child, ids, sp.to_core(self.info["vocab_size"], i), return_logprob,
-                                     top_logprobs_num, logprob_start_len if return_logprob else -1,
-                                     priority))
+                states.append(ReqState(child, ids, sp, self.tokenizer, req.return_logprob,
+                                       req.logprob_start_len))
+                msgs.append(Generate(child, ids, sp.to_core(self.info.vocab_size, i), req.return_logprob,
+                                     req.top_logprobs_num,
+                                     req.logprob_start_len if req.return_logprob else -1, req.priority))
         counts = Counter(s.rid for s in states)
         clash = sorted(r for r, c in counts.items() if c > 1 or r in self.states)
         if clash:
-            raise ValueError(f"request id(s) {clash} already in flight")
+            raise InvalidParam("rid", f"rid: request id(s) {clash} already in flight")
         for state, msg in zip(states, msgs):
             self.states[state.rid] = state
-            await self._sock.send(encode(msg))
-        return states
+            self._send(msg)
+        return Collector(states, req.batch, self.loop, self.abort_soon)
+
+    def abort_soon(self, rids: list[str]) -> None:
+        """Abort from any thread (a consumer that stopped following): done on the frontend's loop."""
+        if self.loop is None or self.loop.is_closed():
+            return
+        for rid in rids:
+            coro = self.abort(rid)
+            try:
+                if _running_loop() is self.loop:
+                    self.loop.create_task(coro)
+                else:
+                    asyncio.run_coroutine_threadsafe(coro, self.loop)
+            except RuntimeError:  # the loop is shutting down: the core frees on detach
+                coro.close()
 
     async def abort(self, rid: str) -> None:
         state = self.states.pop(rid, None)
         if state is not None and self.dead is None:
             state.update(ReqOutput(rid, finish="abort"))
-            await self._sock.send(encode(Abort(rid)))
+            state.wake()
+            self._send(Abort(rid))
 
-    async def control(self, op: str, timeout: float = 30.0) -> Any:
+    async def control(self, op: ControlOp, timeout: float = 30.0) -> Any:
         self.check_alive()
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self._controls[cid] = fut
-        await self._sock.send(encode(Control(cid, op)))
+        self._send(Control(cid, op))
         try:
             reply: ControlReply = await asyncio.wait_for(fut, timeout)
         finally:
             self._controls.pop(cid, None)
         if reply.error:
-            raise RuntimeError(f"{op} failed in the engine core: {reply.error}")
+            raise RuntimeError(f"{op.value} failed in the engine core: {reply.error}")
         return reply.result
 
     # ---- core -> frontend --------------------------------------------------------------------
 
-    async def _recv_loop(self) -> None:
-        while True:
-            msg = decode_to_frontend(await self._sock.recv())
+    def _send(self, msg: Any) -> None:
+        """Send now, or, while the pipe to the core is full, in order as soon as it has room."""
+        if self._sock is None:
+            return
+        self._outbox.append(encode(msg))
+        self._flush()
+
+    def _flush(self) -> None:
+        self._retry = None
+        while self._outbox and self._sock is not None:
+            try:
+                self._sock.send(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                self._retry = self.loop.call_later(RETRY_SEND_S, self._flush)
+                break
+            self._outbox.popleft()
+        self._check_pending()
+
+    def _check_pending(self) -> None:
+        """After a send: messages that arrived meanwhile raise no new edge on the FD; look."""
+        if self._sock is not None and not self._read_scheduled \
+                and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._read_scheduled = True
+            self.loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        self._read_scheduled = False
+        try:
+            self._receive()
+        except Exception as e:  # a bug: fail every request loudly rather than hang them
+            log.exception("the frontend failed to process the core's messages")
+            self._mark_dead(f"this frontend failed: {e!r}")
+
+    def _receive(self) -> None:
+        """Take what has arrived, up to a batch: a frontend behind the core applies several
+        steps in one pass, wakes each consumer once and acknowledges them with one Ack."""
+        batch = []
+        while len(batch) < MAX_MESSAGES_PER_WAKE and self._sock is not None:
+            try:
+                batch.append(self._sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        seq, outputs = 0, []
+        for data in batch:
+            msg = decode_to_frontend(data)
             if isinstance(msg, StepOutputs):
-                await self._on_outputs(msg.outputs)
-                await self._sock.send(encode(Ack(msg.seq)))
+                outputs += msg.outputs
+                seq = msg.seq
             elif isinstance(msg, ControlReply):
                 fut = self._controls.get(msg.cid)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            elif isinstance(msg, (Welcome, Reject)) and not self._welcome.done():
+                self._welcome.set_result(msg)
+        if outputs:
+            for reply in self._on_outputs(outputs):
+                self._send(reply)
+        if seq:
+            self._send(Ack(seq))
+        if len(batch) == MAX_MESSAGES_PER_WAKE:  # more may wait: let the consumers run first
+            self._read_scheduled = True
+            self.loop.call_soon(self._on_readable)
+        else:
+            self._check_pending()
 
-    async def _on_outputs(self, outputs: list[ReqOutput]) -> None:
+    def _on_outputs(self, outputs: list[ReqOutput]) -> list[Abort]:
+        """Apply a batch of outputs to the states, wake each consumer once; returns what the
+        core must be told (requests a stop string or a failure ended here)."""
+        wakers: dict[Callable[[], None], None] = {}  # one call per consumer, in order
+        replies = []
         for out in outputs:
             state = self.states.get(out.rid)
             if state is None:
                 continue  # finished here already (a stop string, an abort)
             try:
-                stopped_here = state.update(out)
+                state.update(out)
             except Exception as e:  # one request's failure must not end the receive loop
                 log.exception("request %s failed in the frontend", out.rid)
                 state.fail(e)
                 del self.states[out.rid]
-                await self._sock.send(encode(Abort(out.rid)))
+                replies.append(Abort(out.rid))
                 continue
+            if state.waker is not None:
+                wakers[state.waker] = None
             if state.finished:
                 del self.states[out.rid]
-                if state.first_token_at is not None:
-                    await self._sock.send(encode(state.stats()))
-            if stopped_here:
-                await self._sock.send(encode(Abort(out.rid)))
+                if state.stopped_here:
+                    replies.append(Abort(out.rid, finished=True))
+        for wake in wakers:
+            try:
+                wake()
+            except RuntimeError:  # its event loop is closed: nobody is waiting there
+                pass
+        return replies
 
+
+def _normalize_prompts(prompt: Any, input_ids: Any) -> tuple[bool, list[str], list[list[int]]]:
+    if (prompt is None) == (input_ids is None):
+        raise InvalidParam("prompt", "give exactly one of prompt and input_ids")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return False, [prompt], []
+        if isinstance(prompt, list) and prompt:
+            return True, prompt, []
+        raise InvalidParam("prompt", "prompt must be a string or a non-empty list of strings")
+    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+        return True, [], input_ids
+    if isinstance(input_ids, list):
+        return False, [], [input_ids]
+    raise InvalidParam("input_ids", "input_ids must be a list of token ids or a list of such lists")
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):  # one entry per prompt
+        if len(value) != n:
+            raise InvalidParam(name, f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo) \
+            or (hi is not None and value > hi):
+        bounds = f" in [{lo}, {'inf' if hi is None else hi}]" if lo is not None else ""
+        raise InvalidParam(name, f"{name} must be an integer{bounds}, got {value!r}")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

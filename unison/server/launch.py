@@ -7,6 +7,7 @@ code path). Ready means the core lists N attached frontends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import uvicorn
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.server.app import ENV, create_app
+from unison.server.streaming import Settings
 
 log = logging.getLogger("unison.server")
 
@@ -28,22 +30,19 @@ log = logging.getLogger("unison.server")
 def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
           served_model_name: str | None, max_queued_requests: int | None,
           max_request_bytes: int | None = None) -> int:
-    from unison.model.loader import resolve_model_dir
-
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    model_dir = str(resolve_model_dir(config.model_path))
-    core = CoreProcess(config, model_dir, publish=True)
+    core = CoreProcess(config, publish=True)
     failure: list[str] = []  # why the server stopped on its own, when it did
     stopping = threading.Event()
     try:
         core.wait_published(config.startup_timeout)
-        settings = {
-            "registry_path": str(core.registry_path), "owner_pid": os.getpid(), "api_key": api_key,
-            "served_model_name": served_model_name or _default_name(config.model_path, model_dir),
-            "max_queued_requests": max_queued_requests, "max_request_bytes": max_request_bytes,
-        }
-        os.environ[ENV] = json.dumps(settings)
+        settings = Settings(
+            registry_path=str(core.registry_path), owner_pid=os.getpid(), api_key=api_key,
+            served_model_name=served_model_name or _default_name(config.model_path),
+            max_queued_requests=max_queued_requests, max_request_bytes=max_request_bytes,
+        )
+        os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
         workers = config.tokenizer_worker_num
         threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
                          args=(host, port, workers, api_key, config.startup_timeout, core,
@@ -66,7 +65,7 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
     return 0 if core.proc.returncode in (0, -signal.SIGTERM) else 1
 
 
-def _default_name(model_path: str | None, model_dir: str) -> str:
+def _default_name(model_path: str | None) -> str:
     if model_path is None:
         return "SmolLM2-135M-Instruct"
     return os.path.basename(os.path.normpath(model_path))

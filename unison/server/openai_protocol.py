@@ -6,8 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unison.errors import InvalidParam
+from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.structured import JSON_OBJECT
-from unison.sampling_params import SamplingParams
 
 
 class _Base(BaseModel):
@@ -69,10 +70,11 @@ class _Base(BaseModel):
         if rf.get("type") == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict) or "schema" not in spec:
-                raise ValueError("response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
+                raise InvalidParam("response_format",
+                                   "response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
             return spec["schema"]
-        raise ValueError(f"response_format: type must be text, json_object or json_schema, "
-                         f"got {rf.get('type')!r}")
+        raise InvalidParam("response_format", "response_format: type must be text, json_object or "
+                                              f"json_schema, got {rf.get('type')!r}")
 
     @property
     def include_usage(self) -> bool:

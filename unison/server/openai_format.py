@@ -1,0 +1,219 @@
+"""OpenAI formatting: engine outputs as completion / chat responses, stream chunks, usage,
+logprobs and errors.
+
+The stream chunks are msgspec Structs encoded straight to JSON bytes: a streamed token costs
+one small struct and one encode, not a dict tree walked by json.dumps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import msgspec
+from fastapi.responses import JSONResponse
+
+from unison.errors import EngineDeadError, InvalidParam
+from unison.frontend.collector import Collector
+from unison.frontend.request import ReqState
+from unison.frontend.tokenizer import Tokenizer
+
+# The engine's field names as an OpenAI request spells them (an InvalidParam's `param`).
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+                "input_ids": "prompt", "json_schema": "response_format"}
+
+
+def error_kind(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error",
+            503: "service_unavailable"}.get(status, "invalid_request_error")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or error_kind(status)
+
+
+def error_body(status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind, param), status_code=status)
+
+
+def invalid_param(e: InvalidParam, openai: bool, chat: bool = False) -> HTTPError:
+    """An engine InvalidParam as a 400, in OpenAI's names on /v1 routes."""
+    field, message = e.field, str(e)
+    if openai:
+        field = OPENAI_NAMES.get(field, field)
+        if message.startswith(e.field):
+            message = field + message[len(e.field):]
+        if chat and field == "prompt":
+            field = "messages"  # the prompt is the chat template's output
+    return HTTPError(400, message, param=field)
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def stream_error(e: Exception) -> bytes:
+    """A failure after the 200 status line went out is reported in the stream, as vLLM does."""
+    if isinstance(e, EngineDeadError):
+        return sse(error_body(503, f"the engine is not running: {e}", "service_unavailable"))
+    return sse(error_body(400, str(e)))
+
+
+# ---- stream chunks --------------------------------------------------------------------------
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    content: str | None = None
+    role: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class CompletionChunkChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class Chunk(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] | list[CompletionChunkChoice]
+    usage: dict[str, Any] | None = None
+
+
+def finish_reason(state: ReqState) -> str | None:
+    fr = state.finish_reason
+    return None if fr is None else ("length" if fr["type"] == "length" else "stop")
+
+
+class Formatter:
+    """One OpenAI call's outputs, read from its Collector's states with cursors of its own."""
+
+    def __init__(self, tokenizer: Tokenizer, collector: Collector, *, chat: bool, rid: str, model: str,
+                 logprobs: bool, top_n: int, echo: bool = False) -> None:
+        self.tokenizer, self.collector, self.chat = tokenizer, collector, chat
+        self.rid, self.model = rid, model
+        self.logprobs, self.top_n, self.echo = logprobs, top_n, echo
+        self.object = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+        n = len(collector.states)
+        self.sent_text = [0] * n  # characters streamed, per choice
+        self.sent_lp = [0] * n  # output logprobs streamed
+        self.sent_prompt_lp = [0] * n  # echo: prompt logprobs streamed (they arrive in chunks)
+        self.text_offset = [0] * n  # completions: text offset of the next logprob token
+        self.started = [False] * n
+
+    def _tok(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _chat_lp(self, tid: int, logprob: float) -> dict:
+        token = self._tok(tid)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def _lp_content(self, i: int, start: int) -> list[dict] | dict:
+        state = self.collector.states[i]
+        lps, tops = state.logprobs[start:], state.top_logprobs[start:]
+        if self.chat:
+            return [{**self._chat_lp(t, lp),
+                     "top_logprobs": [self._chat_lp(tt, tl)
+                                      for tl, tt, _ in (tops[k] if k < len(tops) else [])][: self.top_n]}
+                    for k, (lp, t, _) in enumerate(lps)]
+        if self.echo:  # the echoed prompt's tokens come first, as in vLLM; the first has no logprob
+            done = self.sent_prompt_lp[i]
+            self.sent_prompt_lp[i] = len(state.prompt_logprobs)
+            tops = state.prompt_top_logprobs[done:] + tops
+            lps = state.prompt_logprobs[done:] + lps
+        tokens = [self._tok(t) for _, t, _ in lps]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self.text_offset[i]))
+        self.text_offset[i] = offsets.pop()
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in lps],
+                "top_logprobs": [None if lp is None else  # the echoed first token has none
+                                 {self._tok(tt): tl for tl, tt, _ in
+                                  (tops[k] if k < len(tops) else [])[: self.top_n]}
+                                 for k, (lp, _, _) in enumerate(lps)],
+                "text_offset": offsets}
+
+    def _echo_prefix(self, i: int) -> str:
+        # From the prompt itself: with chunked prefill its logprobs arrive over several chunks.
+        if not self.echo:
+            return ""
+        return self.tokenizer.decode(self.collector.states[i].prompt_ids, skip_special_tokens=False)
+
+    def chunks(self, changed: list[int]) -> list[Chunk]:
+        """Everything new in each changed choice since its last chunk, merged: one chunk each."""
+        chunks = []
+        kind = self.object + (".chunk" if self.chat else "")
+        for i in changed:
+            state = self.collector.states[i]
+            new_text = state.text[self.sent_text[i]:]
+            self.sent_text[i] = len(state.text)
+            lp_start, self.sent_lp[i] = self.sent_lp[i], len(state.logprobs)
+            first, self.started[i] = not self.started[i], True
+            if self.chat:
+                logprobs = {"content": self._lp_content(i, lp_start)} if self.logprobs else None
+                choice: Any = ChatChunkChoice(i, ChatDelta(new_text, "assistant" if first else None),
+                                              finish_reason(state), logprobs)
+            else:
+                text = (self._echo_prefix(i) if first else "") + new_text
+                logprobs = self._lp_content(i, lp_start) if self.logprobs else None
+                choice = CompletionChunkChoice(i, text, finish_reason(state), logprobs)
+            chunks.append(Chunk(self.rid, kind, self.created, self.model, [choice]))
+        return chunks
+
+    def usage(self) -> dict:
+        states = self.collector.states
+        per_prompt = _n_of(states)
+        prompt = sum(len(s.prompt_ids) for s in states[::per_prompt])
+        completion = sum(len(s.output_ids) for s in states)
+        cached = sum(s.cached_tokens for s in states[::per_prompt])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def usage_chunk(self) -> Chunk:
+        return Chunk(self.rid, self.object + (".chunk" if self.chat else ""), self.created, self.model,
+                     [], self.usage())
+
+    def final(self) -> dict:
+        choices = []
+        for i, state in enumerate(self.collector.states):
+            if self.chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": state.text},
+                          "finish_reason": finish_reason(state),
+                          "logprobs": {"content": self._lp_content(i, 0)} if self.logprobs else None}
+            else:
+                choice = {"index": i, "text": self._echo_prefix(i) + state.text,
+                          "finish_reason": finish_reason(state),
+                          "logprobs": self._lp_content(i, 0) if self.logprobs else None}
+            choices.append(choice)
+        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+
+def _n_of(states: list[ReqState]) -> int:
+    """Children per prompt: the states of one prompt share its prompt_ids object."""
+    n = 1
+    while n < len(states) and states[n].prompt_ids is states[0].prompt_ids:
+        n += 1
+    return n

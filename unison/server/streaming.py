@@ -1,0 +1,81 @@
+"""What every route shares: the app's settings and frontend, and answering with a stream or a body."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from unison.errors import EngineDeadError
+from unison.frontend.collector import Collector
+from unison.frontend.worker import TokenizerWorker
+from unison.server.openai_format import HTTPError, sse, stream_error
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What `unison serve` hands each HTTP worker (as JSON in its environment)."""
+
+    registry_path: str
+    owner_pid: int
+    served_model_name: str
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    max_request_bytes: int | None = None
+
+
+def worker_of(request: Request) -> TokenizerWorker:
+    worker: TokenizerWorker = request.app.state.worker
+    if worker.dead is not None:
+        raise HTTPError(503, f"the engine is not running: {worker.dead}")
+    return worker
+
+
+def check_queue(request: Request) -> None:
+    limit: int | None = request.app.state.settings.max_queued_requests
+    in_flight = len(request.app.state.worker.states)
+    if limit is not None and in_flight >= limit:
+        raise HTTPError(503, f"the server is overloaded: {in_flight} requests queued "
+                             f"(max_queued_requests={limit}); retry later")
+
+
+def stream(collector: Collector, items: Callable[[list[int]], Iterable[object]],
+           tail: Callable[[], Iterable[object]] = tuple) -> StreamingResponse:
+    """Server-sent events: `items(changed)` per wake-up, then `tail()`, then [DONE]. A client that
+    goes away closes the generator, and following's end aborts what is unfinished."""
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for changed in collector.follow():
+                for item in items(changed):
+                    yield sse(item)
+            for item in tail():
+                yield sse(item)
+        except (EngineDeadError, ValueError) as e:
+            yield stream_error(e)
+        yield b"data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def wait(request: Request, collector: Collector) -> None:
+    """Wait for a non-streaming request, aborting it if the client disconnects meanwhile."""
+    async def drain() -> None:
+        async for _ in collector.follow():
+            pass
+
+    # One task runs the generator to its end; cancelling it runs follow's abort. (Closing the
+    # generator from here instead fails: it is still running inside that task.)
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise HTTPError(499, "client disconnected")
+    finally:
+        task.cancel()
