@@ -13,7 +13,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -283,42 +282,47 @@ def test_info_routes(server, client):
 
 
 def _scrape(text: str) -> dict[str, float]:
-    """Prometheus text -> {name{labels}: value}, checking each sample has a TYPE line."""
-    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    """Prometheus text -> {name{labels}: value}, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            assert re.sub(r"(_bucket\{.*\}|_sum|_count)$", "", name) in types, line
-            samples[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = "".join(f'{{{k}="{v}"}}' for k, v in sorted(sample.labels.items()))
+            samples[sample.name + labels] = sample.value
     return samples
 
 
-HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds",
-              "e2e_request_latency_seconds")
+HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
+              "e2e_request_latency_seconds", "request_queue_time_seconds")
 
 
 def test_metrics_count_requests(server, client):
     r = server.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     before = _scrape(r.text)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_used",
-                 "kv_blocks_total", "prompt_tokens_total", "generation_tokens_total"):
-        assert f"unison_{name}" in before, name
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "num_frontends"):
+        assert f"unison:{name}" in before, name
+    assert not [k for k in before if k.startswith(("process_", "python_"))]  # engine-wide only
     out = complete(client, max_tokens=5, extra_body={"ignore_eos": True})
     chunks = list(chat(client, max_tokens=3, extra_body={"ignore_eos": True}, **USAGE))
     after = _scrape(server.get("/metrics").text)
-    assert after["unison_num_requests_running"] == after["unison_kv_blocks_used"] == 0
-    assert after["unison_kv_blocks_total"] == server.info["num_blocks"]
-    gen = after["unison_generation_tokens_total"] - before["unison_generation_tokens_total"]
+    assert after["unison:num_requests_running"] == after["unison:kv_cache_usage_perc"] == 0
+    gen = after["unison:generation_tokens_total"] - before["unison:generation_tokens_total"]
     assert gen == 5 + 3
-    prompt = after["unison_prompt_tokens_total"] - before["unison_prompt_tokens_total"]
+    prompt = after["unison:prompt_tokens_total"] - before["unison:prompt_tokens_total"]
     assert prompt == out.usage.prompt_tokens + chunks[-1].usage.prompt_tokens
+    queried = after["unison:prefix_cache_queries_total"] - before["unison:prefix_cache_queries_total"]
+    assert queried == prompt
+    assert after["unison:request_success_total"] - before["unison:request_success_total"] == 2
     for h in HISTOGRAMS:
-        name = f"unison_{h}"
+        name = f"unison:{h}"
         assert after[f"{name}_count"] - before[f"{name}_count"] == 2, h
         assert after[f"{name}_sum"] > before[f"{name}_sum"]
         buckets = [v for k, v in after.items() if k.startswith(f"{name}_bucket")]
+        assert len(buckets) > 2
         assert buckets == sorted(buckets) and buckets[-1] == after[f"{name}_count"]
 
 
@@ -379,7 +383,7 @@ def test_two_workers_share_requests_and_agree(server2, engine):
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", KEY], ids=["none", "wrong", "no Bearer"])
 def test_api_key_enforced_on_both_workers(server2, auth):
     headers = {"Authorization": auth} if auth else {}
-    for route in ("/v1/models", "/get_server_info", "/metrics"):
+    for route in ("/v1/models", "/get_server_info"):
         send = functools.partial(httpx.get, server2.url + route, headers=headers)
         for r in _from_both(server2, send).values():
             err = assert_openai_error(r, 401, "api key")
@@ -389,9 +393,11 @@ def test_api_key_enforced_on_both_workers(server2, auth):
         assert_openai_error(r, 401)
 
 
-def test_api_key_accepted_and_health_open(server2):
-    for r in _from_both(server2, lambda: httpx.get(f"{server2.url}/health")).values():
-        assert r.status_code == 200  # health needs no key
+def test_api_key_accepted_health_and_metrics_open(server2):
+    for route in ("/health", "/metrics"):  # no key, as in vLLM: probes and scrapers
+        send = functools.partial(httpx.get, f"{server2.url}{route}")
+        for r in _from_both(server2, send).values():
+            assert r.status_code == 200, route
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server2.url}/v1", api_key="wrong", max_retries=0).models.list()
     with openai.OpenAI(base_url=f"{server2.url}/v1", api_key=KEY, max_retries=0) as ok:
@@ -403,7 +409,7 @@ def test_metrics_agree_across_workers(server2):
     server2.wait_freed(timeout=10)
     a, b = (_scrape(r.text) for r in _from_both(server2, lambda: server2.get("/metrics")).values())
     assert a == b  # engine-wide numbers live in the core
-    assert a["unison_num_frontends"] == 2 and a["unison_generation_tokens_total"] >= 4
+    assert a["unison:num_frontends"] == 2 and a["unison:generation_tokens_total"] >= 4
 
 
 # ---- 3. errors ------------------------------------------------------------------------------
@@ -478,6 +484,16 @@ ERRORS = [  # (id, route, body, status, param, message fragment); a body with "r
     ("generate duplicate rid", "/generate", {"text": "hi", "rid": "dup-1"}, 400, "rid",
      "already in flight"),
     ("unknown route", "/v1/nothing", {}, 404, None, "not found"),
+    ("lone surrogate in the prompt", COMP, b'{"prompt": "hi \\ud800"}', 400, "prompt", "not valid text"),
+    ("lone surrogate in a stop string", COMP, b'{"prompt": "hi", "stop": ["\\udfff"]}', 400, "stop[0]",
+     "not valid text"),
+    ("lone surrogate in a message", CHAT_URL,
+     b'{"messages": [{"role": "user", "content": "\\ud800 hi"}]}', 400, "messages[0].content",
+     "not valid text"),
+    ("generate lone surrogate", "/generate", b'{"text": "\\ud800"}', 400, "text", "not valid text"),
+    ("tokenize lone surrogate", "/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt", "not valid text"),
+    ("detokenize id out of range", "/detokenize", {"tokens": [10**9]}, 400, "tokens", "token ids"),
+    ("tokenize both", "/tokenize", {"prompt": "hi", "messages": HELLO}, 400, "prompt", "exactly one"),
 ]
 
 
@@ -521,6 +537,51 @@ def test_bad_requests_get_openai_errors_and_queue_nothing(server, route, body, s
     server.wait_freed(timeout=10)
     good = server.post(COMP, {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2, good.text
+
+
+def test_tokenize_detokenize_round_trip(server, client):
+    r = server.post("/tokenize", {"prompt": LONG_TEXT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == server.info["context_length"]
+    assert body["count"] == complete(client, LONG_TEXT, max_tokens=1).usage.prompt_tokens
+    back = server.post("/detokenize", {"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": LONG_TEXT}
+    chat_count = server.post("/tokenize", {"messages": CHAT}).json()["count"]
+    assert chat_count == chat(client, max_tokens=1).usage.prompt_tokens
+    strs = server.post("/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()["token_strs"]
+    assert "".join(strs) == PROMPT
+
+
+def test_vllm_request_fields(server, client):
+    plain = complete(client, max_tokens=12).choices[0].text
+    stop = plain.split()[1]  # a word the greedy output contains
+    trimmed = complete(client, max_tokens=12, stop=[stop]).choices[0].text
+    kept = complete(client, max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == trimmed + stop
+    lp = complete(client, max_tokens=3, logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in lp.choices[0].logprobs.tokens)
+    ids = [int(t.removeprefix("token_id:")) for t in lp.choices[0].logprobs.tokens]
+    assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == lp.choices[0].text
+    unspecial = complete(client, max_tokens=2, extra_body={"add_special_tokens": False})
+    assert unspecial.usage.completion_tokens == 2
+    with_prompt = chat(client, max_tokens=1).usage.prompt_tokens
+    cont = [*CHAT, {"role": "assistant", "content": "The capital of Italy"}]
+    continued = chat(client, cont, max_tokens=4, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert continued.usage.prompt_tokens > with_prompt  # the final message, left open
+    r = server.post(CHAT_URL, {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert_openai_error(r, 400, "chat_template_kwargs")
+
+
+def test_model_card_and_version(server):
+    card = server.get(f"/v1/models/{MODEL}")
+    assert card.status_code == 200 and card.json()["id"] == MODEL
+    assert_openai_error(server.get("/v1/models/gpt-4"), 404, "gpt-4")
+    import unison
+
+    assert server.get("/version").json() == {"version": unison.__version__}
 
 
 def test_unknown_fields_are_rejected_standard_ones_accepted(server, client):

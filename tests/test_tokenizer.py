@@ -103,6 +103,25 @@ def test_custom_template_matches_transformers(tok, hf):
     assert ours == ref
 
 
+def test_continue_final_message_matches_transformers(tok, hf):
+    messages = CHATS[0] + [{"role": "assistant", "content": "The answer begins"}]
+    ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    ref = hf.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                 tokenize=False)
+    assert ours == ref and ours.endswith("The answer begins")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_template_kwargs_reach_the_template(tok, hf):
+    template = "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}"
+    for thinking in (True, False):
+        ours = tok.apply_chat_template(CHATS[0], chat_template=template, enable_thinking=thinking)
+        ref = hf.apply_chat_template(CHATS[0], chat_template=template, enable_thinking=thinking,
+                                     tokenize=False)
+        assert ours == ref and ours.startswith("<think>") == thinking
+
+
 def test_template_raise_exception_and_sandbox(tok):
     import jinja2
 

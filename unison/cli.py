@@ -7,26 +7,28 @@ import sys
 import typing
 from dataclasses import MISSING, fields
 
-from unison.config import EngineConfig
+from unison.config import HELP, EngineConfig
 
 _SERVE_OWN = {"model_path", "tokenizer_worker_num"}  # spelled out by each command
+# vLLM's spellings beside ours (SGLang's are ours), so either ecosystem's command lines run.
+ALIASES = {"model_path": ["--model"], "context_length": ["--max-model-len"]}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """One --flag per EngineConfig field, so the CLI never falls behind the config."""
     group = parser.add_argument_group("engine options")
-    group.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
+    group.add_argument("--model-path", *ALIASES["model_path"], default=None, help=HELP["model_path"])
     hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
         if f.name in _SERVE_OWN:
             continue
-        flag = f"--{f.name.replace('_', '-')}"
+        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
         if hints[f.name] is bool:
-            group.add_argument(flag, action="store_const", const=True, default=None)
+            group.add_argument(*flags, action="store_const", const=True, default=None, help=HELP[f.name])
             continue
         kind = next(t for t in (int, float, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
-        default = None if f.default is MISSING else f.default
-        group.add_argument(flag, type=kind, default=None, help=f"default: {default}")
+        default = "" if f.default is MISSING or f.default is None else f" (default: {f.default})"
+        group.add_argument(*flags, dest=f.name, type=kind, default=None, help=HELP[f.name] + default)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, typing.Any]:
@@ -61,6 +63,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from unison.server.launch import serve
 
+    if args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: data parallelism is not "
+                         "supported yet; run one engine (--data-parallel-size 1)")
+    if args.model is not None:
+        if args.model_path not in (None, args.model):
+            raise ValueError(f"the model is given twice: {args.model!r} and --model-path "
+                             f"{args.model_path!r}")
+        args.model_path = args.model
     opts = engine_options(args)
     opts.setdefault("log_level", "info")
     config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
@@ -69,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
                  max_request_bytes=args.max_request_bytes)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unison", description="Unison LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -84,11 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=30000)
-    srv.add_argument("--tokenizer-worker-num", type=int, default=1, help="HTTP worker processes")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("model", nargs="?", default=None, help="the model (as --model-path)")
+    srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    srv.add_argument("--port", type=int, default=30000, help="port to listen on")
+    srv.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
+                     help="HTTP worker processes, each a frontend of the one engine core")
+    srv.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engine cores behind one address (only 1 for now)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)")
+    srv.add_argument("--served-model-name", default=None, help="the model's name in the API")
     srv.add_argument("--max-queued-requests", type=int, default=None, help="past it: 503 at once")
     srv.add_argument("--max-request-bytes", type=int, default=None,
                      help="largest request body (default: 32 MiB); past it: 413")
@@ -104,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     prefix.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     soak.add_parser(bench_sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ConnectionRefusedError) as e:

@@ -78,6 +78,32 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
+# One line of help per option: the CLI shows it (`unison serve --help`); a test checks each has one.
+HELP = {
+    "model_path": "HF directory or GGUF file (default: the embedded SmolLM2-135M-Instruct GGUF)",
+    "tokenizer_worker_num": "frontend processes (HTTP workers) that may attach, the owner's included",
+    "device": "cpu or cuda[:N]",
+    "dtype": "auto (fp32 on CPU, the checkpoint's dtype or bf16 on CUDA), float32, float16, bfloat16",
+    "load_format": "auto, or dummy: a tiny random model with the real tokenizer (benchmarks)",
+    "quantization": "linear weights: auto (a GGUF at its own size), none (float), int8, int4",
+    "kv_cache_dtype": "KV cache elements: auto (float16 beside quantized weights), float32, float16, "
+                      "bfloat16",
+    "num_threads": "torch threads in the core (default: torch's choice)",
+    "context_length": "longest prompt + output in tokens (default: the model's own limit)",
+    "block_size": "tokens per KV-cache block",
+    "max_total_tokens": "KV-cache capacity in tokens (default: from kv_cache_memory_gb)",
+    "kv_cache_memory_gb": "KV-cache memory (default: a quarter of free memory, at most 8 GiB, on CPU)",
+    "max_running_requests": "requests decoded together at most",
+    "chunked_prefill_size": "tokens per step: longer prompts are prefilled in chunks",
+    "disable_radix_cache": "turn off the prefix cache that reuses shared prompt prefixes' KV",
+    "schedule_policy": "fcfs, lpm (longest cached prefix first) or fair (round-robin over frontends)",
+    "frontend_max_lag_s": "a frontend this far behind its outputs has its requests aborted",
+    "frontend_max_unacked": "... or this many steps' outputs behind",
+    "startup_timeout": "seconds to wait for the core to load the model",
+    "log_level": "debug, info, warning or error",
+}
+
+
 def _check(ok: bool, name: str, rule: str) -> None:
     if not ok:
         raise ValueError(f"{name} {rule}")

@@ -13,3 +13,20 @@ class InvalidParam(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+def check_encodable(value: object, path: str) -> None:
+    """Raise InvalidParam naming the first string under `value` that is not valid Unicode text
+    (a lone surrogate such as "\\ud800", which JSON escapes allow and no tokenizer takes)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidParam(path, f"{path} is not valid text: {e.reason} at position {e.start}") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_encodable(k, path)
+            check_encodable(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_encodable(v, f"{path}[{i}]")

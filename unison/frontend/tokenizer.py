@@ -123,18 +123,28 @@ class Tokenizer:
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` to the prompt text; `chat_template` is a template name or source."""
+        """Render `messages` to the prompt text; `chat_template` is a template name or source.
+        `continue_final_message`: the text ends inside the last (assistant) message, so the model
+        continues it, as transformers does; `kwargs` are the template's own variables
+        (`enable_thinking`, ...)."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParam("continue_final_message", "continue_final_message and "
+                               "add_generation_prompt cannot both be true")
+        messages = normalize_messages(messages)
         template = _compile(self._template_source(chat_template, tools))
         variables = {k: v for k, v in self.token_strings.items() if v is not None} | kwargs
-        return template.render(
-            messages=normalize_messages(messages),
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        text = template.render(messages=messages, tools=tools, documents=documents,
+                               add_generation_prompt=add_generation_prompt, **variables)
+        if continue_final_message:
+            final = messages[-1].get("content")
+            if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+                raise InvalidParam("continue_final_message", "continue_final_message needs a last "
+                                   "message with text that the chat template renders")
+            text = text[: text.rindex(final.strip()) + len(final.strip())]
+        return text
 
     def _template_source(self, chat_template: str | None, tools: list | None) -> str:
         own = self.chat_template

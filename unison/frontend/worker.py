@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from unison import registry
-from unison.errors import EngineDeadError, InvalidParam
+from unison.errors import EngineDeadError, InvalidParam, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.request import GenerateRequest, ReqState
 from unison.frontend.sampling_params import SamplingParams
@@ -189,9 +189,13 @@ class TokenizerWorker:
 
     def make_request(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None, *,
                      return_logprob: bool = False, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0, rid: Any = None, priority: int = 0) -> GenerateRequest:
+                     top_logprobs_num: int = 0, rid: Any = None, priority: int = 0,
+                     add_special_tokens: bool = True) -> GenerateRequest:
         """Check and tokenize one call (one prompt or a list, sglang.Engine's arguments); raises
         InvalidParam naming the field, before anything is queued. Thread-safe: it only reads."""
+        check_encodable(prompt, "prompt")
+        check_encodable(sampling_params if isinstance(sampling_params, (dict, list)) else None,
+                        "sampling_params")
         batch, prompts, id_lists = _normalize_prompts(prompt, input_ids)
         n = len(prompts) or len(id_lists)
         params = [SamplingParams.from_any(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
@@ -204,19 +208,19 @@ class TokenizerWorker:
         _check_int("priority", priority)
         if not isinstance(return_logprob, bool):
             raise InvalidParam("return_logprob", f"return_logprob must be a bool, got {return_logprob!r}")
-        ids = [self._prompt_ids(p, i, sp) for p, i, sp in
+        ids = [self._prompt_ids(p, i, sp, add_special_tokens) for p, i, sp in
                zip(prompts or [None] * n, id_lists or [None] * n, params)]
         return GenerateRequest(ids, params, rids, batch, return_logprob, logprob_start_len,
                                top_logprobs_num, priority)
 
-    def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None,
-                    params: SamplingParams) -> list[int]:
+    def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
+                    add_special_tokens: bool = True) -> list[int]:
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidParam("prompt", f"prompt must be a string, got {type(prompt).__name__}")
             if not prompt:
                 raise InvalidParam("prompt", "prompt is empty")
-            input_ids = self.tokenizer.encode(prompt)
+            input_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         vocab = self.info.vocab_size
         if not isinstance(input_ids, list) or not input_ids:
             raise InvalidParam("input_ids", "input_ids must be a non-empty list of token ids")

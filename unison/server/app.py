@@ -32,6 +32,7 @@ log = logging.getLogger("unison.server")
 
 ENV = "UNISON_SERVER"  # JSON: the Settings of every worker
 MAX_REQUEST_BYTES = 32 << 20  # the default of --max-request-bytes
+OPEN_ROUTES = ("/health", "/metrics")  # no API key, as in vLLM: for probes and scrapers
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 
 
@@ -125,7 +126,7 @@ class _Gate:
             await send(message)
 
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"] != "/health":
+        if self.api_key and scope["path"] not in OPEN_ROUTES:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 response = error_response(401, "missing or invalid API key; send 'Authorization: "

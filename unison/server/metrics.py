@@ -1,43 +1,74 @@
-"""Prometheus text format for the engine-wide numbers the core owns (any worker answers alike)."""
+"""/metrics: the core's engine-wide numbers in Prometheus text format, with prometheus_client.
+
+Every worker renders the same ServerInfo, so any worker answers alike. The names are vLLM's with
+its `vllm:` prefix as `unison:` (`vllm:kv_cache_usage_perc` -> `unison:kv_cache_usage_perc`), so
+dashboards built for vLLM port with a prefix change. A registry of its own per scrape: no
+`process_*` or `python_gc_*` metrics of whichever worker answered get mixed into them.
+"""
 
 from __future__ import annotations
 
-from unison.protocol import ServerInfo
+from collections.abc import Iterator
 
-PREFIX = "unison"
-HISTOGRAMS = {
-    "time_to_first_token_seconds": "Time to first token.",
-    "inter_token_latency_seconds": "Time between consecutive output tokens of a request.",
-    "time_per_output_token_seconds": "Mean time per output token after the first, per request.",
-    "e2e_request_latency_seconds": "End-to-end request latency.",
-    "request_queue_time_seconds": "Time from arrival to the first step.",
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from unison.protocol import HistogramData, ServerInfo
+
+PREFIX = "unison:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+HISTOGRAMS = {  # ServerInfo.histograms key -> (name, help)
+    "time_to_first_token_seconds": ("time_to_first_token_seconds", "Time to first token."),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "Time between consecutive tokens."),
+    "time_per_output_token_seconds": ("request_time_per_output_token_seconds",
+                                      "Mean time per output token after the first, per request."),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds", "End-to-end request latency."),
+    "request_queue_time_seconds": ("request_queue_time_seconds", "Time from arrival to the first step."),
 }
 
 
-def render_metrics(info: ServerInfo) -> str:
-    stats = info.stats
-    lines: list[str] = []
+class _EngineCollector:
+    def __init__(self, info: ServerInfo) -> None:
+        self.info = info
 
-    def metric(name: str, kind: str, help_: str, value: float) -> None:
-        lines.extend([f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} {kind}",
-                      f"{PREFIX}_{name} {value}"])
+    def collect(self) -> Iterator[Metric]:
+        info, stats = self.info, self.info.stats
+        yield _gauge("num_requests_running", "Requests in the running batch.", info.num_running)
+        yield _gauge("num_requests_waiting", "Requests waiting for admission.", info.num_waiting)
+        yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).",
+                     info.kv_blocks_used / max(info.core.num_blocks, 1))
+        yield _gauge("num_frontends", "Attached frontends (tokenizer workers).", len(info.frontends))
+        yield _counter("prompt_tokens", "Prompt tokens of finished requests.", stats.prompt_tokens)
+        yield _counter("generation_tokens", "Generated tokens.", stats.generation_tokens)
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       stats.prefix_cache_queries)
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                       stats.prefix_cache_hits)
+        yield _counter("num_preemptions", "Requests preempted for KV blocks.", stats.num_preemptions)
+        yield _counter("request_success", "Requests that finished (not aborted).", stats.num_finished)
+        yield _counter("request_aborted", "Requests aborted or refused while running.", stats.num_aborted)
+        for key, (name, doc) in HISTOGRAMS.items():
+            yield _histogram(name, doc, info.histograms[key])
 
-    metric("num_requests_running", "gauge", "Requests in the running batch.", info.num_running)
-    metric("num_requests_waiting", "gauge", "Requests waiting for admission.", info.num_waiting)
-    metric("kv_blocks_used", "gauge", "KV cache blocks in use.", info.kv_blocks_used)
-    metric("kv_blocks_total", "gauge", "KV cache blocks in all.", info.core.num_blocks)
-    metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", stats.prompt_tokens)
-    metric("generation_tokens_total", "counter", "Generated tokens.", stats.generation_tokens)
-    metric("num_preemptions_total", "counter", "Requests preempted for KV blocks.", stats.num_preemptions)
-    metric("num_frontends", "gauge", "Attached frontends.", len(info.frontends))
-    for name, help_ in HISTOGRAMS.items():
-        hist = info.histograms[name]
-        lines += [f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} histogram"]
-        cumulative = 0
-        for bound, count in zip(hist.buckets, hist.counts):
-            cumulative += count
-            lines.append(f'{PREFIX}_{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{PREFIX}_{name}_bucket{{le="+Inf"}} {hist.count}')
-        lines.append(f"{PREFIX}_{name}_sum {hist.sum}")
-        lines.append(f"{PREFIX}_{name}_count {hist.count}")
-    return "\n".join(lines) + "\n"
+
+def _gauge(name: str, doc: str, value: float) -> Metric:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)  # exposed as <name>_total
+
+
+def _histogram(name: str, doc: str, h: HistogramData) -> Metric:
+    cumulative, buckets = 0, []
+    for bound, count in zip(h.buckets, h.counts):
+        cumulative += count
+        buckets.append((repr(float(bound)), cumulative))
+    buckets.append(("+Inf", h.count))
+    return HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=h.sum)
+
+
+def render_metrics(info: ServerInfo) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(info))
+    return generate_latest(registry)

@@ -7,13 +7,13 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import Response
 
 from unison import registry
-from unison.errors import InvalidParam
+from unison.errors import InvalidParam, check_encodable
 from unison.frontend.worker import TokenizerWorker
 from unison.protocol import ControlOp
-from unison.server.metrics import render_metrics
+from unison.server.metrics import CONTENT_TYPE, render_metrics
 from unison.server.openai_format import HTTPError, invalid_param
 from unison.server.streaming import check_queue, stream, wait, worker_of
 
@@ -43,12 +43,13 @@ async def flush_cache(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     info = await worker_of(request).control(ControlOp.SERVER_INFO)
-    return PlainTextResponse(render_metrics(info), media_type="text/plain; version=0.0.4")
+    return Response(render_metrics(info), media_type=CONTENT_TYPE)
 
 
 @router.post("/generate")
 async def generate(request: Request):
     worker, body = worker_of(request), await _json_body(request)
+    check_encodable(body, "")
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if unknown:
         raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(GENERATE_FIELDS)}",

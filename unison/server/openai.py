@@ -1,4 +1,5 @@
-"""The OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models."""
+"""The OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models; and vLLM's /tokenize,
+/detokenize and /version beside them."""
 
 from __future__ import annotations
 
@@ -7,14 +8,21 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from unison.errors import InvalidParam
+from unison.errors import InvalidParam, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.worker import TokenizerWorker
 from unison.server.openai_format import Formatter, HTTPError, invalid_param
-from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from unison.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from unison.server.streaming import check_queue, stream, wait, worker_of
 
 router = APIRouter()
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message"}
 
 
 def _check_model(request: Request, name: str | None) -> str:
@@ -24,46 +32,103 @@ def _check_model(request: Request, name: str | None) -> str:
     return served
 
 
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "owned_by": "unison", "created": int(time.time())}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
-    served = request.app.state.settings.served_model_name
-    return {"object": "list", "data": [{"id": served, "object": "model", "owned_by": "unison",
-                                        "created": int(time.time())}]}
+    return {"object": "list", "data": [_model_card(request.app.state.settings.served_model_name)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request):
+    return _model_card(_check_model(request, model))
+
+
+@router.get("/version")
+async def version():
+    import unison
+
+    return {"version": unison.__version__}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    check_encodable(body.model_dump(exclude_none=True), "")
+    worker = worker_of(request)
+    _check_model(request, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        text = worker.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
+                                                    add_generation_prompt=body.add_generation_prompt)
+        special = bool(body.add_special_tokens)  # the template writes its own
+    else:
+        text, special = body.prompt, body.add_special_tokens is not False
+    tokens = worker.tokenizer.encode(text, add_special_tokens=special)
+    strs = [worker.tokenizer.decode([t], skip_special_tokens=False) for t in tokens] \
+        if body.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": worker.info.context_length, "tokens": tokens,
+            "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    worker = worker_of(request)
+    _check_model(request, body.model)
+    vocab = worker.info.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise HTTPError(400, f"tokens must hold token ids in [0, {vocab - 1}], got {bad}", param="tokens")
+    return {"prompt": worker.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
+    check_encodable(body.model_dump(exclude_none=True), "")
     worker, model = worker_of(request), _check_model(request, body.model)
     if body.suffix or (body.best_of or 1) > 1:
         raise HTTPError(400, "suffix and best_of are not supported", param="suffix")
     prompt, input_ids = _completion_prompt(body.prompt)
     k = body.logprobs
     collector = await _submit(request, worker, chat=False, prompt=prompt, input_ids=input_ids,
+                              add_special_tokens=body.add_special_tokens is not False,
                               sampling_params=body.sampling_params(default_max_tokens=16),
                               return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
                               top_logprobs_num=k or 0, priority=body.priority)
     fmt = Formatter(worker.tokenizer, collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
-                    logprobs=k is not None, top_n=k or 0, echo=body.echo)
+                    logprobs=k is not None, top_n=k or 0, echo=body.echo,
+                    tokens_as_ids=body.return_tokens_as_token_ids)
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request):
+    check_encodable(body.model_dump(exclude_none=True), "")
     worker, model = worker_of(request), _check_model(request, body.model)
     if body.tools or body.tool_choice not in (None, "none"):
         raise HTTPError(400, "tool calling is not supported by this server yet", param="tools")
     if body.top_logprobs and not body.logprobs:
         raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    text = worker.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    prompt_ids = worker.tokenizer.encode(text, add_special_tokens=False)  # the template has them
+    reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise HTTPError(400, f"chat_template_kwargs may not set {reserved}: they are request fields",
+                        param="chat_template_kwargs")
+    text = worker.tokenizer.apply_chat_template(
+        messages, **(body.chat_template_kwargs or {}), add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message)
+    # The template writes its own special tokens: none more unless asked (vLLM's default).
+    prompt_ids = worker.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     context = worker.info.context_length
     params = body.sampling_params(default_max_tokens=max(context - len(prompt_ids), 1))
     collector = await _submit(request, worker, chat=True, input_ids=prompt_ids, sampling_params=params,
                               return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                               priority=body.priority)
     fmt = Formatter(worker.tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
-                    model=model, logprobs=body.logprobs, top_n=body.top_logprobs or 0)
+                    model=model, logprobs=body.logprobs, top_n=body.top_logprobs or 0,
+                    tokens_as_ids=body.return_tokens_as_token_ids)
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
 
 

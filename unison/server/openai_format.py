@@ -112,10 +112,11 @@ class Formatter:
     """One OpenAI call's outputs, read from its Collector's states with cursors of its own."""
 
     def __init__(self, tokenizer: Tokenizer, collector: Collector, *, chat: bool, rid: str, model: str,
-                 logprobs: bool, top_n: int, echo: bool = False) -> None:
+                 logprobs: bool, top_n: int, echo: bool = False, tokens_as_ids: bool = False) -> None:
         self.tokenizer, self.collector, self.chat = tokenizer, collector, chat
         self.rid, self.model = rid, model
         self.logprobs, self.top_n, self.echo = logprobs, top_n, echo
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
         n = len(collector.states)
@@ -126,6 +127,8 @@ class Formatter:
         self.started = [False] * n
 
     def _tok(self, tid: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{tid}"
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
     def _chat_lp(self, tid: int, logprob: float) -> dict:

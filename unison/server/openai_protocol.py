@@ -42,6 +42,9 @@ class _Base(BaseModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     priority: int = 0  # higher is admitted first (SGLang's convention)
+    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for completions, false for chat
     # Structured output: OpenAI's response_format, or SGLang's regex / ebnf.
     response_format: dict[str, Any] | None = None
     regex: str | None = None
@@ -58,6 +61,7 @@ class _Base(BaseModel):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
             sampling_seed=self.seed, skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.include_stop_str_in_output,
         )
 
     def _json_schema(self) -> dict[str, Any] | str | None:
@@ -103,8 +107,31 @@ class ChatCompletionRequest(_Base):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's and SGLang's chat fields: the template's own variables (Qwen3's enable_thinking, ...),
+    # and how the conversation ends.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(default_max_tokens)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template first."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,35 @@
+"""The command line: every engine option has a help line, and vLLM's spellings mean ours."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from unison import cli
+from unison.config import HELP, EngineConfig
+
+
+def test_every_engine_option_has_one_line_of_help():
+    assert set(HELP) == {f.name for f in fields(EngineConfig)}
+    assert all(text and "\n" not in text for text in HELP.values())
+    text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "default: None" not in text
+
+
+def test_vllm_spellings_parse_to_ours():
+    args = cli.build_parser().parse_args(
+        ["serve", "some/model", "--max-model-len", "512", "--api-server-count", "2"])
+    assert (args.model, args.context_length, args.tokenizer_worker_num) == ("some/model", 512, 2)
+    args = cli.build_parser().parse_args(["serve", "--model", "other/model"])
+    assert args.model_path == "other/model" and args.model is None
+    assert cli.engine_options(args)["model_path"] == "other/model"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--data-parallel-size", "2"], "data parallelism is not supported yet"),
+    (["serve", "a/model", "--model", "b/model"], "the model is given twice"),
+])
+def test_serve_refuses_clearly(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
