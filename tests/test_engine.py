@@ -453,3 +453,24 @@ def test_a_slow_consumer_gets_merged_deltas(engine):
         assert after["text"].startswith(before["text"])
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
     assert [i["meta_info"]["finish_reason"] for i in slow].count(None) == len(slow) - 1
+
+
+def test_a_full_queue_is_a_typed_error_at_once():
+    from unison.errors import EngineOverloadedError
+
+    long = {"max_new_tokens": 2000, "ignore_eos": True}
+    with Engine(max_running_requests=1, max_queued_requests=1, num_threads=1) as e:
+        running = e.generate(PROMPTS[0], long, stream=True)
+        next(running)
+        waiting = e.generate(PROMPTS[1], long, stream=True)
+        wait_until(lambda: e.get_server_info()["num_waiting"] == 1, 30, "one waiting request")
+        t0 = time.monotonic()
+        with pytest.raises(EngineOverloadedError, match="max_queued_requests=1"):
+            e.generate(PROMPTS[2], {"max_new_tokens": 4})
+        assert time.monotonic() - t0 < 2.0
+        info = e.get_server_info()
+        assert (info["num_running"], info["num_waiting"]) == (1, 1)  # nothing was queued
+        running.close()
+        waiting.close()
+        wait_until(lambda: e.get_server_info()["num_running"] == 0, 10, "the aborts")
+        assert len(e.generate(PROMPTS[2], {"max_new_tokens": 4})["output_ids"]) >= 1

@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from tests.serving import FIGURES, Server, assert_openai_error, serve
+from tests.utils import wait_until
 from unison import Engine
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -49,8 +50,9 @@ def server2():
 
 @pytest.fixture(scope="module")
 def small_queue_server():
-    yield from serve("1 worker, queue of 2", "--max-queued-requests", "2",
-                      "--chunked-prefill-size", "64")
+    # One request runs at a time, so the others wait: the engine-wide queue fills deterministically.
+    yield from serve("2 workers, queue of 2", "--max-queued-requests", "2", "--max-running-requests", "1",
+                     "--chunked-prefill-size", "64", workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -607,17 +609,22 @@ def test_unknown_fields_are_rejected_standard_ones_accepted(server, client):
 
 
 def test_overload_sheds_extra_requests_at_once(small_queue_server):
+    """max_queued_requests counts waiting requests engine-wide (as SGLang's does), whichever
+    worker took them: over it, every worker answers 503 at once and queues nothing."""
     s = small_queue_server
     body = {"model": MODEL, "prompt": PROMPT, "stream": True, **LONG}
 
     async def main():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             held = []
-            for _ in range(2):  # these two fill the queue and keep generating
+            for n in range(3):  # one runs, two wait: the queue is full
                 r = await c.send(c.build_request("POST", COMP, json=body), stream=True)
                 assert r.status_code == 200
                 held.append(r)
-            await asyncio.to_thread(s.wait_running, 2)
+                if n == 0:
+                    await asyncio.to_thread(s.wait_running, 1)
+            await asyncio.to_thread(wait_until, lambda: s.server_info()["num_waiting"] == 2, 30,
+                                    "two waiting requests")
 
             async def extra(route: str, payload: dict) -> tuple[httpx.Response, float]:
                 t0 = time.monotonic()
@@ -632,12 +639,17 @@ def test_overload_sheds_extra_requests_at_once(small_queue_server):
                 assert_openai_error(r, 503, "overloaded", "max_queued_requests=2")
                 assert took < 2.0, f"a shed request took {took:.2f} s"
             FIGURES["overload: slowest 503"] = max(took for _, took in extras)
+            both = await asyncio.to_thread(_from_both, s, lambda: s.post(COMP, {"prompt": PROMPT}))
+            for r in both.values():
+                assert_openai_error(r, 503, "overloaded")
+            info = s.server_info()
+            assert (info["num_running"], info["num_waiting"]) == (1, 2)  # nothing more was queued
             for r in held:
                 await r.aclose()
 
     asyncio.run(main())
     # The accepted ones were aborted as their clients left; the queue takes requests again.
-    s.wait_freed(timeout=3)
+    s.wait_freed(timeout=5)
     assert s.post(COMP, {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 

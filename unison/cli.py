@@ -75,8 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     opts.setdefault("log_level", "info")
     config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
-                 served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
-                 max_request_bytes=args.max_request_bytes)
+                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)")
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API")
-    srv.add_argument("--max-queued-requests", type=int, default=None, help="past it: 503 at once")
     srv.add_argument("--max-request-bytes", type=int, default=None,
                      help="largest request body (default: 32 MiB); past it: 413")
     add_engine_options(srv)

@@ -26,6 +26,7 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV capacity in tokens; None: from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: a quarter of free memory (at most 8 GiB) on CPU
     max_running_requests: int = 64
+    max_queued_requests: int | None = None  # waiting requests, engine-wide; past it: refused at once
     chunked_prefill_size: int = 512  # token budget of one step: long prompts are prefilled in chunks
     disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
@@ -40,6 +41,8 @@ class EngineConfig:
         _check(self.tokenizer_worker_num >= 1, "tokenizer_worker_num", "must be >= 1")
         _check(self.block_size >= 1, "block_size", "must be >= 1")
         _check(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        _check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests",
+               "must be >= 0")
         _check(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         _check(self.context_length is None or self.context_length >= 2, "context_length", "must be >= 2")
         _check(self.max_total_tokens is None or self.max_total_tokens >= self.block_size,
@@ -94,6 +97,8 @@ HELP = {
     "max_total_tokens": "KV-cache capacity in tokens (default: from kv_cache_memory_gb)",
     "kv_cache_memory_gb": "KV-cache memory (default: a quarter of free memory, at most 8 GiB, on CPU)",
     "max_running_requests": "requests decoded together at most",
+    "max_queued_requests": "waiting requests the engine holds, across all frontends; past it a "
+                           "request is refused at once (HTTP 503)",
     "chunked_prefill_size": "tokens per step: longer prompts are prefilled in chunks",
     "disable_radix_cache": "turn off the prefix cache that reuses shared prompt prefixes' KV",
     "schedule_policy": "fcfs, lpm (longest cached prefix first) or fair (round-robin over frontends)",

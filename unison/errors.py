@@ -5,6 +5,10 @@ class EngineDeadError(RuntimeError):
     """The engine core is gone (it crashed, was killed, or was shut down): no request can finish."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine's queue is full (max_queued_requests): the request was refused, nothing queued."""
+
+
 class InvalidParam(ValueError):
     """A request's field is invalid; nothing was queued. `field` is its name as the engine's API
     spells it (an HTTP layer maps it to its own, e.g. max_new_tokens -> max_tokens), and the

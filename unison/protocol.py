@@ -60,6 +60,7 @@ class Generate(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return prompt logprobs from this position
     priority: int = 0  # higher is admitted first
+    report_queued: bool = False  # answer with ReqOutput(queued=True) once queued (see CoreInfo)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -111,6 +112,7 @@ class CoreInfo(msgspec.Struct):
     kv_cache_dtype: str
     weights: dict[str, str]  # linear -> what it runs as (float32, int8, int4, ...)
     weights_bytes: int
+    max_queued_requests: int | None = None  # when set, Generate asks to hear it was queued
 
 
 class Welcome(msgspec.Struct, tag=True):
@@ -131,6 +133,8 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     matched: int | None = None  # the stop token id, when finish == "stop"
     error: str | None = None  # set with finish == "abort" when the core refused or dropped it
     refused: bool = True  # the request was invalid (ValueError), not dropped while running
+    overloaded: bool = False  # refused: the engine's queue is full (max_queued_requests)
+    queued: bool = False  # no news but this: the request was accepted into the queue
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[float] = []  # one per token in token_ids

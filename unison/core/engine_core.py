@@ -89,6 +89,7 @@ class EngineCore:
             quantization=self.runner.quantization,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             weights=self.runner.model.linear_kinds(), weights_bytes=self.runner.model.weights_bytes(),
+            max_queued_requests=self.config.max_queued_requests,
         )
 
     # ---- what the server reports and controls (so it never reaches into the parts) --------------
@@ -127,9 +128,15 @@ class EngineCore:
         return msgspec.structs.replace(self._stats, num_preemptions=self.scheduler.num_preemptions)
 
     def add(self, frontend: bytes, msg: Generate) -> ReqOutput | None:
-        """Queue a request; returns a refusal instead when it cannot be served."""
+        """Queue a request; returns a refusal instead when it cannot be served (or, when the
+        frontend asked, word that it was queued)."""
         if msg.rid in self.requests:
             return ReqOutput(msg.rid, finish="abort", error=f"request id {msg.rid!r} is already in flight")
+        limit = self.config.max_queued_requests
+        if limit is not None and self.num_waiting >= limit:
+            return ReqOutput(msg.rid, finish="abort", overloaded=True,
+                             error=f"the engine is overloaded: {self.num_waiting} requests waiting "
+                                   f"(max_queued_requests={limit}); retry later")
         problem = self._check(msg)
         if problem is None:
             req = Request.from_message(frontend, msg)
@@ -141,7 +148,7 @@ class EngineCore:
                 self.requests[msg.rid] = req
                 if msg.params.grammar is not None:
                     self._compile(req, msg.params.grammar)
-                return None
+                return ReqOutput(msg.rid, queued=True) if msg.report_queued else None
         return ReqOutput(msg.rid, finish="abort", error=problem)
 
     def _check(self, msg: Generate) -> str | None:

@@ -188,9 +188,9 @@ class CoreServer:
                 log.warning("dropped %s from a frontend that has not said Hello",
                             type(msg).__name__)
         elif isinstance(msg, Generate):
-            refusal = self.core.add(ident, msg)
-            if refusal is not None:
-                self.send_step(fe, [refusal])
+            reply = self.core.add(ident, msg)  # a refusal, or "queued" when asked
+            if reply is not None:
+                self.send_step(fe, [reply])
         elif isinstance(msg, Abort):
             out = self.core.abort(ident, msg.rid, msg.finished)
             if out is not None:

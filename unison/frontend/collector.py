@@ -86,6 +86,17 @@ class Collector:
     def unfinished_rids(self) -> list[str]:
         return [s.rid for s in self.states if not s.finished]
 
+    async def admitted(self) -> None:
+        """On the frontend's loop: wait until the core has queued every request, or raise why
+        it refused one (EngineOverloadedError: its queue is full). Immediate without a limit."""
+        pending = [s.admission for s in self.states if s.admission is not None]
+        if pending:
+            await asyncio.gather(*pending)
+        for state in self.states:
+            if state.error is not None:
+                self.close()  # the others of this call, queued, would run for nobody
+                raise state.error
+
     def close(self) -> None:
         """Stop following: abort what has not finished (a consumer that left wants no more)."""
         rids = self.unfinished_rids()

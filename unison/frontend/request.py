@@ -7,11 +7,13 @@ gets everything new as one merged delta, and nothing is copied per step for a sl
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from unison.errors import EngineOverloadedError
 from unison.frontend.detokenizer import IncrementalDetokenizer
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
@@ -39,10 +41,12 @@ class ReqState:
 
     __slots__ = ("rid", "prompt_ids", "return_logprob", "logprob_start_len", "detok", "created",
                  "text", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
-                 "cached_tokens", "finish_reason", "error", "version", "finished", "waker", "stopped_here")
+                 "cached_tokens", "finish_reason", "error", "version", "finished", "waker", "stopped_here",
+                 "admission")
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 return_logprob: bool, logprob_start_len: int) -> None:
+                 return_logprob: bool, logprob_start_len: int,
+                 admission: asyncio.Future | None = None) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.return_logprob = return_logprob
@@ -67,6 +71,8 @@ class ReqState:
         self.finished = False
         self.waker: Callable[[], None] | None = None  # the consumer's, called once per step
         self.stopped_here = False  # a stop string ended it here: the core must be told
+        # Resolved when the core has queued or refused it (only when the engine has a queue limit).
+        self.admission = admission
 
     @property
     def output_ids(self) -> list[int]:
@@ -74,6 +80,10 @@ class ReqState:
 
     def update(self, out: ReqOutput) -> None:
         """Apply one step's output for this request."""
+        if out.queued or out.error is not None:
+            self._admitted()
+            if out.queued:
+                return
         detok = self.detok
         before = len(detok.output_ids)
         text = detok.add(out.token_ids)
@@ -95,7 +105,8 @@ class ReqState:
             self.finish_reason = {"type": "stop", "matched": self.detok.stop_matched}
             self.stopped_here = out.finish is None
         elif out.error is not None:
-            self.error = ValueError(out.error) if out.refused else RuntimeError(out.error)
+            self.error = (EngineOverloadedError(out.error) if out.overloaded
+                          else ValueError(out.error) if out.refused else RuntimeError(out.error))
         elif out.finish is not None:
             self.finish_reason = {"type": out.finish, "matched": out.matched}
         self.version += 1
@@ -112,11 +123,16 @@ class ReqState:
             self.prompt_top_logprobs += [[(lp, t, None) for t, lp in top]
                                          for top in out.prompt_top_logprobs]
 
+    def _admitted(self) -> None:
+        if self.admission is not None and not self.admission.done():
+            self.admission.set_result(None)
+
     def fail(self, error: BaseException) -> None:
         if not self.finished:
             self.error = error
             self.version += 1
             self.finished = True
+            self._admitted()
             self.wake()
 
     def wake(self) -> None:

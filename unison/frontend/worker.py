@@ -236,15 +236,17 @@ class TokenizerWorker:
         """Queue a checked request (each prompt n times); returns the Collector that follows it."""
         self.check_alive()
         states, msgs = [], []
+        limited = self.info.max_queued_requests is not None  # then hear that each was queued
         for ids, sp, rid in zip(req.input_ids, req.params, req.rids):
             base = rid or uuid.uuid4().hex
             for i in range(sp.n):
                 child = base if sp.n == 1 else f"{base}-{i}"
                 states.append(ReqState(child, ids, sp, self.tokenizer, req.return_logprob,
-                                       req.logprob_start_len))
+                                       req.logprob_start_len, self.loop.create_future() if limited else None))
                 msgs.append(Generate(child, ids, sp.to_core(self.info.vocab_size, i), req.return_logprob,
                                      req.top_logprobs_num,
-                                     req.logprob_start_len if req.return_logprob else -1, req.priority))
+                                     req.logprob_start_len if req.return_logprob else -1, req.priority,
+                                     report_queued=limited))
         counts = Counter(s.rid for s in states)
         clash = sorted(r for r, c in counts.items() if c > 1 or r in self.states)
         if clash:
@@ -372,6 +374,8 @@ class TokenizerWorker:
                 state.fail(e)
                 del self.states[out.rid]
                 replies.append(Abort(out.rid))
+                continue
+            if out.queued:
                 continue
             if state.waker is not None:
                 wakers[state.waker] = None

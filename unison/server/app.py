@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from unison.errors import EngineDeadError, InvalidParam
+from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
 from unison.frontend.worker import TokenizerWorker
 from unison.server import native, openai
 from unison.server.openai_format import HTTPError, error_kind, error_response, invalid_param
@@ -92,6 +92,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, e: ValueError):
         return error_response(400, str(e))  # a bad request the checks above did not name a field of
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_: Request, e: EngineOverloadedError):
+        return error_response(503, str(e), "service_unavailable")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError):

@@ -15,7 +15,7 @@ from unison.frontend.worker import TokenizerWorker
 from unison.protocol import ControlOp
 from unison.server.metrics import CONTENT_TYPE, render_metrics
 from unison.server.openai_format import HTTPError, invalid_param
-from unison.server.streaming import check_queue, stream, wait, worker_of
+from unison.server.streaming import stream, wait, worker_of
 
 router = APIRouter()
 
@@ -60,10 +60,10 @@ async def generate(request: Request):
     call["prompt"] = call.pop("text", None)
     try:
         req = worker.make_request(**call)
-        check_queue(request)
         collector = await worker.submit(req)
     except InvalidParam as e:
         raise invalid_param(e, openai=False) from None
+    await collector.admitted()
     if body.get("stream"):
         return stream(collector, collector.outputs)
     await wait(request, collector)

@@ -18,7 +18,7 @@ from unison.server.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from unison.server.streaming import check_queue, stream, wait, worker_of
+from unison.server.streaming import stream, wait, worker_of
 
 router = APIRouter()
 RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -137,9 +137,10 @@ async def _submit(request: Request, worker: TokenizerWorker, *, chat: bool, **ca
         req = worker.make_request(**call)
     except InvalidParam as e:
         raise invalid_param(e, openai=True, chat=chat) from None
-    check_queue(request)
     req.batch = True  # choices are indexed whatever the prompt's form
-    return await worker.submit(req)
+    collector = await worker.submit(req)
+    await collector.admitted()  # a full engine queue is a 503 now, not an error inside a stream
+    return collector
 
 
 async def _respond(request: Request, collector: Collector, fmt: Formatter, streaming: bool,

@@ -25,7 +25,6 @@ class Settings:
     owner_pid: int
     served_model_name: str
     api_key: str | None = None
-    max_queued_requests: int | None = None
     max_request_bytes: int | None = None
 
 
@@ -34,14 +33,6 @@ def worker_of(request: Request) -> TokenizerWorker:
     if worker.dead is not None:
         raise HTTPError(503, f"the engine is not running: {worker.dead}")
     return worker
-
-
-def check_queue(request: Request) -> None:
-    limit: int | None = request.app.state.settings.max_queued_requests
-    in_flight = len(request.app.state.worker.states)
-    if limit is not None and in_flight >= limit:
-        raise HTTPError(503, f"the server is overloaded: {in_flight} requests queued "
-                             f"(max_queued_requests={limit}); retry later")
 
 
 def stream(collector: Collector, items: Callable[[list[int]], Iterable[object]],
