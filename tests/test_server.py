@@ -45,7 +45,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def server2():
-    yield from serve("2 workers", "--chunked-prefill-size", "64", workers=2, api_key=KEY)
+    yield from serve("2 workers", "--chunked-prefill-size", "64", "--tool-call-parser", "hermes",
+                     workers=2, api_key=KEY)
 
 
 @pytest.fixture(scope="module")
@@ -414,6 +415,100 @@ def test_metrics_agree_across_workers(server2):
     assert a["unison:num_frontends"] == 2 and a["unison:generation_tokens_total"] >= 4
 
 
+# ---- tool calls ------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+NOTE = {"type": "function", "function": {
+    "name": "take_note", "parameters": {"type": "object", "properties": {
+        "text": {"type": "string", "maxLength": 12}}, "required": ["text"], "additionalProperties": False}}}
+TOOL_CHAT = [{"role": "user", "content": "What is the weather in Rome?"}]
+
+
+@pytest.fixture(scope="module")
+def client2(server2):
+    with openai.OpenAI(base_url=f"{server2.url}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _check_calls(calls: list[tuple[str, str]], tools: list[dict]) -> None:
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def _streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None, set[str]]:
+    """Reassemble OpenAI tool-call deltas: (name, arguments) per index, the finish reason, ids."""
+    calls: dict[int, list] = {}
+    finish, ids = None, set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                if d.id is not None:  # the first delta of a call: its id, type and name
+                    assert d.type == "function" and d.function.name and d.function.arguments == ""
+                    calls[d.index] = [d.function.name, ""]
+                    ids.add(d.id)
+                else:
+                    calls[d.index][1] += d.function.arguments
+            finish = choice.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish, ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_required_gives_valid_calls(client2, stream):
+    tools = [WEATHER, NOTE]
+    kw = {"tools": tools, "tool_choice": "required", "max_tokens": 120}
+    if stream:
+        calls, finish, ids = _streamed_calls(chat(client2, TOOL_CHAT, stream=True, **kw))
+        assert len(ids) == len(calls)
+    else:
+        r = chat(client2, TOOL_CHAT, **kw)
+        message, finish = r.choices[0].message, r.choices[0].finish_reason
+        assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert finish == "tool_calls"
+    _check_calls(calls, tools)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_named_tool_choice_calls_that_function(client2, stream):
+    kw = {"tools": [WEATHER, NOTE], "max_tokens": 60,
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if stream:
+        calls, finish, _ = _streamed_calls(chat(client2, TOOL_CHAT, stream=True, **kw))
+    else:
+        r = chat(client2, TOOL_CHAT, **kw)
+        calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        finish = r.choices[0].finish_reason
+    assert [name for name, _ in calls] == ["get_weather"] and finish == "stop"  # as OpenAI's
+    _check_calls(calls, [WEATHER])
+
+
+def test_parallel_tool_calls_false_allows_one(client2):
+    r = chat(client2, TOOL_CHAT, tools=[WEATHER, NOTE], tool_choice="required", parallel_tool_calls=False,
+             max_tokens=120)
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_tool_result_turn_and_choice_none(client2):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}
+    turn = [*TOOL_CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
+    r = chat(client2, turn, tools=[WEATHER], max_tokens=8)
+    assert r.choices[0].message.content is not None  # auto, read by hermes: plain text here
+    plain = chat(client2, TOOL_CHAT, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "length"
+
+
 # ---- 3. errors ------------------------------------------------------------------------------
 
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
@@ -463,7 +558,14 @@ ERRORS = [  # (id, route, body, status, param, message fragment); a body with "r
     ("chat unknown model", CHAT_URL, {"messages": HELLO, "model": "gpt-4"}, 404, "model", "gpt-4"),
     ("chat over the context", CHAT_URL,
      {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages", "context length"),
-    ("chat tools", CHAT_URL, {"messages": HELLO, "tools": TOOLS}, 400, "tools", "tool"),
+    ("chat auto tools without a parser", CHAT_URL, {"messages": HELLO, "tools": TOOLS}, 400, "tool_choice",
+     "--tool-call-parser"),
+    ("chat tool_choice of no tool", CHAT_URL, {"messages": HELLO, "tools": TOOLS,
+     "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", "not among"),
+    ("chat malformed tool", CHAT_URL, {"messages": HELLO, "tools": [{"type": "function"}],
+     "tool_choice": "required"}, 400, "tools[0]", "tools[0]"),
+    ("chat tool_choice without tools", CHAT_URL, {"messages": HELLO, "tool_choice": "required"}, 400,
+     "tool_choice", "needs tools"),
     ("chat unknown role", CHAT_URL, {"messages": [{"role": "robot", "content": "hi"}]}, 400,
      "messages[0]", "role"),
     ("chat messages not a list", CHAT_URL, {"messages": "hello"}, 400, "messages", "messages"),

@@ -63,6 +63,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from unison.server.launch import serve
 
+    if args.tool_call_parser is not None:
+        from unison.frontend.tool_parsers import get_parser
+
+        get_parser(args.tool_call_parser)  # an unknown name fails here, not at the first request
     if args.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size}: data parallelism is not "
                          "supported yet; run one engine (--data-parallel-size 1)")
@@ -75,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
     opts.setdefault("log_level", "info")
     config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
-                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes)
+                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                 tool_call_parser=args.tool_call_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)")
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    srv.add_argument("--tool-call-parser", default=None,
+                     help='how tool_choice "auto" reads calls in the model\'s text: hermes (Qwen2.5/3, '
+                          "alias qwen25) or llama3_json (alias llama3)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="vLLM's flag, accepted: tool_choice \"auto\" works whenever a parser is set")
     srv.add_argument("--max-request-bytes", type=int, default=None,
                      help="largest request body (default: 32 MiB); past it: 413")
     add_engine_options(srv)

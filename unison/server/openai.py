@@ -18,6 +18,7 @@ from unison.server.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from unison.server.openai_tools import messages_for_template, plan_tools
 from unison.server.streaming import stream, wait, worker_of
 
 router = APIRouter()
@@ -107,28 +108,35 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat(body: ChatCompletionRequest, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
     worker, model = worker_of(request), _check_model(request, body.model)
-    if body.tools or body.tool_choice not in (None, "none"):
-        raise HTTPError(400, "tool calling is not supported by this server yet", param="tools")
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                       request.app.state.settings.tool_call_parser)
     if body.top_logprobs and not body.logprobs:
         raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    if tools is not None:
+        messages = messages_for_template(messages)
     reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
     if reserved:
         raise HTTPError(400, f"chat_template_kwargs may not set {reserved}: they are request fields",
                         param="chat_template_kwargs")
     text = worker.tokenizer.apply_chat_template(
         messages, **(body.chat_template_kwargs or {}), add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message)
+        continue_final_message=body.continue_final_message, tools=tools.tools if tools else None)
     # The template writes its own special tokens: none more unless asked (vLLM's default).
     prompt_ids = worker.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     context = worker.info.context_length
     params = body.sampling_params(default_max_tokens=max(context - len(prompt_ids), 1))
+    if tools is not None and tools.json_schema is not None:  # required / named: valid calls only
+        if params.json_schema is not None or params.regex or params.ebnf:
+            raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "
+                                 "it cannot be combined with response_format", param="tool_choice")
+        params.json_schema = tools.json_schema
     collector = await _submit(request, worker, chat=True, input_ids=prompt_ids, sampling_params=params,
                               return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                               priority=body.priority)
     fmt = Formatter(worker.tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     model=model, logprobs=body.logprobs, top_n=body.top_logprobs or 0,
-                    tokens_as_ids=body.return_tokens_as_token_ids)
+                    tokens_as_ids=body.return_tokens_as_token_ids, tools=tools)
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi.responses import JSONResponse
@@ -18,6 +18,9 @@ from unison.errors import EngineDeadError, InvalidParam
 from unison.frontend.collector import Collector
 from unison.frontend.request import ReqState
 from unison.frontend.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from unison.server.openai_tools import ToolPlan
 
 # The engine's field names as an OpenAI request spells them (an InvalidParam's `param`).
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
@@ -78,6 +81,7 @@ def stream_error(e: Exception) -> bytes:
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     role: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -112,7 +116,8 @@ class Formatter:
     """One OpenAI call's outputs, read from its Collector's states with cursors of its own."""
 
     def __init__(self, tokenizer: Tokenizer, collector: Collector, *, chat: bool, rid: str, model: str,
-                 logprobs: bool, top_n: int, echo: bool = False, tokens_as_ids: bool = False) -> None:
+                 logprobs: bool, top_n: int, echo: bool = False, tokens_as_ids: bool = False,
+                 tools: ToolPlan | None = None) -> None:
         self.tokenizer, self.collector, self.chat = tokenizer, collector, chat
         self.rid, self.model = rid, model
         self.logprobs, self.top_n, self.echo = logprobs, top_n, echo
@@ -125,6 +130,7 @@ class Formatter:
         self.sent_prompt_lp = [0] * n  # echo: prompt logprobs streamed (they arrive in chunks)
         self.text_offset = [0] * n  # completions: text offset of the next logprob token
         self.started = [False] * n
+        self.tools = [tools.output() for _ in range(n)] if tools is not None else None
 
     def _tok(self, tid: int) -> str:
         if self.tokens_as_ids:
@@ -176,8 +182,13 @@ class Formatter:
             first, self.started[i] = not self.started[i], True
             if self.chat:
                 logprobs = {"content": self._lp_content(i, lp_start)} if self.logprobs else None
-                choice: Any = ChatChunkChoice(i, ChatDelta(new_text, "assistant" if first else None),
-                                              finish_reason(state), logprobs)
+                content, calls, finish = new_text, None, finish_reason(state)
+                if self.tools is not None:
+                    content, calls, finish = self.tools[i].delta(new_text, state.finished, finish)
+                    if not (content or calls or first or finish or logprobs):
+                        continue  # held back (a tool call's JSON still being decided)
+                choice: Any = ChatChunkChoice(i, ChatDelta(content, "assistant" if first else None,
+                                                           calls or None), finish, logprobs)
             else:
                 text = (self._echo_prefix(i) if first else "") + new_text
                 logprobs = self._lp_content(i, lp_start) if self.logprobs else None
@@ -202,8 +213,10 @@ class Formatter:
         choices = []
         for i, state in enumerate(self.collector.states):
             if self.chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": state.text},
-                          "finish_reason": finish_reason(state),
+                message, finish = {"role": "assistant", "content": state.text}, finish_reason(state)
+                if self.tools is not None:
+                    message, finish = self.tools[i].final(state.text, finish)
+                choice = {"index": i, "message": message, "finish_reason": finish,
                           "logprobs": {"content": self._lp_content(i, 0)} if self.logprobs else None}
             else:
                 choice = {"index": i, "text": self._echo_prefix(i) + state.text,

@@ -25,6 +25,7 @@ class Settings:
     owner_pid: int
     served_model_name: str
     api_key: str | None = None
+    tool_call_parser: str | None = None  # tool_choice "auto" reads the model's text with it
     max_request_bytes: int | None = None
 
 

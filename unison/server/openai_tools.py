@@ -1,0 +1,206 @@
+"""Tool calling for /v1/chat/completions, as OpenAI defines it and vLLM serves it.
+
+- `tool_choice="none"`: the tools are shown to the template, the answer is plain content.
+- `"auto"` (the default with tools): the model's text is read by the server's tool-call parser
+  (`--tool-call-parser`, unison/frontend/tool_parsers.py); calls found become `tool_calls`.
+- `"required"` and a named function: the output is constrained by the structured-output engine,
+  so it is valid on any model: a JSON list of `{"name", "parameters"}` objects for "required"
+  (vLLM's schema), the function's arguments object for a named one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from unison.frontend.tool_parsers import StreamDelta, ToolCall, ToolParser, ToolStreamer, get_parser
+from unison.server.openai_format import HTTPError
+
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # none | auto | required | named
+    tools: list[dict[str, Any]]  # as the request gave them: what the chat template is shown
+    parallel: bool  # parallel_tool_calls: false allows at most one call
+    name: str | None = None  # the named function
+    parser: ToolParser | None = None  # auto
+    json_schema: dict[str, Any] | None = None  # required, named: what the output is held to
+
+    def output(self) -> ToolOutput:
+        return ToolOutput(self)
+
+
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
+               parser_name: str | None) -> ToolPlan | None:
+    """Check tools and tool_choice; None when the request has no tools."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise HTTPError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    by_name = {_function(t, i)["name"]: t for i, t in enumerate(tools)}
+    parallel = parallel is not False
+    if tool_choice in (None, "auto"):
+        if parser_name is None:
+            raise HTTPError(400, 'tool_choice "auto" needs the server started with --tool-call-parser '
+                                 "(hermes or llama3_json; or send tool_choice \"required\" or a named "
+                                 "function)", param="tool_choice")
+        return ToolPlan("auto", tools, parallel, parser=get_parser(parser_name))
+    if tool_choice == "none":
+        return ToolPlan("none", tools, parallel)
+    if tool_choice == "required":
+        return ToolPlan("required", tools, parallel, json_schema=_required_schema(tools, parallel))
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str):
+        raise HTTPError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                             f'"function": {{"name": ...}}}}, got {tool_choice!r:.80}', param="tool_choice")
+    if name not in by_name:
+        raise HTTPError(400, f"tool_choice names {name!r}, which is not among the tools "
+                             f"{sorted(by_name)}", param="tool_choice")
+    params = by_name[name]["function"].get("parameters") or ANY_OBJECT
+    return ToolPlan("named", tools, parallel, name=name, json_schema=params)
+
+
+def _function(tool: Any, i: int) -> dict[str, Any]:
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise HTTPError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
+                             "..., \"parameters\": {...}}}}", param=f"tools[{i}]")
+    if not isinstance(fn.get("parameters", {}), dict):
+        raise HTTPError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                        param=f"tools[{i}].function.parameters")
+    return fn
+
+
+def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """vLLM's: a non-empty list of calls, each one of the tools with its own parameters."""
+    calls = [{"type": "object", "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "parameters": t["function"].get("parameters") or ANY_OBJECT},
+              "required": ["name", "parameters"]} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return schema | ({"maxItems": 1} if not parallel else {})
+
+
+def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls carry their arguments as JSON strings; HF templates expect dicts. A
+    turn that only calls tools gets empty content: templates without tool support read it."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_with_dict_arguments(c, i, j) for j, c in enumerate(calls)],
+                 "content": m.get("content") or ""}
+        out.append(m)
+    return out
+
+
+def _with_dict_arguments(call: Any, i: int, j: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise HTTPError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}",
+                            param=f"messages[{i}].tool_calls[{j}]") from None
+        return {**call, "function": {**fn, "arguments": args}}
+    return call
+
+
+def _call_dict(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _new_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ToolOutput:
+    """One choice's text as content and tool calls: whole (`final`) or as stream deltas."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.streamer: ToolStreamer | None = plan.parser.streamer() if plan.parser else None
+        self.named_id = _new_id()
+        self.buffer = ""  # required: the JSON list, decided at the end
+        self.found_calls = False
+
+    def _calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        plan = self.plan
+        if plan.mode == "named":
+            return None, [ToolCall(self.named_id, plan.name, text)]
+        if plan.mode == "required":
+            try:
+                items = json.loads(text)
+                calls = [ToolCall(_new_id(), c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                         for c in items]
+            except (ValueError, TypeError, KeyError):  # cut short (max_tokens): it stays content
+                return text, []
+            return None, calls
+        if plan.mode == "auto":
+            parsed = plan.parser.parse(text)
+            return parsed.content, parsed.tool_calls
+        return text, []
+
+    def final(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message and the finish_reason."""
+        content, calls = self._calls(text)
+        if not self.plan.parallel:
+            calls = calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [_call_dict(c) for c in calls]
+            if finish == "stop" and self.plan.mode in ("auto", "required"):
+                finish = "tool_calls"  # a named function's call ends as "stop", as OpenAI's does
+        return message, finish
+
+    def delta(self, new_text: str, finished: bool, finish: str | None
+              ) -> tuple[str, list[dict[str, Any]], str | None]:
+        """(content, tool-call deltas in OpenAI's shape, finish_reason) for this chunk."""
+        mode = self.plan.mode
+        if mode == "named":  # the arguments stream as they come, after the call's header
+            deltas = [] if self.found_calls else [{"index": 0, "id": self.named_id, "type": "function",
+                                                   "function": {"name": self.plan.name, "arguments": ""}}]
+            self.found_calls = True
+            if new_text:
+                deltas.append({"index": 0, "function": {"arguments": new_text}})
+            return "", deltas, finish
+        if mode == "required":
+            self.buffer += new_text
+            if not finished:
+                return "", [], None
+            content, calls = self._calls(self.buffer)
+            return content or "", self._headers_then_arguments(calls), self._finish(calls, finish)
+        if mode == "auto":
+            out = self.streamer.feed(new_text)
+            if finished:
+                end = self.streamer.finish()
+                out = StreamDelta(out.content + end.content, out.tool_calls + end.tool_calls)
+            deltas = [self._delta_dict(d) for d in out.tool_calls
+                      if self.plan.parallel or d.index == 0]
+            self.found_calls = self.found_calls or bool(deltas)
+            return out.content, deltas, self._finish([None] if self.found_calls else [], finish)
+        return new_text, [], finish
+
+    def _headers_then_arguments(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        calls = calls if self.plan.parallel else calls[:1]
+        out = []
+        for i, c in enumerate(calls):
+            out.append({"index": i, "id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": ""}})
+            out.append({"index": i, "function": {"arguments": c.arguments}})
+        return out
+
+    @staticmethod
+    def _delta_dict(d) -> dict[str, Any]:
+        if d.id is not None:
+            return {"index": d.index, "id": d.id, "type": "function",
+                    "function": {"name": d.name, "arguments": d.arguments}}
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+
+    def _finish(self, calls: list, finish: str | None) -> str | None:
+        return "tool_calls" if calls and finish == "stop" else finish
