@@ -36,6 +36,7 @@ LONG_TEXT = "Once upon a time, in a small village by the sea, " * 12  # ~150 tok
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 LONG = {"max_tokens": 2000, "ignore_eos": True}  # runs far longer than any check below
 COMP, CHAT_URL = "/v1/completions", "/v1/chat/completions"
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def server2():
 def small_queue_server():
     # One request runs at a time, so the others wait: the engine-wide queue fills deterministically.
     yield from serve("2 workers, queue of 2", "--max-queued-requests", "2", "--max-running-requests", "1",
-                     "--chunked-prefill-size", "64", workers=2)
+                     "--chunked-prefill-size", "64", "--chat-template", TEMPLATE, workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -677,6 +678,31 @@ def test_vllm_request_fields(server, client):
     assert continued.usage.prompt_tokens > with_prompt  # the final message, left open
     r = server.post(CHAT_URL, {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert_openai_error(r, 400, "chat_template_kwargs")
+
+
+def test_chat_template_option_replaces_the_models(small_queue_server, server):
+    body = {"messages": [{"role": "user", "content": "hello"}]}
+    ours = small_queue_server.post("/tokenize", body).json()["tokens"]
+    assert ours == small_queue_server.post("/tokenize", {"prompt": "[user] hello\n",
+                                                         "add_special_tokens": False}).json()["tokens"]
+    assert server.post("/tokenize", body).json()["tokens"] != ours  # the model's own template
+
+
+def test_generation_config_defaults_fill_unset_fields(tmp_path):
+    from unison.server.openai_protocol import CompletionRequest, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.3, "top_k": 20, "max_new_tokens": 8, "bos_token_id": 1}))
+    defaults = generation_defaults(str(tmp_path), "unused")
+    assert defaults == {"temperature": 0.3, "top_k": 20, "max_new_tokens": 8}
+    p = CompletionRequest(prompt="hi").sampling_params(16, defaults)
+    assert (p.temperature, p.top_k, p.max_new_tokens) == (0.3, 20, 8)  # 8 caps the 16
+    p = CompletionRequest(prompt="hi", temperature=0, top_k=5, max_tokens=4).sampling_params(16, defaults)
+    assert (p.temperature, p.top_k, p.max_new_tokens) == (0, 5, 4)  # what a request sets wins
+    assert generation_defaults("vllm", str(tmp_path)) == {}
+    assert generation_defaults("auto", str(tmp_path / "none")) == {}
+    with pytest.raises(FileNotFoundError, match="generation_config.json"):
+        generation_defaults(str(tmp_path / "none"), "unused")
 
 
 def test_model_card_and_version(server):

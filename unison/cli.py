@@ -80,7 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                 tool_call_parser=args.tool_call_parser)
+                 tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
+                 chat_template=args.chat_template)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", default=None,
                      help='how tool_choice "auto" reads calls in the model\'s text: hermes (Qwen2.5/3, '
                           "alias qwen25) or llama3_json (alias llama3)")
+    srv.add_argument("--generation-config", default="auto",
+                     help="request defaults: auto (the model's generation_config.json), vllm (none) "
+                          "or a folder holding one; its max_new_tokens caps every request")
+    srv.add_argument("--chat-template", default=None,
+                     help="a Jinja chat template (a file, or the template itself) over the model's")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's flag, accepted: tool_choice \"auto\" works whenever a parser is set")
     srv.add_argument("--max-request-bytes", type=int, default=None,

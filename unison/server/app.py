@@ -14,6 +14,7 @@ import os
 import re
 import signal
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,7 @@ from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
 from unison.frontend.worker import TokenizerWorker
 from unison.server import native, openai
 from unison.server.openai_format import HTTPError, error_kind, error_response, invalid_param
+from unison.server.openai_protocol import generation_defaults
 from unison.server.streaming import Settings
 
 log = logging.getLogger("unison.server")
@@ -44,6 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         worker = await TokenizerWorker.attach(settings.registry_path, settings.owner_pid)
         worker.on_dead = _exit_when_engine_dies
         app.state.worker = worker
+        app.state.sampling_defaults = generation_defaults(settings.generation_config, worker.info.model_dir)
+        app.state.chat_template = _template_text(settings.chat_template)
         log.info("worker %d attached as frontend %d", os.getpid(), worker.worker_id)
         try:
             yield
@@ -171,6 +175,13 @@ class _Gate:
         async def replay() -> Message:
             return first.pop() if first else await receive()
         return replay
+
+
+def _template_text(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the template itself."""
+    if value is not None and "{" not in value and Path(value).is_file():
+        return Path(value).read_text()
+    return value
 
 
 def _exit_when_engine_dies() -> None:

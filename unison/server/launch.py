@@ -29,6 +29,7 @@ log = logging.getLogger("unison.server")
 
 def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
           served_model_name: str | None, tool_call_parser: str | None = None,
+          generation_config: str = "auto", chat_template: str | None = None,
           max_request_bytes: int | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
@@ -41,6 +42,7 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
             registry_path=str(core.registry_path), owner_pid=os.getpid(), api_key=api_key,
             served_model_name=served_model_name or _default_name(config.model_path),
             max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser,
+            generation_config=generation_config, chat_template=chat_template,
         )
         os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
         workers = config.tokenizer_worker_num

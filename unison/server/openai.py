@@ -63,7 +63,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
         raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
         text = worker.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                                    add_generation_prompt=body.add_generation_prompt)
+                                                    add_generation_prompt=body.add_generation_prompt,
+                                                    chat_template=request.app.state.chat_template)
         special = bool(body.add_special_tokens)  # the template writes its own
     else:
         text, special = body.prompt, body.add_special_tokens is not False
@@ -95,7 +96,7 @@ async def completions(body: CompletionRequest, request: Request):
     k = body.logprobs
     collector = await _submit(request, worker, chat=False, prompt=prompt, input_ids=input_ids,
                               add_special_tokens=body.add_special_tokens is not False,
-                              sampling_params=body.sampling_params(default_max_tokens=16),
+                              sampling_params=body.sampling_params(16, request.app.state.sampling_defaults),
                               return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
                               top_logprobs_num=k or 0, priority=body.priority)
     fmt = Formatter(worker.tokenizer, collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
@@ -121,11 +122,12 @@ async def chat(body: ChatCompletionRequest, request: Request):
                         param="chat_template_kwargs")
     text = worker.tokenizer.apply_chat_template(
         messages, **(body.chat_template_kwargs or {}), add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message, tools=tools.tools if tools else None)
+        continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
+        chat_template=request.app.state.chat_template)
     # The template writes its own special tokens: none more unless asked (vLLM's default).
     prompt_ids = worker.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     context = worker.info.context_length
-    params = body.sampling_params(default_max_tokens=max(context - len(prompt_ids), 1))
+    params = body.sampling_params(max(context - len(prompt_ids), 1), request.app.state.sampling_defaults)
     if tools is not None and tools.json_schema is not None:  # required / named: valid calls only
         if params.json_schema is not None or params.regex or params.ebnf:
             raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -9,6 +11,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from unison.errors import InvalidParam
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.structured import JSON_OBJECT
+
+# generation_config.json keys that are request defaults (vLLM applies the same ones).
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
+    """vLLM's --generation-config: "auto" reads the model's generation_config.json, "vllm" none,
+    anything else is a folder holding one."""
+    if setting == "vllm":
+        return {}
+    path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise FileNotFoundError(f"--generation-config {setting}: no generation_config.json there")
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in (*SAMPLING_DEFAULTS, "max_new_tokens") if k in config}
 
 
 class _Base(BaseModel):
@@ -50,9 +69,17 @@ class _Base(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+                        ) -> SamplingParams:
+        """`defaults`: the model's generation_config.json sampling values, for the fields this
+        request left unset; its max_new_tokens caps every request (vLLM's --generation-config)."""
+        defaults = defaults or {}
+        unset = {k: v for k, v in defaults.items()
+                 if k in SAMPLING_DEFAULTS and k not in self.model_fields_set}
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        return SamplingParams(
+        if isinstance(defaults.get("max_new_tokens"), int):
+            max_tokens = min(max_tokens, defaults["max_new_tokens"])
+        params = SamplingParams(
             json_schema=self._json_schema(), regex=self.regex, ebnf=self.ebnf,
             max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
@@ -63,6 +90,9 @@ class _Base(BaseModel):
             sampling_seed=self.seed, skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.include_stop_str_in_output,
         )
+        for name, value in unset.items():
+            setattr(params, name, value)
+        return params
 
     def _json_schema(self) -> dict[str, Any] | str | None:
         """OpenAI's response_format as a JSON schema (None: plain text)."""
@@ -113,10 +143,11 @@ class ChatCompletionRequest(_Base):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+                        ) -> SamplingParams:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        return super().sampling_params(default_max_tokens, defaults)
 
 
 class TokenizeRequest(BaseModel):

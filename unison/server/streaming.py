@@ -26,6 +26,8 @@ class Settings:
     served_model_name: str
     api_key: str | None = None
     tool_call_parser: str | None = None  # tool_choice "auto" reads the model's text with it
+    generation_config: str = "auto"  # auto (the model's), vllm (none) or a folder
+    chat_template: str | None = None  # a file or the template itself, over the model's
     max_request_bytes: int | None = None
 
 
