@@ -474,3 +474,11 @@ def test_a_full_queue_is_a_typed_error_at_once():
         waiting.close()
         wait_until(lambda: e.get_server_info()["num_running"] == 0, 10, "the aborts")
         assert len(e.generate(PROMPTS[2], {"max_new_tokens": 4})["output_ids"]) >= 1
+
+
+def test_a_burst_under_a_queue_limit_is_not_taken_for_a_lagging_frontend():
+    """With a limit, the core answers each request with "queued"; a burst of them must not count
+    as unacknowledged steps (frontend_max_unacked), which would abort the whole frontend."""
+    with Engine(max_queued_requests=500, frontend_max_unacked=2, num_threads=1) as e:
+        outs = e.generate(PROMPTS[0], {"max_new_tokens": 2, "n": 100, "ignore_eos": True})
+        assert [len(o["output_ids"]) for o in outs] == [2] * 100

@@ -36,7 +36,8 @@ LONG_TEXT = "Once upon a time, in a small village by the sea, " * 12  # ~150 tok
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 LONG = {"max_tokens": 2000, "ignore_eos": True}  # runs far longer than any check below
 COMP, CHAT_URL = "/v1/completions", "/v1/chat/completions"
-TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}"
+            "{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
 
 
 @pytest.fixture(scope="module")
@@ -686,6 +687,9 @@ def test_chat_template_option_replaces_the_models(small_queue_server, server):
     assert ours == small_queue_server.post("/tokenize", {"prompt": "[user] hello\n",
                                                          "add_special_tokens": False}).json()["tokens"]
     assert server.post("/tokenize", body).json()["tokens"] != ours  # the model's own template
+    refused = small_queue_server.post(CHAT_URL, {"messages": [{"role": "tool", "content": "x"}]})
+    err = assert_openai_error(refused, 400, "chat template refused", "no tool turns")
+    assert err["param"] == "messages"
 
 
 def test_generation_config_defaults_fill_unset_fields(tmp_path):

@@ -41,8 +41,8 @@ class EngineConfig:
         _check(self.tokenizer_worker_num >= 1, "tokenizer_worker_num", "must be >= 1")
         _check(self.block_size >= 1, "block_size", "must be >= 1")
         _check(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
-        _check(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests",
-               "must be >= 0")
+        _check(self.max_queued_requests is None or self.max_queued_requests >= 1, "max_queued_requests",
+               "must be >= 1")
         _check(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         _check(self.context_length is None or self.context_length >= 2, "context_length", "must be >= 2")
         _check(self.max_total_tokens is None or self.max_total_tokens >= self.block_size,

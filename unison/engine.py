@@ -184,9 +184,11 @@ class Engine:
                              priority: int = 0) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
         worker = self._worker()
-        req = worker.make_request(prompt, sampling_params, input_ids, return_logprob=return_logprob,
-                                  logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                                  rid=rid, priority=priority)
+        # Tokenizing (a long prompt, a JSON schema's grammar) must not stall the caller's loop.
+        req = await asyncio.to_thread(
+            worker.make_request, prompt, sampling_params, input_ids, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
+            priority=priority)
         submitted = self._h.loop.submit(worker.submit(req))
         try:
             collector = await asyncio.shield(asyncio.wrap_future(submitted))

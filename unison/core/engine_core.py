@@ -103,6 +103,10 @@ class EngineCore:
         return len(self.scheduler.waiting)
 
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def kv_blocks_used(self) -> int:
         return self.pool.num_used - self.cached_blocks
 
@@ -227,6 +231,7 @@ class EngineCore:
         items = self.scheduler.schedule()
         if not items:
             return refused
+        scheduled = time.monotonic()  # queue time ends here, before the step's compute
         logits = self.runner.forward([self._batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
         sampled: list[tuple[int, Request, ReqOutput]] = []  # (logits row, request, its output)
@@ -247,8 +252,8 @@ class EngineCore:
         now = time.monotonic()  # the step's time: what every latency metric is measured at
         for it in items:
             if it.req.scheduled_at is None:  # admitted this step, after its prefix-cache lookup
-                it.req.scheduled_at = now
-                self.latency.queue.observe(now - it.req.arrival)
+                it.req.scheduled_at = scheduled
+                self.latency.queue.observe(scheduled - it.req.arrival)
                 self._stats.prefix_cache_queries += it.req.num_prompt_tokens
                 self._stats.prefix_cache_hits += it.req.cached_tokens
         if sampled:

@@ -78,6 +78,7 @@ class CoreServer:
         self.next_worker_id = 0
         self.paused = False
         self.deferred_hellos: list[tuple[bytes, Hello, float]] = []  # at capacity, held briefly
+        self.replies: dict[bytes, list[ReqOutput]] = {}  # per frontend, sent once a drain ends
         self.stopping = False
         self._stats_at, self._stats_gen = time.monotonic(), 0
         self.ctx = zmq.Context()
@@ -119,7 +120,7 @@ class CoreServer:
         if now - self._stats_at < STATS_INTERVAL:
             return
         core = self.core
-        gen, used, total = core.stats().generation_tokens, core.kv_blocks_used, core.info().num_blocks
+        gen, used, total = core.stats().generation_tokens, core.kv_blocks_used, core.num_blocks
         log.info("running %d, waiting %d, KV %.0f%% (%d/%d blocks), %.1f gen tok/s",
                  core.num_running, core.num_waiting, 100 * used / total, used, total,
                  (gen - self._stats_gen) / (now - self._stats_at))
@@ -160,6 +161,21 @@ class CoreServer:
         self.abort_lagging()
 
     def drain(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self.send_replies()
+
+    def send_replies(self) -> None:
+        """What the messages of one drain earned (refusals, "queued", aborts): one StepOutputs per
+        frontend, so a burst of requests does not look like a frontend falling behind."""
+        replies, self.replies = self.replies, {}
+        for ident, outs in replies.items():
+            fe = self.frontends.get(ident)
+            if fe is not None:
+                self.send_step(fe, outs)
+
+    def _drain(self) -> None:
         for _ in range(MAX_MESSAGES_PER_POLL):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -190,11 +206,11 @@ class CoreServer:
         elif isinstance(msg, Generate):
             reply = self.core.add(ident, msg)  # a refusal, or "queued" when asked
             if reply is not None:
-                self.send_step(fe, [reply])
+                self.replies.setdefault(ident, []).append(reply)
         elif isinstance(msg, Abort):
             out = self.core.abort(ident, msg.rid, msg.finished)
             if out is not None:
-                self.send_step(fe, [out])
+                self.replies.setdefault(ident, []).append(out)
         elif isinstance(msg, Control):
             self.send(fe, self.control(msg))
         elif isinstance(msg, Goodbye):

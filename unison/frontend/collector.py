@@ -1,8 +1,9 @@
 """Collector: follows one call's requests for its consumer, wherever that consumer runs.
 
-The frontend's loop updates ReqStates in place and calls each consumer's waker once per core
-step. A consumer wakes, takes everything that changed since it last looked (merged: a consumer
-that fell behind by ten steps gets one item, not ten) and goes back to waiting. One follow loop
+The frontend's loop updates ReqStates in place and calls each consumer's waker once per pass
+over the core's messages (one step, or several when they queued up). A consumer wakes, takes
+everything that changed since it last looked (merged: a consumer that fell behind by ten steps
+gets one item, not ten) and goes back to waiting. One follow loop
 serves the three consumers: `follow()` on any asyncio loop (the async Engine, the HTTP routes on
 the frontend's own loop), `follow_sync()` in a plain thread (the sync Engine).
 """
@@ -24,7 +25,7 @@ class _LoopWaker:
     one per stream (64 streams would otherwise cost 64 self-pipe writes per step)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self.loop_ref = weakref.ref(loop)  # weak: this is the value of a weak map keyed by the loop
         self.lock = threading.Lock()
         self.pending: list[asyncio.Event] = []
 
@@ -33,7 +34,10 @@ class _LoopWaker:
             self.pending.append(event)
             if len(self.pending) > 1:
                 return  # a flush is scheduled already
-        self.loop.call_soon_threadsafe(self._flush)
+        loop = self.loop_ref()
+        if loop is None:
+            raise RuntimeError("the consumer's event loop is gone")
+        loop.call_soon_threadsafe(self._flush)
 
     def _flush(self) -> None:
         with self.lock:

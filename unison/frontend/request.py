@@ -1,8 +1,9 @@
 """A request as its frontend sees it: validated once (GenerateRequest), then followed (ReqState).
 
-ReqState accumulates what the core reports, in place: text, token ids, logprobs. A consumer
-keeps cursors into it (collector.py), so however many steps passed since it last looked, it
-gets everything new as one merged delta, and nothing is copied per step for a slow consumer.
+ReqState accumulates what the core reports, in place: text, token ids, logprobs, and a version
+number. A consumer remembers the version it last saw (collector.py; the HTTP formatter also keeps
+text cursors), so however many steps passed since it last looked, it gets everything new as one
+merged delta, and nothing is copied per step for a slow consumer.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class ReqState:
         self.finish_reason: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.version = 0  # bumped by every change: a consumer has seen it all when it has seen this
-        # Set last, after `version`: a consumer in another thread that sees it has the final
-        # version to see too.
+        # update() sets it last, after `version`: a consumer in another thread that sees it
+        # finished has the final version to see too.
         self.finished = False
         self.waker: Callable[[], None] | None = None  # the consumer's, called once per step
         self.stopped_here = False  # a stop string ended it here: the core must be told
@@ -111,6 +112,8 @@ class ReqState:
             self.finish_reason = {"type": out.finish, "matched": out.matched}
         self.version += 1
         self.finished = self.finish_reason is not None or self.error is not None
+        if self.finished:
+            self._admitted()  # ended before the core's "queued" came (an abort): nobody waits on
 
     def _logprobs(self, out: ReqOutput, kept: int) -> None:
         ids = out.token_ids[:kept]  # a stop string drops the tokens after it

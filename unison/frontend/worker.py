@@ -49,7 +49,7 @@ from unison.registry import pid_alive
 
 ATTACH_TIMEOUT = 5.0  # an attaching frontend talks to a core that is up already
 MAX_TOP_LOGPROBS = 20
-MAX_MESSAGES_PER_WAKE = 64  # StepOutputs taken together when they queue up
+MAX_MESSAGES_PER_WAKE = 64  # messages taken in one pass when they queue up
 RETRY_SEND_S = 0.001  # while the pipe to the core is full
 
 log = logging.getLogger("unison.frontend")
@@ -141,6 +141,10 @@ class TokenizerWorker:
             self._pidfd, self._mark_dead, f"the engine core (pid {self.core_pid}) exited")
 
     def _mark_dead(self, why: str) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._outbox.clear()  # nobody will read it
         if self.dead is None:
             self.dead = EngineDeadError(why)
             if self.on_dead is not None:
@@ -298,7 +302,8 @@ class TokenizerWorker:
         if self._sock is None:
             return
         self._outbox.append(encode(msg))
-        self._flush()
+        if self._retry is None:  # else a retry is due: it sends this one in order
+            self._flush()
 
     def _flush(self) -> None:
         self._retry = None

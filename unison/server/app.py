@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -92,6 +93,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         path = request.url.path
         err = invalid_param(e, openai=path.startswith("/v1/"), chat=path == "/v1/chat/completions")
         return error_response(err.status, err.message, param=err.param)
+
+    @app.exception_handler(jinja2.TemplateError)
+    async def _template_error(_: Request, e: jinja2.TemplateError):
+        # The chat template refused these messages (its raise_exception, e.g. roles that do not
+        # alternate): the request's fault, as vLLM answers it.
+        return error_response(400, f"the chat template refused the messages: {e}", param="messages")
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, e: ValueError):

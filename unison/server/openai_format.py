@@ -72,7 +72,9 @@ def stream_error(e: Exception) -> bytes:
     """A failure after the 200 status line went out is reported in the stream, as vLLM does."""
     if isinstance(e, EngineDeadError):
         return sse(error_body(503, f"the engine is not running: {e}", "service_unavailable"))
-    return sse(error_body(400, str(e)))
+    if isinstance(e, ValueError):
+        return sse(error_body(400, str(e)))
+    return sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
 
 
 # ---- stream chunks --------------------------------------------------------------------------
@@ -185,8 +187,10 @@ class Formatter:
                 content, calls, finish = new_text, None, finish_reason(state)
                 if self.tools is not None:
                     content, calls, finish = self.tools[i].delta(new_text, state.finished, finish)
-                    if not (content or calls or first or finish or logprobs):
+                    if not (content or calls or first or finish or (logprobs and logprobs["content"])):
                         continue  # held back (a tool call's JSON still being decided)
+                    if calls and not content:
+                        content = None  # as OpenAI's tool-call deltas: no content key
                 choice: Any = ChatChunkChoice(i, ChatDelta(content, "assistant" if first else None,
                                                            calls or None), finish, logprobs)
             else:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from unison.errors import EngineDeadError
 from unison.frontend.collector import Collector
 from unison.frontend.worker import TokenizerWorker
 from unison.server.openai_format import HTTPError, sse, stream_error
@@ -49,7 +48,7 @@ def stream(collector: Collector, items: Callable[[list[int]], Iterable[object]],
                     yield sse(item)
             for item in tail():
                 yield sse(item)
-        except (EngineDeadError, ValueError) as e:
+        except Exception as e:  # after the 200: said in the stream, which still ends with [DONE]
             yield stream_error(e)
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
