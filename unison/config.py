@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -76,9 +75,6 @@ class EngineConfig:
         """Fail at once, in the owner, on a path that is not there (the core resolves the rest)."""
         if self.model_path is not None and not Path(self.model_path).expanduser().exists():
             raise FileNotFoundError(f"model path {self.model_path!r} does not exist")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 # One line of help per option: the CLI shows it (`unison serve --help`); a test checks each has one.
