@@ -144,7 +144,6 @@ class Engine:
         pid = os.getppid() if parent_pid is None else parent_pid
         path = Path(registry_file) if registry_file else registry.registry_path(pid)
         self = cls.__new__(cls)
-        self.config = registry.read_for_attach(path, pid).config
         self._h = _Handle()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:
@@ -152,6 +151,7 @@ class Engine:
         except BaseException:
             self._h.close()
             raise
+        self.config = self._h.worker.config
         return self
 
     # ---- generation --------------------------------------------------------------------------

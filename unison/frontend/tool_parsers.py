@@ -49,7 +49,7 @@ class StreamDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
-def _new_id() -> str:
+def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -65,7 +65,7 @@ def _make_call(obj: object, arg_keys: tuple[str, ...]) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(_new_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _loads_call(text: str, arg_keys: tuple[str, ...]) -> ToolCall | None:
@@ -84,7 +84,7 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def _call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
+def call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
     # OpenAI clients expect the header (id, name) in its own fragment before any arguments.
     return [ToolCallDelta(index, call.id, call.name, ""), ToolCallDelta(index, arguments=call.arguments)]
 
@@ -188,7 +188,7 @@ class HermesStreamer(ToolStreamer):
         if call is None:
             out.content += raw  # not a call after all: the model's text is shown as it was
             return
-        out.tool_calls += _call_deltas(self._index, call)
+        out.tool_calls += call_deltas(self._index, call)
         self._index += 1
 
     def finish(self) -> StreamDelta:
@@ -286,7 +286,7 @@ class Llama3JsonStreamer(ToolStreamer):
         calls = self._parser.parse(text).tool_calls
         if not calls:  # some object was not a call: all of the text is content
             return StreamDelta(text)
-        return StreamDelta("", [d for i, call in enumerate(calls) for d in _call_deltas(i, call)])
+        return StreamDelta("", [d for i, call in enumerate(calls) for d in call_deltas(i, call)])
 
 
 PARSERS: dict[str, type[ToolParser]] = {

@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from unison import registry
+from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.request import GenerateRequest, ReqState
@@ -64,6 +65,7 @@ class TokenizerWorker:
         self.core_pid = core_pid
         self.tokenizer: Tokenizer | None = None  # loaded from the directory Welcome names
         self.info: CoreInfo | None = None
+        self.config: EngineConfig | None = None  # the engine's, when attached through its registry
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker_id = -1
         self.states: dict[str, ReqState] = {}
@@ -83,7 +85,9 @@ class TokenizerWorker:
     async def attach(cls, registry_path: str | Path, owner_pid: int) -> TokenizerWorker:
         """A frontend for the running engine that `registry_path` describes (owned by `owner_pid`)."""
         info = registry.read_for_attach(registry_path, owner_pid)
-        return await cls(info.endpoint, info.token, info.core_pid).start(ATTACH_TIMEOUT)
+        worker = cls(info.endpoint, info.token, info.core_pid)
+        worker.config = info.config
+        return await worker.start(ATTACH_TIMEOUT)
 
     async def start(self, timeout: float,
                     alive: Callable[[], str | None] = lambda: None) -> TokenizerWorker:

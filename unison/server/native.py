@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from unison import registry
-from unison.errors import InvalidParam, check_encodable
+from unison.errors import check_encodable
 from unison.frontend.worker import TokenizerWorker
 from unison.protocol import ControlOp
 from unison.server.metrics import CONTENT_TYPE, render_metrics
-from unison.server.openai_format import HTTPError, invalid_param
+from unison.server.openai_format import HTTPError
 from unison.server.streaming import stream, wait, worker_of
 
 router = APIRouter()
@@ -58,11 +58,7 @@ async def generate(request: Request):
         raise HTTPError(400, "give exactly one of text and input_ids")
     call = {k: v for k, v in body.items() if k != "stream"}
     call["prompt"] = call.pop("text", None)
-    try:
-        req = worker.make_request(**call)
-        collector = await worker.submit(req)
-    except InvalidParam as e:
-        raise invalid_param(e, openai=False) from None
+    collector = await worker.submit(worker.make_request(**call))  # InvalidParam: the app's handler
     await collector.admitted()
     if body.get("stream"):
         return stream(collector, collector.outputs)

@@ -8,10 +8,10 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from unison.errors import InvalidParam, check_encodable
+from unison.errors import check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.worker import TokenizerWorker
-from unison.server.openai_format import Formatter, HTTPError, invalid_param
+from unison.server.openai_format import Formatter, HTTPError
 from unison.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,7 +94,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise HTTPError(400, "suffix and best_of are not supported", param="suffix")
     prompt, input_ids = _completion_prompt(body.prompt)
     k = body.logprobs
-    collector = await _submit(request, worker, chat=False, prompt=prompt, input_ids=input_ids,
+    collector = await _submit(request, worker, prompt=prompt, input_ids=input_ids,
                               add_special_tokens=body.add_special_tokens is not False,
                               sampling_params=body.sampling_params(16, request.app.state.sampling_defaults),
                               return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
@@ -133,7 +133,7 @@ async def chat(body: ChatCompletionRequest, request: Request):
             raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "
                                  "it cannot be combined with response_format", param="tool_choice")
         params.json_schema = tools.json_schema
-    collector = await _submit(request, worker, chat=True, input_ids=prompt_ids, sampling_params=params,
+    collector = await _submit(request, worker, input_ids=prompt_ids, sampling_params=params,
                               return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                               priority=body.priority)
     fmt = Formatter(worker.tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
@@ -142,11 +142,8 @@ async def chat(body: ChatCompletionRequest, request: Request):
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
 
 
-async def _submit(request: Request, worker: TokenizerWorker, *, chat: bool, **call) -> Collector:
-    try:
-        req = worker.make_request(**call)
-    except InvalidParam as e:
-        raise invalid_param(e, openai=True, chat=chat) from None
+async def _submit(request: Request, worker: TokenizerWorker, **call) -> Collector:
+    req = worker.make_request(**call)  # an InvalidParam: the app's handler names the field
     req.batch = True  # choices are indexed whatever the prompt's form
     collector = await worker.submit(req)
     await collector.admitted()  # a full engine queue is a 503 now, not an error inside a stream

@@ -11,11 +11,19 @@
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from unison.frontend.tool_parsers import StreamDelta, ToolCall, ToolParser, ToolStreamer, get_parser
+from unison.frontend.tool_parsers import (
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    ToolStreamer,
+    call_deltas,
+    get_parser,
+    new_call_id,
+)
 from unison.server.openai_format import HTTPError
 
 ANY_OBJECT = {"type": "object"}
@@ -115,17 +123,13 @@ def _call_dict(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _new_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
 class ToolOutput:
     """One choice's text as content and tool calls: whole (`final`) or as stream deltas."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.streamer: ToolStreamer | None = plan.parser.streamer() if plan.parser else None
-        self.named_id = _new_id()
+        self.named_id = new_call_id()
         self.buffer = ""  # required: the JSON list, decided at the end
         self.found_calls = False
 
@@ -136,7 +140,7 @@ class ToolOutput:
         if plan.mode == "required":
             try:
                 items = json.loads(text)
-                calls = [ToolCall(_new_id(), c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                calls = [ToolCall(new_call_id(), c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                          for c in items]
             except (ValueError, TypeError, KeyError):  # cut short (max_tokens): it stays content
                 return text, []
@@ -174,7 +178,9 @@ class ToolOutput:
             if not finished:
                 return "", [], None
             content, calls = self._calls(self.buffer)
-            return content or "", self._headers_then_arguments(calls), self._finish(calls, finish)
+            calls = calls if self.plan.parallel else calls[:1]
+            deltas = [self._delta_dict(d) for i, c in enumerate(calls) for d in call_deltas(i, c)]
+            return content or "", deltas, self._finish(bool(calls), finish)
         if mode == "auto":
             out = self.streamer.feed(new_text)
             if finished:
@@ -183,24 +189,17 @@ class ToolOutput:
             deltas = [self._delta_dict(d) for d in out.tool_calls
                       if self.plan.parallel or d.index == 0]
             self.found_calls = self.found_calls or bool(deltas)
-            return out.content, deltas, self._finish([None] if self.found_calls else [], finish)
+            return out.content, deltas, self._finish(self.found_calls, finish)
         return new_text, [], finish
 
-    def _headers_then_arguments(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        calls = calls if self.plan.parallel else calls[:1]
-        out = []
-        for i, c in enumerate(calls):
-            out.append({"index": i, "id": c.id, "type": "function",
-                        "function": {"name": c.name, "arguments": ""}})
-            out.append({"index": i, "function": {"arguments": c.arguments}})
-        return out
-
     @staticmethod
-    def _delta_dict(d) -> dict[str, Any]:
+    def _delta_dict(d: ToolCallDelta) -> dict[str, Any]:
+        """A parser's delta in OpenAI's shape: the header (id, type, name) first, then arguments."""
         if d.id is not None:
             return {"index": d.index, "id": d.id, "type": "function",
                     "function": {"name": d.name, "arguments": d.arguments}}
         return {"index": d.index, "function": {"arguments": d.arguments}}
 
-    def _finish(self, calls: list, finish: str | None) -> str | None:
-        return "tool_calls" if calls and finish == "stop" else finish
+    @staticmethod
+    def _finish(has_calls: bool, finish: str | None) -> str | None:
+        return "tool_calls" if has_calls and finish == "stop" else finish
