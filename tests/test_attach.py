@@ -520,7 +520,7 @@ def test_attach_with_a_bad_registry(engine, tmp_path, change, error, match):
 def test_pause_from_attached_frontend_holds_the_owners_work(engine):
     with AttachedProcess(engine) as child, ThreadPoolExecutor(1) as pool:
         for resumer in ("attached", "owner"):
-            child.call("pause_generation")
+            child.call("pause_generation", mode="in_place")
             try:
                 held = pool.submit(engine.generate, PROMPTS[0], GREEDY_8)
 
@@ -556,7 +556,7 @@ def test_rids_are_engine_wide_and_aborts_touch_only_their_owner(engine, referenc
         stream = engine.generate(prompt, GREEDY_REF, stream=True, rid="shared-rid",
                                  return_logprob=True, top_logprobs_num=5)
         next(stream)
-        engine.pause_generation()  # keeps the owner's request in flight, however fast the steps
+        engine.pause_generation(mode="in_place")  # keeps the owner's request in flight however fast
         try:
             with pytest.raises(ValueError, match="'shared-rid' is already in flight"):
                 child.call("generate", prompt=PROMPTS[0], sampling_params=GREEDY_8,
@@ -568,7 +568,7 @@ def test_rids_are_engine_wide_and_aborts_touch_only_their_owner(engine, referenc
         finally:
             engine.continue_generation()
         *_, last = stream
-        assert last["meta_info"]["finish_reason"] == {"type": "length", "matched": None}
+        assert last["meta_info"]["finish_reason"] == {"type": "length", "length": REF_TOKENS}
         assert_greedy_close(*references[prompt], last["output_ids"], top_dicts(last),
                             name="the owner's request after foreign aborts")
         # Once finished, the rid is free for anyone.
@@ -610,7 +610,7 @@ def test_kill_of_attached_process_frees_its_requests(engine):
                    time.monotonic() - t0)
 
             # Paused, the owner's request holds exactly the blocks of its computed tokens.
-            engine.pause_generation()
+            engine.pause_generation(mode="in_place")
             try:
                 wait_until(lambda: stopped_growing(chunks), 5, "the owner's stream to settle")
                 done = chunks[-1]["meta_info"]["finish_reason"] is not None

@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ import pytest
 from tests.serving import FIGURES, Server, assert_openai_error, serve
 from tests.utils import wait_until
 from unison import Engine
+from unison.model.loader import default_gguf_path
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-unison-test"
@@ -282,7 +284,7 @@ def test_info_routes(server, client):
     assert [f["pid"] for f in info["frontends"]] == [server.proc.pid]
     assert info["context_length"] == 8192 and info["config"]["chunked_prefill_size"] == 64
     r = server.post("/flush_cache")
-    assert r.status_code == 200 and r.json() == {"success": True}
+    assert r.status_code == 200 and r.json()["success"] is True
     assert r.headers["x-unison-worker-pid"] == str(server.proc.pid)
 
 
@@ -396,6 +398,52 @@ def test_api_key_enforced_on_both_workers(server2, auth):
     send = functools.partial(httpx.post, server2.url + COMP, json={"prompt": "hi"}, headers=headers)
     for r in _from_both(server2, send).values():
         assert_openai_error(r, 401)
+
+
+CONTROLS = ["/pause_generation", "/continue_generation", "/abort_request", "/update_weights_from_disk",
+            "/flush_cache"]
+
+
+def test_control_routes_need_the_key(server2):
+    for route in CONTROLS:
+        send = functools.partial(httpx.post, server2.url + route, json={})
+        for r in _from_both(server2, send).values():
+            assert_openai_error(r, 401, "api key")
+    assert httpx.get(server2.url + "/get_model_info").status_code == 401
+
+
+def test_control_routes_in_sglangs_shapes_act_engine_wide(server2):
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(server2.post, "/generate", body)
+        server2.wait_running(1)
+        busy = server2.post("/flush_cache")
+        assert busy.status_code == 400 and not busy.json()["success"] and "hold KV" in busy.json()["message"]
+        # in_place from whichever worker answers: the engine pauses, the request keeps its KV
+        r = server2.post("/pause_generation", {"mode": "in_place"})
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        info = server2.server_info()
+        assert info["paused"] and info["pause_mode"] == "in_place" and info["kv_blocks_used"] > 0
+        assert server2.post("/continue_generation").status_code == 200
+        assert server2.post("/abort_request", {"abort_all": True}).status_code == 200
+        out = running.result(30).json()  # another worker's request, ended by the operator's abort
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    server2.wait_freed(5)
+    assert_openai_error(server2.post("/pause_generation", {"mode": "sideways"}), 400, "mode")
+    assert_openai_error(server2.post("/abort_request", {}), 400, "rid")
+    assert server2.post("/pause_generation").json()["status"] == "ok"  # SGLang's default: abort
+    assert server2.server_info()["pause_mode"] == "abort"
+    assert server2.post("/continue_generation").status_code == 200
+    model = server2.get("/get_model_info").json()
+    assert model["is_generation"] and model["model_path"] is None
+    gguf = str(default_gguf_path())
+    ok = server2.post("/update_weights_from_disk", {"model_path": gguf})
+    assert ok.status_code == 200 and ok.json()["success"], ok.text
+    assert server2.get("/get_model_info").json()["model_path"] == gguf
+    bad = server2.post("/update_weights_from_disk", {"model_path": "/no/such/model"})
+    assert bad.status_code == 400 and not bad.json()["success"] and "does not exist" in bad.json()["message"]
+    r = server2.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    assert r.status_code == 200, r.text
 
 
 def test_api_key_accepted_health_and_metrics_open(server2):

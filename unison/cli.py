@@ -76,6 +76,9 @@ def _serve(args: argparse.Namespace) -> int:
                              f"{args.model_path!r}")
         args.model_path = args.model
     opts = engine_options(args)
+    if opts.get("skip_tokenizer_init"):
+        raise ValueError("--skip-tokenizer-init is for the Python Engine: the server's routes "
+                         "tokenize and detokenize")
     opts.setdefault("log_level", "info")
     config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,

@@ -24,9 +24,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     max_total_tokens: int | None = None  # KV capacity in tokens; None: from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: a quarter of free memory (at most 8 GiB) on CPU
-    max_running_requests: int = 64
+    max_running_requests: int = 64  # SGLang's None: this default
     max_queued_requests: int | None = None  # waiting requests, engine-wide; past it: refused at once
-    chunked_prefill_size: int = 512  # token budget of one step: long prompts are prefilled in chunks
+    chunked_prefill_size: int = 512  # a step's token budget: long prompts prefill in chunks (-1: never)
     disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
     # A frontend that has not processed its outputs for this long, or this many steps' worth,
@@ -35,8 +35,22 @@ class EngineConfig:
     frontend_max_unacked: int = 64
     startup_timeout: float = 300.0  # seconds to wait for the core to load the model
     log_level: str = "warning"
+    # SGLang's options, with SGLang's meaning:
+    random_seed: int | None = None  # seeds the draw of each unseeded request's sampling seed
+    # Memory for weights + KV cache, as a fraction of the machine's (the GPU's on CUDA); the KV
+    # cache gets what is left of it once the weights are loaded. None: kv_cache_memory_gb's rule.
+    mem_fraction_static: float | None = None
+    skip_tokenizer_init: bool = False  # token ids in, token ids out; no tokenizer is loaded
+    stream_output: bool = False  # streams yield only what is new (disjoint segments), not all so far
 
     def __post_init__(self) -> None:
+        # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
+        for name in DEFAULTS:
+            if getattr(self, name) is None:
+                setattr(self, name, DEFAULTS[name])
+        if self.chunked_prefill_size == -1:
+            self.chunked_prefill_size = NO_CHUNKING
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         _check(self.tokenizer_worker_num >= 1, "tokenizer_worker_num", "must be >= 1")
         _check(self.block_size >= 1, "block_size", "must be >= 1")
         _check(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
@@ -58,15 +72,33 @@ class EngineConfig:
                f"must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         _check(self.quantization in ("auto", "none") or self.device == "cpu", "quantization",
                f"{self.quantization!r} runs on CPU only; on {self.device} use 'none' or 'auto'")
-        _check(self.schedule_policy in ("fcfs", "lpm", "fair"), "schedule_policy",
-               f"must be fcfs, lpm or fair, got {self.schedule_policy!r}")
+        _check(self.schedule_policy in POLICIES, "schedule_policy",
+               f"must be one of {', '.join(POLICIES)}, got {self.schedule_policy!r}"
+               + (" (an SGLang policy Unison does not have)" if self.schedule_policy in SGLANG_ONLY_POLICIES
+                  else ""))
+        _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}, "
+               f"got {self.log_level!r}")
+        _check(self.random_seed is None or (isinstance(self.random_seed, int) and self.random_seed >= 0),
+               "random_seed", "must be an integer >= 0")
+        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+               "mem_fraction_static", "must be in (0, 1)")
         _check(self.device == "cpu" or self.device.startswith("cuda"), "device",
                "must be 'cpu' or 'cuda[:N]'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The config from keyword options: ours, and sglang.Engine's where they mean the same
+        (any other SGLang option is refused by name: ignoring it could change results)."""
+        for name, allowed in NO_EFFECT.items():
+            if name in kwargs and (value := kwargs.pop(name)) not in allowed:
+                raise ValueError(f"{name}={value!r}: Unison runs one engine on one device; {name} may "
+                                 f"only be {' or '.join(map(repr, allowed))}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
+        sglang = [k for k in unknown if k in SGLANG_OPTIONS]
+        if sglang:
+            raise ValueError(f"SGLang option(s) {sglang} are not supported by Unison; remove them "
+                             f"(Unison's options: {sorted(known)})")
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
         return cls(**kwargs)
@@ -75,6 +107,37 @@ class EngineConfig:
         """Fail at once, in the owner, on a path that is not there (the core resolves the rest)."""
         if self.model_path is not None and not Path(self.model_path).expanduser().exists():
             raise FileNotFoundError(f"model path {self.model_path!r} does not exist")
+
+
+DEFAULTS = {"max_running_requests": 64, "chunked_prefill_size": 512, "schedule_policy": "fcfs",
+            "quantization": "auto"}
+NO_CHUNKING = 1 << 30  # chunked_prefill_size=-1 (SGLang): a prompt is prefilled in one step
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+POLICIES = ("fcfs", "lpm", "fair", "random")
+SGLANG_ONLY_POLICIES = ("dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# sglang.Engine options accepted for compatibility, with the only values that mean something here.
+NO_EFFECT = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "disable_cuda_graph": (True, False),
+             "trust_remote_code": (True, False)}  # no model code is ever run from a checkpoint
+# sglang.Engine options Unison does not have: named in the refusal, so a port knows what to drop.
+SGLANG_OPTIONS = frozenset("""
+tokenizer_path tokenizer_mode skip_server_warmup revision served_model_name chat_template
+completion_template is_embedding enable_multimodal host port api_key ep_size nnodes node_rank
+dist_init_addr attention_backend prefill_attention_backend decode_attention_backend sampling_backend
+grammar_backend enable_torch_compile torch_compile_max_bs cuda_graph_max_bs cuda_graph_bs
+enable_mixed_chunk enable_dp_attention speculative_algorithm speculative_draft_model_path
+speculative_num_steps speculative_eagle_topk speculative_num_draft_tokens lora_paths
+max_loras_per_batch enable_lora lora_backend max_lora_rank max_prefill_tokens page_size
+stream_interval watchdog_timeout download_dir base_gpu_id gpu_id_step enable_metrics
+show_time_cost decode_log_interval enable_memory_saver allow_auto_truncate tool_call_parser
+reasoning_parser json_model_override_args preferred_sampling_params enable_deterministic_inference
+num_continuous_decode_steps torchao_config enable_p2p_check disaggregation_mode
+enable_hierarchical_cache schedule_conservativeness cpu_offload_gb kv_cache_dtype_override
+constrained_json_whitespace_pattern model_loader_extra_config enable_custom_logit_processor
+weight_version load_balance_method disable_overlap_schedule enable_two_batch_overlap
+enable_cache_report file_storage_path enable_nan_detection triton_attention_reduce_in_fp32
+hybrid_kvcache_ratio swa_full_tokens_ratio modelopt_quant impl
+""".split())
 
 
 # One line of help per option: the CLI shows it (`unison serve --help`); a test checks each has one.
@@ -97,11 +160,17 @@ HELP = {
                            "request is refused at once (HTTP 503)",
     "chunked_prefill_size": "tokens per step: longer prompts are prefilled in chunks",
     "disable_radix_cache": "turn off the prefix cache that reuses shared prompt prefixes' KV",
-    "schedule_policy": "fcfs, lpm (longest cached prefix first) or fair (round-robin over frontends)",
+    "schedule_policy": "fcfs, lpm (longest cached prefix first), fair (round-robin over frontends) "
+                       "or random",
     "frontend_max_lag_s": "a frontend this far behind its outputs has its requests aborted",
     "frontend_max_unacked": "... or this many steps' outputs behind",
     "startup_timeout": "seconds to wait for the core to load the model",
-    "log_level": "debug, info, warning or error",
+    "log_level": "debug, info, warning, error or critical",
+    "random_seed": "seeds the sampling seed drawn for each request that gives none (reproducible runs)",
+    "mem_fraction_static": "weights + KV cache as a fraction of memory (SGLang's); the KV cache "
+                           "gets the rest after the weights",
+    "skip_tokenizer_init": "no tokenizer: prompts are input_ids, outputs output_ids only",
+    "stream_output": "streamed items carry only what is new, not everything so far",
 }
 
 

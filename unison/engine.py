@@ -21,11 +21,11 @@ from typing import Any
 from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
-from unison.errors import EngineDeadError
+from unison.errors import EngineDeadError, InvalidParam
 from unison.frontend.collector import Collector
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.worker import TokenizerWorker
-from unison.protocol import ControlOp
+from unison.protocol import ControlOp, OpResult, Pause, PauseMode, UpdateWeights
 
 
 class _LoopThread:
@@ -120,7 +120,7 @@ class Engine:
         try:
             cfg = self.config
             core = self._h.core = CoreProcess(cfg, publish=cfg.tokenizer_worker_num > 1)
-            worker = TokenizerWorker(core.endpoint, core.token, core.pid)
+            worker = TokenizerWorker(core.endpoint, core.token, core.pid, cfg)
             self._start(worker.start(cfg.startup_timeout, core.startup_problem))
         except BaseException:
             self._h.close()
@@ -155,20 +155,29 @@ class Engine:
         return self
 
     # ---- generation --------------------------------------------------------------------------
+    # The signatures are sglang.Engine's (SGLang commit 001067ff): its first four parameters
+    # positionally, in its order; the rest keyword-only, None meaning the default. Its arguments
+    # for features Unison lacks are accepted at their defaults and refused by name otherwise.
 
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | SamplingParams | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
-                 return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 rid: str | list[str] | None = None, priority: int = 0) -> dict | list[dict] | Iterator[dict]:
+                 input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None, *,
+                 return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
+                 top_logprobs_num: int | list[int] | None = None,
+                 token_ids_logprob: list[int] | list[list[int]] | None = None,
+                 lora_path: Any = None, custom_logit_processor: Any = None, stream: bool = False,
+                 rid: str | list[str] | None = None, priority: int | None = None,
+                 **sglang_args: Any) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict) or a list (a flat list of P * n dicts)."""
         if _running_loop() is not None:
             warnings.warn("Engine.generate blocks the running event loop; use async_generate there",
                           RuntimeWarning, stacklevel=2)
+        _refuse_unsupported(image_data=image_data, lora_path=lora_path,
+                            custom_logit_processor=custom_logit_processor, **sglang_args)
         worker = self._worker()
         req = worker.make_request(prompt, sampling_params, input_ids, return_logprob=return_logprob,
                                   logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                                  rid=rid, priority=priority)
+                                  token_ids_logprob=token_ids_logprob, rid=rid, priority=priority)
         collector = self._h.loop.run(worker.submit(req))
         if stream:
             return _Stream(_items(collector.follow_sync(), collector), collector.close)
@@ -178,17 +187,24 @@ class Engine:
 
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: dict | list[dict] | SamplingParams | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
-                             return_logprob: bool = False, logprob_start_len: int = -1,
-                             top_logprobs_num: int = 0, rid: str | list[str] | None = None,
-                             priority: int = 0) -> dict | list[dict] | AsyncIterator[dict]:
+                             input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None, *,
+                             return_logprob: bool | list[bool] = False,
+                             logprob_start_len: int | list[int] | None = None,
+                             top_logprobs_num: int | list[int] | None = None,
+                             token_ids_logprob: list[int] | list[list[int]] | None = None,
+                             lora_path: Any = None, custom_logit_processor: Any = None,
+                             stream: bool = False, rid: str | list[str] | None = None,
+                             priority: int | None = None,
+                             **sglang_args: Any) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
+        _refuse_unsupported(image_data=image_data, lora_path=lora_path,
+                            custom_logit_processor=custom_logit_processor, **sglang_args)
         worker = self._worker()
         # Tokenizing (a long prompt, a JSON schema's grammar) must not stall the caller's loop.
         req = await asyncio.to_thread(
             worker.make_request, prompt, sampling_params, input_ids, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
-            priority=priority)
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob, rid=rid, priority=priority)
         submitted = self._h.loop.submit(worker.submit(req))
         try:
             collector = await asyncio.shield(asyncio.wrap_future(submitted))
@@ -201,30 +217,63 @@ class Engine:
             pass
         return collector.results()
 
-    def abort_request(self, rid: str) -> None:
-        """Abort one of this frontend's requests (a request of another frontend is never touched)."""
-        self._h.loop.run(self._worker().abort(rid), timeout=5)
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort one of this frontend's requests, or all of them (another frontend's requests
+        are never touched here; the HTTP route /abort_request is the engine-wide one)."""
+        worker = self._worker()
+        rids = list(worker.states) if abort_all else [rid]
+        for r in rids:
+            self._h.loop.run(worker.abort(r), timeout=5)
 
     # ---- engine-wide controls, acted on in the core ------------------------------------------
 
-    def _control(self, op: ControlOp) -> Any:
-        return self._h.loop.run(self._worker().control(op))
+    def _control(self, op: ControlOp, arg: Any = None, timeout: float | None = 30.0) -> Any:
+        return self._h.loop.run(self._worker().control(op, arg, timeout))
 
     def get_server_info(self) -> dict[str, Any]:
-        """The core's engine-wide state as a dict; the model's fields at the top level, as before."""
+        """The engine's state, every frontend seeing the same: SGLang's keys (its options, then
+        status, max_total_num_tokens, max_req_input_len, internal_states, version), and ours."""
         info = self._control(ControlOp.SERVER_INFO).to_dict()
         info["worker_id"] = self._h.worker.worker_id
-        info["model_path"] = self.config.model_path
         return info
 
-    def flush_cache(self) -> bool:
+    def get_model_info(self) -> dict[str, Any]:
+        """What is served now (a weight update changes model_path), in SGLang's keys."""
+        return self._control(ControlOp.SERVER_INFO).model_info()
+
+    def flush_cache(self) -> OpResult:
+        """Empty the prefix cache. The result is falsy, with the reason in `.message`, while
+        requests hold KV (SGLang's: not an exception)."""
         return self._control(ControlOp.FLUSH_CACHE)
 
-    def pause_generation(self) -> None:
-        self._control(ControlOp.PAUSE)
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating, engine-wide: `abort` ends what is in flight (as aborted), `retract`
+        frees its KV to recompute it after continue_generation(), `in_place` keeps it as it is.
+        New requests meanwhile are queued, not refused."""
+        self._control(ControlOp.PAUSE, Pause(_pause_mode(mode)))
 
     def continue_generation(self) -> None:
         self._control(ControlOp.CONTINUE)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False) -> tuple[bool, str, int]:
+        """Load new weights (a safetensors directory or a GGUF file of the same architecture and
+        shapes) into the running core, as SGLang's: the requests in flight finish first (or
+        are aborted, with `abort_all_requests`; at once when paused), new ones wait, the prefix
+        cache is emptied, and attached frontends stay attached. Returns (success, message,
+        num_paused_requests); a refused checkpoint leaves the old weights serving."""
+        path = str(Path(model_path).expanduser().resolve())
+        r = self._control(ControlOp.UPDATE_WEIGHTS,
+                          UpdateWeights(path, load_format, bool(abort_all_requests)), timeout=None)
+        return r.success, r.message, r.num_paused_requests
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True) -> tuple[bool, str]:
+        """Not supported: write the tensors as a checkpoint (safetensors.torch.save_file into an
+        HF directory) and call update_weights_from_disk."""
+        raise NotImplementedError(
+            "update_weights_from_tensor is not supported by Unison: save the tensors with "
+            "safetensors.torch.save_file into a model directory and call update_weights_from_disk")
 
     def check_integrity(self) -> None:
         """Raise if the core's KV block pool has a leaked or double-owned block."""
@@ -263,6 +312,42 @@ async def _aitems(follow: AsyncIterator[list[int]], collector: Collector) -> Asy
     async for changed in follow:
         for item in collector.outputs(changed):
             yield item
+
+
+# sglang.Engine.generate's arguments for what Unison does not have (images and audio, LoRA,
+# custom logit processors, hidden states, sessions, disaggregation), with their defaults: given
+# anything else, the call is refused by name. Tracing and routing hints change no result and
+# are taken as given.
+SGLANG_UNSUPPORTED = {
+    "image_data": None, "audio_data": None, "video_data": None, "mm_hashes": None,
+    "mm_content_hashes": None, "lora_path": None, "custom_logit_processor": None,
+    "require_reasoning": False, "return_hidden_states": False, "return_routed_experts": False,
+    "routed_experts_start_len": 0, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "disagg_prefill_dp_rank": None, "session_params": None,
+    "session_id": None, "cache_salt": None,
+}
+SGLANG_NO_EFFECT = {"external_trace_header", "kv_router_hint", "routed_dp_rank", "data_parallel_rank"}
+
+
+def _refuse_unsupported(**args: Any) -> None:
+    for name, value in args.items():
+        if name in SGLANG_NO_EFFECT:
+            if name.endswith("dp_rank") and value not in (None, 0):
+                raise InvalidParam(name, f"{name}={value!r}: this engine has one data-parallel rank (0)")
+            continue
+        if name not in SGLANG_UNSUPPORTED:
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+        if value != SGLANG_UNSUPPORTED[name] and value is not None:
+            raise InvalidParam(name, f"{name} is not supported by Unison (text-only generation, no "
+                                     "LoRA, custom logit processors, sessions or disaggregation); "
+                                     "leave it unset")
+
+
+def _pause_mode(mode: str) -> PauseMode:
+    try:
+        return PauseMode(mode)
+    except ValueError:
+        raise ValueError(f"mode must be one of {[m.value for m in PauseMode]}, got {mode!r}") from None
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

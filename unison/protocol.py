@@ -17,7 +17,7 @@ import msgspec
 
 from unison.config import EngineConfig
 
-PROTOCOL_VERSION = "2"
+PROTOCOL_VERSION = "3"
 
 
 class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -61,6 +61,7 @@ class Generate(msgspec.Struct, tag=True):
     logprob_start_len: int = -1  # >= 0: also return prompt logprobs from this position
     priority: int = 0  # higher is admitted first
     report_queued: bool = False  # answer with ReqOutput(queued=True) once queued (see CoreInfo)
+    token_ids_logprob: list[int] = []  # with return_logprob: these ids' logprobs at every position
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -77,11 +78,37 @@ class ControlOp(enum.Enum):
     CONTINUE = "continue"
     CHECK_INTEGRITY = "check_integrity"
     STEP_SHAPES = "step_shapes"  # benchmarks: needs UNISON_RECORD_STEP_SHAPES=1 in the core's env
+    ABORT_REQUESTS = "abort_requests"  # engine-wide, any frontend's requests (arg: AbortRequests)
+    UPDATE_WEIGHTS = "update_weights"  # arg: UpdateWeights
+
+
+class PauseMode(enum.Enum):
+    """What a pause does to the requests in flight (SGLang's modes)."""
+
+    ABORT = "abort"  # they end as aborted, their KV freed
+    RETRACT = "retract"  # their KV is freed; they are recomputed after continue_generation
+    IN_PLACE = "in_place"  # they keep their KV and resume where they were
+
+
+class Pause(msgspec.Struct, tag=True, frozen=True):
+    mode: PauseMode = PauseMode.ABORT
+
+
+class AbortRequests(msgspec.Struct, tag=True, frozen=True):
+    rid: str = ""  # a request id (its n samples too), or
+    abort_all: bool = False  # every request in flight, whichever frontend sent it
+
+
+class UpdateWeights(msgspec.Struct, tag=True, frozen=True):
+    model_path: str  # an HF directory or a GGUF file of the same architecture and shapes
+    load_format: str | None = None  # None / auto: from the path
+    abort_all_requests: bool = False  # abort what is in flight instead of letting it finish
 
 
 class Control(msgspec.Struct, tag=True):
     cid: int  # echoed in the reply
     op: ControlOp
+    arg: Pause | AbortRequests | UpdateWeights | None = None
 
 
 class Ack(msgspec.Struct, tag=True):
@@ -132,6 +159,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     finish: str | None = None  # stop | length | abort
     matched: int | None = None  # the stop token id, when finish == "stop"
     error: str | None = None  # set with finish == "abort" when the core refused or dropped it
+    message: str | None = None  # finish == "abort" by an engine-wide control: why (no error)
     refused: bool = True  # the request was invalid (ValueError), not dropped while running
     overloaded: bool = False  # refused: the engine's queue is full (max_queued_requests)
     queued: bool = False  # no news but this: the request was accepted into the queue
@@ -141,6 +169,8 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     top_logprobs: list[list[tuple[int, float]]] = []
     prompt_logprobs: list[float | None] = []  # from logprob_start_len; None for position 0
     prompt_top_logprobs: list[list[tuple[int, float]]] = []
+    token_ids_logprobs: list[list[float]] = []  # per token in token_ids: Generate.token_ids_logprob's
+    prompt_token_ids_logprobs: list[list[float] | None] = []  # per prompt position, as prompt_logprobs
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -172,7 +202,7 @@ class FrontendInfo(msgspec.Struct):
     requests_in_flight: int
 
 
-class ServerInfo(msgspec.Struct):
+class ServerInfo(msgspec.Struct, tag=True):
     """The core's engine-wide state, the same whichever frontend asks."""
 
     version: str
@@ -181,6 +211,8 @@ class ServerInfo(msgspec.Struct):
     config: EngineConfig
     core: CoreInfo
     paused: bool
+    pause_mode: str | None  # of the pause in effect
+    weights_version: int  # weight updates so far
     num_running: int
     num_waiting: int
     kv_blocks_used: int  # held by requests
@@ -192,15 +224,42 @@ class ServerInfo(msgspec.Struct):
     frontends: list[FrontendInfo]
 
     def to_dict(self) -> dict:
-        """Plain JSON-able values, the model's fields at the top level (as sglang's server_info)."""
+        """Plain JSON-able values in SGLang's top-level keys (its options, the scheduler's
+        status / max_total_num_tokens / max_req_input_len, internal_states, version), then
+        ours: the model's fields at the top level, the state, `config` as it was given."""
+        from unison import __version__
+
         info = msgspec.to_builtins(self)
-        info |= info.pop("core")
-        return info
+        info.pop("type")  # the message's tag
+        config, core = info["config"], info.pop("core")
+        state = {k: info[k] for k in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached",
+                                      "paused", "pause_mode", "stats")}
+        sglang = {**config, "status": "ready", "max_total_num_tokens": core["max_total_tokens"],
+                  "max_req_input_len": core["max_req_input_len"], "internal_states": [state],
+                  "version": __version__}
+        return {**sglang, **core, **info, "protocol_version": self.version, "version": __version__}
+
+    def model_info(self) -> dict:
+        """SGLang's get_model_info: what is served now."""
+        return {"model_path": self.config.model_path, "tokenizer_path": self.core.model_dir,
+                "is_generation": True, "weight_version": self.weights_version,
+                "load_format": self.config.load_format}
+
+
+class OpResult(msgspec.Struct, tag=True):
+    """The outcome of a control that can be refused for a reason (SGLang's result shapes)."""
+
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0  # update_weights: requests in flight at the swap (held or paused)
+
+    def __bool__(self) -> bool:
+        return self.success
 
 
 class ControlReply(msgspec.Struct, tag=True):
     cid: int
-    result: ServerInfo | list[tuple[int, int, int]] | bool | None = None
+    result: ServerInfo | OpResult | list[tuple[int, int, int]] | bool | None = None
     error: str | None = None
 
 

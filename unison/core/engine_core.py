@@ -36,6 +36,7 @@ class EngineCore:
             block_size=config.block_size,
             max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
             load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
+            mem_fraction_static=config.mem_fraction_static,
         )
         model_limit = self.runner.context_length
         self.context_length = min(config.context_length or model_limit, model_limit)
@@ -45,7 +46,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
-            policy=config.schedule_policy,
+            policy=config.schedule_policy, seed=config.random_seed,
         )
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
@@ -53,6 +54,7 @@ class EngineCore:
         self.grammars: Grammars | None = None  # started by the first constrained request
         self.compiling: list[Request] = []  # waiting for their grammar's matcher
         self.bad_grammars: list[Request] = []  # compiled with an error: refused next step
+        self.holding = False  # a weight update waits: new requests queue, unadmitted, until it is done
         self._stats = EngineStats()
         self.latency = LatencyMetrics()
         # Instrumentation for benchmarks (see metrics.StepShapes): called with each forward's
@@ -64,7 +66,7 @@ class EngineCore:
         """Something to step: a running request, a waiting one that can be admitted (its grammar
         compiled), or a request to refuse. Call poll_grammars() first to see finished compiles."""
         sched = self.scheduler
-        return bool(sched.running) or len(sched.waiting) > len(self.compiling) or bool(self.bad_grammars)
+        return bool(sched.running) or bool(self.bad_grammars) or any(r.ready for r in sched.waiting)
 
     def poll_grammars(self) -> None:
         """Move requests whose grammar finished compiling out of `compiling` (failures are refused
@@ -122,7 +124,39 @@ class EngineCore:
         return Counter(req.frontend for req in self.requests.values())
 
     def flush_cache(self) -> None:
+        """Empty the prefix cache; RuntimeError while requests hold KV (they may share its blocks)."""
         self.scheduler.flush_cache()
+
+    def load_weights(self, model_path: str) -> None:
+        """Serve `model_path`'s weights from now on (ValueError: not the same shapes; the old ones
+        stay). Whatever holds KV computed with the old weights is recomputed, and the prefix
+        cache emptied: no token is ever computed over stale KV."""
+        self.runner.load_weights(model_path)
+        self.retract_all()
+        self.scheduler.flush_cache()
+        self.config.model_path = model_path
+
+    def retract_all(self) -> int:
+        """Free the KV of every running request; they wait, first in line, to be recomputed."""
+        return self.scheduler.retract_all()
+
+    def hold_new(self, hold: bool) -> None:
+        """While held, new requests queue but are not admitted (a weight update waits for what
+        is in flight); releasing admits what queued meanwhile."""
+        self.holding = hold
+        if not hold:
+            for req in self.scheduler.waiting:
+                req.held = False
+
+    def abort_where(self, match: Callable[[Request], bool], message: str) -> Outputs:
+        """End every request `match` selects, whichever frontend owns it (an engine-wide control):
+        each ends as aborted with `message`, as a result, not an error."""
+        outputs: Outputs = defaultdict(list)
+        for req in [r for r in self.requests.values() if match(r)]:
+            self._drop(req)
+            self._stats.num_aborted += 1
+            outputs[req.frontend].append(ReqOutput(req.rid, finish="abort", message=message))
+        return outputs
 
     def close(self) -> None:
         if self.grammars is not None:
@@ -144,6 +178,7 @@ class EngineCore:
         problem = self._check(msg)
         if problem is None:
             req = Request.from_message(frontend, msg)
+            req.held = self.holding
             try:
                 self.scheduler.add(req)
             except ValueError as e:
@@ -164,7 +199,7 @@ class EngineCore:
         if not 0 <= p.max_new_tokens <= self.context_length - n:
             return (f"prompt ({n} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
                     f"context length ({self.context_length})")
-        ids = [*msg.input_ids, *p.stop_token_ids, *p.logit_bias]
+        ids = [*msg.input_ids, *p.stop_token_ids, *p.logit_bias, *msg.token_ids_logprob]
         if min(ids) < 0 or max(ids) >= vocab:
             return f"token ids must be in [0, {vocab - 1}]"
         numbers = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
@@ -285,6 +320,8 @@ class EngineCore:
             out.prompt_logprobs.append(None)
             if req.top_logprobs_num:
                 out.prompt_top_logprobs.append([])
+            if req.token_ids_logprob:
+                out.prompt_token_ids_logprobs.append(None)
             req.next_prompt_logprob = 1
         first_row_pos = req.num_computed_tokens + it.logits_start
         lo = max(req.next_prompt_logprob - 1, first_row_pos)
@@ -296,6 +333,8 @@ class EngineCore:
         out.prompt_logprobs.extend(rows.gather(1, nxt.view(-1, 1)).view(-1).tolist())
         if req.top_logprobs_num:
             out.prompt_top_logprobs.extend(top_logprobs(rows, req.top_logprobs_num))
+        if req.token_ids_logprob:
+            out.prompt_token_ids_logprobs.extend(rows[:, req.token_ids_logprob].tolist())
         req.next_prompt_logprob = hi + 1
 
     def _sample(self, logits: torch.Tensor, sampled: list[tuple[int, Request, ReqOutput]],
@@ -316,6 +355,8 @@ class EngineCore:
                 out.logprobs.append(result.logprobs[i])
                 if req.top_logprobs_num and result.top_logprobs is not None:
                     out.top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
+                if req.token_ids_logprob and result.token_ids_logprobs is not None:
+                    out.token_ids_logprobs.append(result.token_ids_logprobs[i])
             self._check_finish(req, tok)
             if req.grammar is not None:
                 self._advance_grammar(req, tok)

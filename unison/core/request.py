@@ -21,6 +21,8 @@ class Request:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     priority: int = 0  # higher is admitted first
+    token_ids_logprob: list[int] = field(default_factory=list)  # ids whose logprobs are returned
+    held: bool = False  # arrived while a weight update waits: admitted once it is done
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # its first step (queue time ends)
     first_token_at: float | None = None  # step times, for TTFT and inter-token latency
@@ -37,8 +39,8 @@ class Request:
 
     @property
     def ready(self) -> bool:
-        """Admissible: no grammar, or its matcher is compiled (or failed: then it is refused)."""
-        return self.grammar is None or self.grammar.done()
+        """Admissible: not held, and no grammar or its matcher compiled (or failed: refused)."""
+        return not self.held and (self.grammar is None or self.grammar.done())
 
     @property
     def matcher(self) -> Any:
@@ -55,6 +57,7 @@ class Request:
             num_prompt_tokens=len(msg.input_ids), params=msg.params,
             return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len, priority=msg.priority,
+            token_ids_logprob=list(msg.token_ids_logprob),
         )
 
     @property

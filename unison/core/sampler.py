@@ -22,6 +22,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # log p(token) under the model's own distribution
     top_logprobs: list[list[tuple[int, float]]] | None
+    token_ids_logprobs: list[list[float] | None] | None = None  # each row's requested ids
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
@@ -53,7 +54,10 @@ class Sampler:
             return SampleResult(token_list, None, None)
         chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
         k = max(r.top_logprobs_num for r in reqs)
-        return SampleResult(token_list, chosen, top_logprobs(raw_logprobs, k) if k else None)
+        by_id = [raw_logprobs[i, r.token_ids_logprob].tolist() if r.token_ids_logprob else None
+                 for i, r in enumerate(reqs)]
+        return SampleResult(token_list, chosen, top_logprobs(raw_logprobs, k) if k else None,
+                            by_id if any(x is not None for x in by_id) else None)
 
     def _apply_penalties_and_bias(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         cloned = False

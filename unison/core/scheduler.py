@@ -9,12 +9,14 @@ policy's order, each starting after the longest prefix the radix cache holds:
   fcfs  arrival order
   lpm   longest cached prefix first (SGLang's), then arrival
   fair  round-robin over frontends, so one that floods the engine cannot starve the others
+  random  any waiting request (SGLang's; seeded by random_seed)
 Within each, a higher `priority` goes first; preempted requests always go first.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from unison.core.block_pool import BlockPool
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 
-POLICIES = ("fcfs", "lpm", "fair")
+POLICIES = ("fcfs", "lpm", "fair", "random")
 
 
 @dataclass(slots=True)
@@ -36,12 +38,13 @@ class ScheduledItem:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
-                 cache: RadixCache | None = None, policy: str = "fcfs") -> None:
+                 cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
         self.pool = pool
         self.cache = cache
         self.policy = policy
+        self.rng = random.Random(seed)  # the random policy's
         self.last_served: dict[bytes, int] = {}  # frontend -> admission tick (fair)
         self.ticks = itertools.count()
         self.admissions: deque[tuple[bytes, str]] = deque(maxlen=1024)  # (frontend, rid), newest last
@@ -131,6 +134,9 @@ class Scheduler:
             fronts = {r.frontend for r in candidates}
             turn = min(fronts, key=lambda f: self.last_served.get(f, -1))
             candidates = [r for r in candidates if r.frontend == turn]
+        if self.policy == "random":
+            top = max(r.priority for r in candidates)
+            return self.rng.choice([r for r in candidates if r.priority == top])
         if self.policy == "lpm" and self.cache is not None:
             return max(candidates, key=lambda r: (r.priority, self.cache.match_len(r.token_ids), -r.arrival))
         return max(candidates, key=lambda r: (r.priority, -r.arrival))
@@ -170,11 +176,19 @@ class Scheduler:
             req.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, counted: bool = True) -> None:
         self._free(req)
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_preemptions += counted
         self.waiting.appendleft(req)
+
+    def retract_all(self) -> int:
+        """Free every running request's KV (offered to the prefix cache); they go back to the
+        head of the queue in their order and are recomputed when admitted again."""
+        retracted = len(self.running)
+        while self.running:
+            self._preempt(self.running.pop(), counted=False)
+        return retracted
 
     def _free(self, req: Request, cache: bool = True) -> None:
         """Give back the request's blocks, first offering their computed prefix to the cache."""
@@ -198,9 +212,10 @@ class Scheduler:
             self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table)
 
     def flush_cache(self) -> None:
-        if self.has_work:
-            raise RuntimeError(f"cannot flush the prefix cache while {len(self.running)} request(s) run "
-                               f"and {len(self.waiting)} wait; retry when the engine is idle")
+        # Waiting requests hold no KV (check_integrity): only running ones share cached blocks.
+        if self.running:
+            raise RuntimeError(f"cannot flush the prefix cache while {len(self.running)} request(s) "
+                               "hold KV; retry when they finish (or pause with mode='retract')")
         if self.cache is not None:
             self.cache.reset()
 

@@ -26,6 +26,7 @@ from unison.core.metrics import StepShapes
 from unison.protocol import (
     PROTOCOL_VERSION,
     Abort,
+    AbortRequests,
     Ack,
     Control,
     ControlOp,
@@ -36,10 +37,14 @@ from unison.protocol import (
     Generate,
     Goodbye,
     Hello,
+    OpResult,
+    Pause,
+    PauseMode,
     Reject,
     ReqOutput,
     ServerInfo,
     StepOutputs,
+    UpdateWeights,
     Welcome,
     decode_to_core,
     encode,
@@ -52,6 +57,16 @@ SHORT_POLL_MS = 2  # while a grammar compiles or a Hello is held: look again soo
 STATS_INTERVAL = 10.0
 HELLO_GRACE_S = 0.25
 MAX_MESSAGES_PER_POLL = 4096  # a flood of messages can delay a step, never starve it
+
+
+@dataclass
+class PendingUpdate:
+    """A weight update waiting for the requests that were in flight when it came to finish."""
+
+    frontend: bytes
+    cid: int
+    arg: UpdateWeights
+    waits_for: set[str]
 
 
 @dataclass
@@ -76,7 +91,9 @@ class CoreServer:
         self.by_pidfd: dict[int, Frontend] = {}
         self.worker_ids: dict[bytes, int] = {}  # kept after detach while admission records name them
         self.next_worker_id = 0
-        self.paused = False
+        self.paused: PauseMode | None = None
+        self.update: PendingUpdate | None = None
+        self.weights_version = 0  # successful weight updates
         self.deferred_hellos: list[tuple[bytes, Hello, float]] = []  # at capacity, held briefly
         self.replies: dict[bytes, list[ReqOutput]] = {}  # per frontend, sent once a drain ends
         self.stopping = False
@@ -108,6 +125,9 @@ class CoreServer:
             while not self.stopping:
                 self.poll_once()
                 self.core.poll_grammars()
+                if self.update is not None and (
+                        self.paused or not self.update.waits_for & self.core.requests.keys()):
+                    self.finish_update()  # what it waited for finished, or was paused
                 if self.core.has_work and not self.paused:
                     self.send_outputs(self.core.step())
                     self.log_stats()
@@ -212,7 +232,9 @@ class CoreServer:
             if out is not None:
                 self.replies.setdefault(ident, []).append(out)
         elif isinstance(msg, Control):
-            self.send(fe, self.control(msg))
+            reply = self.control(ident, msg)
+            if reply is not None:  # else it comes once the control is done (a weight update)
+                self.send(fe, reply)
         elif isinstance(msg, Goodbye):
             self.drop_frontend(fe, "it said goodbye")
 
@@ -260,24 +282,33 @@ class CoreServer:
         log.info("frontend %d (pid %d) detached: %s; aborted %d request(s)",
                  fe.worker_id, fe.pid, why, aborted)
 
-    def control(self, msg: Control) -> ControlReply:
+    def control(self, ident: bytes, msg: Control) -> ControlReply | None:
         try:
-            return ControlReply(msg.cid, result=self.control_op(msg.op))
+            if msg.op is ControlOp.UPDATE_WEIGHTS:
+                return self.start_update(ident, msg)
+            return ControlReply(msg.cid, result=self.control_op(msg.op, msg.arg))
         except Exception as e:  # a bad control op must not take the core down
             return ControlReply(msg.cid, error=f"{type(e).__name__}: {e}")
 
-    def control_op(self, op: ControlOp) -> Any:
+    def control_op(self, op: ControlOp, arg: Any) -> Any:
         if op is ControlOp.SERVER_INFO:
             return self.server_info()
         if op is ControlOp.CHECK_INTEGRITY:
             self.core.check_integrity()
             return True
         if op is ControlOp.FLUSH_CACHE:
-            self.core.flush_cache()
-            return True
-        if op in (ControlOp.PAUSE, ControlOp.CONTINUE):
-            self.paused = op is ControlOp.PAUSE
-            return self.paused
+            try:
+                self.core.flush_cache()
+            except RuntimeError as e:
+                return OpResult(False, str(e))
+            return OpResult(True, "the prefix cache is empty")
+        if op is ControlOp.PAUSE:
+            return self.pause(_arg(arg, Pause, op).mode)
+        if op is ControlOp.CONTINUE:
+            self.paused = None
+            return OpResult(True, "generation continues")
+        if op is ControlOp.ABORT_REQUESTS:
+            return self.abort_requests(_arg(arg, AbortRequests, op))
         if op is ControlOp.STEP_SHAPES:
             if self.step_shapes is None:
                 raise ValueError("step shapes are recorded only when the core starts with "
@@ -285,11 +316,86 @@ class CoreServer:
             return self.step_shapes.rows()
         raise ValueError(f"unknown control op {op!r}")
 
+    # ---- engine-wide controls: pause, abort, weight updates -------------------------------------
+
+    def pause(self, mode: PauseMode) -> OpResult:
+        """Stop stepping. Requests that arrive meanwhile queue (held, not refused)."""
+        affected = len(self.core.requests)
+        if mode is PauseMode.ABORT:
+            self.abort_all("aborted: generation was paused (mode='abort')")
+        elif mode is PauseMode.RETRACT:
+            self.core.retract_all()
+        self.paused = mode
+        return OpResult(True, f"generation paused (mode={mode.value!r}, {affected} request(s) in "
+                              "flight)", num_paused_requests=len(self.core.requests))
+
+    def abort_all(self, message: str) -> None:
+        self.send_outputs(self.core.abort_where(lambda r: True, message))
+
+    def abort_requests(self, arg: AbortRequests) -> OpResult:
+        """Abort by id (with its n samples), or all; unlike a frontend's Abort, it reaches the
+        requests of every frontend: it is the operator's control, not a client's."""
+        if not arg.abort_all and not arg.rid:
+            raise ValueError("abort_requests needs a rid or abort_all=True")
+        before = len(self.core.requests)
+        if arg.abort_all:
+            self.abort_all("aborted: abort_all")
+        else:
+            child = arg.rid + "-"
+            self.send_outputs(self.core.abort_where(
+                lambda r: r.rid == arg.rid or (r.rid.startswith(child) and r.rid[len(child):].isdigit()),
+                f"aborted: abort_request(rid={arg.rid!r})"))
+        return OpResult(True, f"aborted {before - len(self.core.requests)} request(s)")
+
+    def start_update(self, ident: bytes, msg: Control) -> ControlReply | None:
+        """Load new weights now when nothing runs (or generation is paused), else once the
+        requests in flight have finished; new requests wait meanwhile (SGLang's order)."""
+        arg = _arg(msg.arg, UpdateWeights, msg.op)
+        if arg.load_format not in (None, "auto", "safetensors", "gguf"):
+            return ControlReply(msg.cid, result=OpResult(False, f"load_format={arg.load_format!r} is "
+                                "not supported: weights load from a safetensors directory or a GGUF file"))
+        if self.update is not None:
+            return ControlReply(msg.cid, result=OpResult(False, "another weight update is in progress"))
+        if arg.abort_all_requests:
+            self.abort_all("aborted: the weights are being updated (abort_all_requests=True)")
+        waits_for = set() if self.paused else set(self.core.requests)
+        self.update = PendingUpdate(ident, msg.cid, arg, waits_for)
+        self.core.hold_new(True)
+        if waits_for:
+            log.info("weight update from %s waits for %d request(s) in flight", arg.model_path,
+                     len(waits_for))
+        else:
+            self.finish_update()
+        return None  # finish_update answers
+
+    def finish_update(self) -> None:
+        upd, self.update = self.update, None
+        held = len(self.core.requests)  # queued meanwhile, or paused: they run on the new weights
+        started = time.monotonic()
+        try:
+            self.core.load_weights(upd.arg.model_path)
+        except (ValueError, OSError) as e:  # refused: the old weights keep serving
+            result = OpResult(False, f"the weights were not updated: {e}", num_paused_requests=held)
+            log.warning("weight update from %s refused: %s", upd.arg.model_path, e)
+        else:
+            result = OpResult(True, f"weights updated from {upd.arg.model_path} in "
+                              f"{time.monotonic() - started:.1f} s", num_paused_requests=held)
+            log.info("%s", result.message)
+            self.weights_version += 1
+            self.publish()  # a frontend attaching later sees the model path now served
+        finally:
+            self.core.hold_new(False)
+        fe = self.frontends.get(upd.frontend)
+        if fe is not None:
+            self.send(fe, ControlReply(upd.cid, result=result))
+
     def server_info(self) -> ServerInfo:
         core, inflight = self.core, self.core.requests_per_frontend()
         return ServerInfo(
             version=PROTOCOL_VERSION, core_pid=os.getpid(), owner_pid=self.args.owner_pid,
-            config=self.config, core=core.info(), paused=self.paused, num_running=core.num_running,
+            config=self.config, core=core.info(), paused=self.paused is not None,
+            pause_mode=self.paused.value if self.paused else None, weights_version=self.weights_version,
+            num_running=core.num_running,
             num_waiting=core.num_waiting, kv_blocks_used=core.kv_blocks_used,
             kv_blocks_cached=core.cached_blocks, num_evicted_blocks=core.num_evicted_blocks,
             stats=core.stats(), histograms=core.latency.data(),
@@ -357,6 +463,12 @@ class CoreServer:
             self.sock.send_multipart([ident, payload], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # a rejected frontend that is gone already
+
+
+def _arg(arg: Any, kind: type, op: ControlOp) -> Any:
+    if not isinstance(arg, kind):
+        raise ValueError(f"{op.value} needs a {kind.__name__} argument, got {type(arg).__name__}")
+    return arg
 
 
 def _pidfd(pid: int) -> int | None:

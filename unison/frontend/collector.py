@@ -17,6 +17,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from unison.frontend.detokenizer import TokenIds
 from unison.frontend.request import ReqState
 
 
@@ -63,12 +64,16 @@ class Collector:
     """The requests of one call (prompts x n), in order, and what each consumer has seen."""
 
     def __init__(self, states: list[ReqState], batch: bool, home: asyncio.AbstractEventLoop | None,
-                 abort: Callable[[list[str]], None]) -> None:
+                 abort: Callable[[list[str]], None], incremental: bool = False) -> None:
         self.states = states
         self.batch = batch or len(states) > 1
         self.seen = [0] * len(states)  # the version of each state last handed out
         self.home = home  # the frontend's loop
         self._abort = abort  # called with the rids left unfinished when following stops
+        # SGLang's stream_output: stream items carry only the text and ids new since the last
+        # item of their request (these cursors), not everything so far.
+        self.incremental = incremental
+        self.shown = [(0, 0)] * len(states)  # (chars, ids) handed out per request
 
     # ---- following -------------------------------------------------------------------------
 
@@ -147,8 +152,9 @@ class Collector:
 
     # ---- sglang.Engine-shaped output dicts ---------------------------------------------------
 
-    def output(self, i: int, indexed: bool = False) -> dict[str, Any]:
-        """Request i so far: cumulative text and ids, as sglang.Engine streams them."""
+    def output(self, i: int, indexed: bool = False, delta: bool = False) -> dict[str, Any]:
+        """Request i so far: cumulative text and ids, as sglang.Engine streams them (`delta`:
+        only what is new since the last delta). No text without a tokenizer, as SGLang's."""
         s = self.states[i]
         meta = {
             "id": s.rid,
@@ -163,14 +169,24 @@ class Collector:
             meta["output_top_logprobs"] = list(s.top_logprobs)
             meta["input_token_logprobs"] = list(s.prompt_logprobs)
             meta["input_top_logprobs"] = list(s.prompt_top_logprobs)
-        out = {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
+            if s.token_ids_logprob:
+                meta["output_token_ids_logprobs"] = list(s.ids_logprobs)
+                meta["input_token_ids_logprobs"] = list(s.prompt_ids_logprobs)
+        text, ids = s.text, s.output_ids
+        if delta:
+            chars, n = self.shown[i]
+            self.shown[i] = (len(text), len(ids))
+            text, ids = text[chars:], ids[n:]
+        out = {"output_ids": list(ids), "meta_info": meta}
+        if not isinstance(s.detok, TokenIds):
+            out = {"text": text, **out}
         if indexed:
             out["index"] = i
         return out
 
     def outputs(self, changed: list[int]) -> list[dict[str, Any]]:
         """The stream items for `changed`: an `index` says which request when there are several."""
-        return [self.output(i, self.batch) for i in changed]
+        return [self.output(i, self.batch, self.incremental) for i in changed]
 
     def results(self) -> dict[str, Any] | list[dict[str, Any]]:
         dicts = [self.output(i) for i in range(len(self.states))]

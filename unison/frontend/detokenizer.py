@@ -10,6 +10,7 @@ trims. Every step costs O(max_stop_len), never O(length of the output).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -203,3 +204,60 @@ class IncrementalDetokenizer:
                     last = j
                     break
         del self.output_ids[last:]
+
+
+class TokenIds:
+    """The detokenizer of an engine without a tokenizer (skip_tokenizer_init): ids only."""
+
+    __slots__ = ("output_ids", "finished", "stop_matched")
+
+    def __init__(self) -> None:
+        self.output_ids: list[int] = []
+        self.finished = False
+        self.stop_matched: str | None = None
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        if not self.finished:
+            self.output_ids.extend(new_ids)
+        return ""
+
+    def flush(self) -> str:
+        self.finished = True
+        return ""
+
+
+class StopRegex:
+    """SGLang's stop_regex: patterns searched in the output text as it grows. Each search looks
+    at the new text and as much of the text before it as a match can span (the whole text only
+    for a pattern of unbounded width), so a step costs O(the longest match), not O(the output)."""
+
+    UNBOUNDED = 1 << 16  # wider than this: search the whole text
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = [re.compile(p) for p in patterns]
+        self.lookback = max(_max_width(p) for p in self.patterns)
+        self.matched: str | None = None  # the pattern that matched (SGLang reports the pattern)
+
+    def search(self, before: str, delta: str) -> int | None:
+        """Where in `delta` the earliest-ending match ends, or None."""
+        tail = before[-self.lookback:] if self.lookback < self.UNBOUNDED else before
+        text, best = tail + delta, None
+        for p in self.patterns:
+            m = p.search(text)
+            if m is not None and (best is None or m.end() < best[0]):
+                best = (m.end(), p.pattern)
+        if best is None:
+            return None
+        self.matched = best[1]
+        return max(best[0] - len(tail), 0)
+
+
+def _max_width(pattern: re.Pattern) -> int:
+    """The most characters a match of `pattern` spans (re's own parser: no width bound in the
+    public API)."""
+    try:
+        from re import _parser  # Python 3.11+
+
+        return min(_parser.parse(pattern.pattern, pattern.flags).getwidth()[1], StopRegex.UNBOUNDED)
+    except Exception:  # a parser we cannot read: search everything
+        return StopRegex.UNBOUNDED

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unison.errors import EngineOverloadedError
-from unison.frontend.detokenizer import IncrementalDetokenizer
+from unison.frontend.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import ReqOutput
@@ -24,45 +24,58 @@ Logprob = tuple[float | None, int, None]  # (logprob, token id, token text), as 
 
 
 @dataclass(slots=True)
-class GenerateRequest:
-    """One call's prompts, tokenized and checked: what TokenizerWorker.submit queues as is."""
+class PromptRequest:
+    """One prompt of a call, tokenized and checked; it runs params.n times."""
 
-    input_ids: list[list[int]]  # per prompt
-    params: list[SamplingParams]  # per prompt; each runs params.n times
-    rids: list[str | None]  # per prompt; None: a fresh id
-    batch: bool  # the caller gave lists: results come back as a list
+    input_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # params.max_new_tokens, None resolved to what the context leaves
+    rid: str | None = None  # None: a fresh id
     return_logprob: bool = False
     logprob_start_len: int = -1  # >= 0: prompt logprobs from this position
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # these ids' logprobs at every position
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One call's prompts: what TokenizerWorker.submit queues as is."""
+
+    prompts: list[PromptRequest]
+    batch: bool  # the caller gave lists: results come back as a list
     priority: int = 0
 
 
 class ReqState:
     """One request (one of n samples): what the core has reported for it so far."""
 
-    __slots__ = ("rid", "prompt_ids", "return_logprob", "logprob_start_len", "detok", "created",
-                 "text", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
-                 "cached_tokens", "finish_reason", "error", "version", "finished", "waker", "stopped_here",
-                 "admission")
+    __slots__ = ("rid", "prompt_ids", "return_logprob", "logprob_start_len", "token_ids_logprob",
+                 "detok", "stop_regex", "created", "text", "logprobs", "top_logprobs", "prompt_logprobs",
+                 "prompt_top_logprobs", "ids_logprobs", "prompt_ids_logprobs", "cached_tokens",
+                 "finish_reason", "error", "version", "finished", "waker", "stopped_here", "admission")
 
-    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 return_logprob: bool, logprob_start_len: int,
+    def __init__(self, rid: str, prompt: PromptRequest, tokenizer: Tokenizer | None,
                  admission: asyncio.Future | None = None) -> None:
+        params = prompt.params
         self.rid = rid
-        self.prompt_ids = prompt_ids
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.detok = IncrementalDetokenizer(
+        self.prompt_ids = prompt.input_ids
+        self.return_logprob = prompt.return_logprob
+        self.logprob_start_len = prompt.logprob_start_len
+        self.token_ids_logprob = prompt.token_ids_logprob if prompt.return_logprob else None
+        self.detok = TokenIds() if tokenizer is None else IncrementalDetokenizer(
             tokenizer, skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop=params.stop_strings, no_stop_trim=params.no_stop_trim, prompt_ids=prompt_ids,
+            stop=params.stop_strings, no_stop_trim=params.no_stop_trim, prompt_ids=prompt.input_ids,
         )
+        self.stop_regex = StopRegex(params.stop_regexes) if params.stop_regex else None
         self.created = time.monotonic()
         self.text = ""
         self.logprobs: list[Logprob] = []
         self.top_logprobs: list[list[Logprob]] = []
         self.prompt_logprobs: list[Logprob] = []
         self.prompt_top_logprobs: list[list[Logprob]] = []
+        self.ids_logprobs: list[list[Logprob]] = []  # token_ids_logprob's, per output token
+        self.prompt_ids_logprobs: list[list[Logprob] | None] = []  # ... per prompt position
         self.cached_tokens = 0
         self.finish_reason: dict[str, Any] | None = None
         self.error: BaseException | None = None
@@ -87,27 +100,32 @@ class ReqState:
                 return
         detok = self.detok
         before = len(detok.output_ids)
-        text = detok.add(out.token_ids)
+        text = detok.add(out.token_ids) if self.stop_regex is None else self._add_checking_regex(out)
         if out.finish is None and detok.stop_matched is None and not self.return_logprob \
                 and out.error is None:  # a plain decode step: most calls
             self.text += text
             self.version += 1
             return
         stopped = self.detok.stop_matched is not None
-        if out.finish is not None or stopped:
-            text += self.detok.flush()
+        if (out.finish is not None or stopped) and not detok.finished:
+            text += self._checked(detok.flush())
         self.text += text
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if self.return_logprob:
             self._logprobs(out, max(len(self.detok.output_ids) - before, 0))
             # A stop string may end the request before a token whose logprob came earlier.
-            del self.logprobs[len(self.detok.output_ids):], self.top_logprobs[len(self.detok.output_ids):]
-        if stopped:
+            n = len(self.detok.output_ids)
+            del self.logprobs[n:], self.top_logprobs[n:], self.ids_logprobs[n:]
+        if self.detok.stop_matched is not None:
             self.finish_reason = {"type": "stop", "matched": self.detok.stop_matched}
             self.stopped_here = out.finish is None
         elif out.error is not None:
             self.error = (EngineOverloadedError(out.error) if out.overloaded
                           else ValueError(out.error) if out.refused else RuntimeError(out.error))
+        elif out.finish == "length":  # SGLang's shapes
+            self.finish_reason = {"type": "length", "length": len(self.detok.output_ids)}
+        elif out.finish == "abort":
+            self.finish_reason = {"type": "abort", "message": out.message or "Aborted"}
         elif out.finish is not None:
             self.finish_reason = {"type": out.finish, "matched": out.matched}
         self.version += 1
@@ -115,10 +133,37 @@ class ReqState:
         if self.finished:
             self._admitted()  # ended before the core's "queued" came (an abort): nobody waits on
 
+    def _add_checking_regex(self, out: ReqOutput) -> str:
+        """Add tokens one by one, so that none follows the one that completes a stop_regex match."""
+        parts: list[str] = []
+        for token in out.token_ids:
+            if self.detok.finished:
+                break
+            parts.append(self._checked(self.detok.add([token]), parts))
+        return "".join(parts)
+
+    def _checked(self, delta: str, parts: list[str] = ()) -> str:
+        """`delta` (after self.text and `parts`), cut at the end of a stop_regex match, which
+        then ends the request."""
+        if self.stop_regex is None or not delta or self.detok.finished:
+            return delta
+        end = self.stop_regex.search(self.text + "".join(parts) if parts else self.text, delta)
+        if end is None:
+            return delta
+        self.detok.flush()  # nothing after the match is shown
+        self.detok.stop_matched = self.stop_regex.matched
+        return delta[:end]
+
     def _logprobs(self, out: ReqOutput, kept: int) -> None:
         ids = out.token_ids[:kept]  # a stop string drops the tokens after it
         self.logprobs += [(lp, t, None) for lp, t in zip(out.logprobs, ids)]
         self.top_logprobs += [[(lp, t, None) for t, lp in top] for top in out.top_logprobs[:kept]]
+        wanted = self.token_ids_logprob
+        if wanted:
+            self.ids_logprobs += [list(zip(lps, wanted, [None] * len(wanted)))
+                                  for lps in out.token_ids_logprobs[:kept]]
+            self.prompt_ids_logprobs += [None if lps is None else list(zip(lps, wanted, [None] * len(wanted)))
+                                         for lps in out.prompt_token_ids_logprobs]
         if out.prompt_logprobs:
             start = max(self.logprob_start_len, 0) + len(self.prompt_logprobs)
             ids = self.prompt_ids[start: start + len(out.prompt_logprobs)]

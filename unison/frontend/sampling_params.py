@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -17,11 +18,14 @@ MAX_STOP_STRINGS = 32
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: as many as the context (and the KV cache) allow
     min_new_tokens: int = 0
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Regular expressions searched in the output text; the first match ends the request, the
+    # text kept up to the match's end (finish_reason "matched": the pattern, as SGLang's).
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     no_stop_trim: bool = False
     temperature: float = 1.0
@@ -61,10 +65,22 @@ class SamplingParams:
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def validate(self, *, vocab_size: int, context_length: int, prompt_len: int) -> None:
-        """Raise InvalidParam naming the field and the allowed range; nothing is queued before this."""
-        _int("max_new_tokens", self.max_new_tokens, lo=0)
-        _int("min_new_tokens", self.min_new_tokens, lo=0, hi=self.max_new_tokens)
+    @property
+    def stop_regexes(self) -> list[str]:
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or [])
+
+    def max_tokens(self, prompt_len: int, room: int) -> int:
+        """max_new_tokens, None read as everything `room` (tokens of context, or KV) leaves."""
+        return room - prompt_len if self.max_new_tokens is None else self.max_new_tokens
+
+    def validate(self, *, vocab_size: int, context_length: int, prompt_len: int,
+                 room: int | None = None) -> None:
+        """Raise InvalidParam naming the field and the allowed range; nothing is queued before this.
+        `room`: the tokens one request may reach (context and KV cache), for max_new_tokens=None."""
+        if self.max_new_tokens is not None:
+            _int("max_new_tokens", self.max_new_tokens, lo=0)
+        max_new = self.max_tokens(prompt_len, context_length if room is None else room)
+        _int("min_new_tokens", self.min_new_tokens, lo=0, hi=max(max_new, 0))
         _int("n", self.n, lo=1, hi=MAX_N)
         _float("temperature", self.temperature, lo=0.0)
         _float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
@@ -88,10 +104,13 @@ class SamplingParams:
         if prompt_len > context_length:
             raise InvalidParam("prompt", f"prompt ({prompt_len} tokens) exceeds the context length "
                                          f"({context_length})")
-        if prompt_len + self.max_new_tokens > context_length:
+        if self.max_new_tokens is None and max_new < 1:
+            raise InvalidParam("max_new_tokens", f"max_new_tokens=None: the prompt ({prompt_len} tokens) "
+                               "leaves no room to generate")
+        if prompt_len + max_new > context_length:
             raise InvalidParam(
                 "max_new_tokens",
-                f"max_new_tokens ({self.max_new_tokens}) + the prompt ({prompt_len} tokens) exceeds the "
+                f"max_new_tokens ({max_new}) + the prompt ({prompt_len} tokens) exceeds the "
                 f"context length ({context_length}); lower max_new_tokens to at most "
                 f"{context_length - prompt_len} or shorten the prompt"
             )
@@ -109,6 +128,20 @@ class SamplingParams:
                 raise InvalidParam("stop", f"stop strings must be non-empty strings, got {s!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list):
             raise InvalidParam("stop_token_ids", "stop_token_ids must be a list of token ids")
+        if self.stop_regex is not None and not isinstance(self.stop_regex, (str, list)):
+            raise InvalidParam("stop_regex", "stop_regex must be a string or a list of strings")
+        if len(self.stop_regexes) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop_regex", f"stop_regex has {len(self.stop_regexes)} patterns; at most "
+                                             f"{MAX_STOP_STRINGS} are allowed")
+        for pattern in self.stop_regexes:
+            if not isinstance(pattern, str) or not pattern:
+                raise InvalidParam("stop_regex", f"stop_regex patterns must be non-empty strings, "
+                                                 f"got {pattern!r}")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise InvalidParam("stop_regex", f"stop_regex {pattern!r} is not a valid regular "
+                                                 f"expression: {e}") from None
 
     def _grammar(self) -> str | None:
         """The constraint as llguidance grammar text (converted once per distinct spec)."""
@@ -134,11 +167,16 @@ class SamplingParams:
             out[tid] = float(bias)
         return out
 
-    def to_core(self, vocab_size: int, index: int = 0) -> CoreSamplingParams:
-        """The core's view; `index` is the child number when n > 1 (child i uses seed + i)."""
-        seed = random.getrandbits(63) if self.sampling_seed is None else self.sampling_seed + index
+    def to_core(self, vocab_size: int, max_new_tokens: int, index: int = 0,
+                rng: random.Random | None = None) -> CoreSamplingParams:
+        """The core's view; `index` is the child number when n > 1 (child i uses seed + i);
+        `rng` draws the seed when none is given (seeded by the engine's random_seed)."""
+        if self.sampling_seed is None:
+            seed = (rng or random).getrandbits(63)
+        else:
+            seed = self.sampling_seed + index
         return CoreSamplingParams(
-            max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
+            max_new_tokens=max_new_tokens, min_new_tokens=self.min_new_tokens,
             temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k,
             min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty),
             frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),

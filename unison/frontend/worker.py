@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import os
+import random
 import time
 import uuid
 from collections import Counter, deque
@@ -26,7 +27,7 @@ from unison import registry
 from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam, check_encodable
 from unison.frontend.collector import Collector
-from unison.frontend.request import GenerateRequest, ReqState
+from unison.frontend.request import GenerateRequest, PromptRequest, ReqState
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import (
@@ -50,6 +51,7 @@ from unison.registry import pid_alive
 
 ATTACH_TIMEOUT = 5.0  # an attaching frontend talks to a core that is up already
 MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_IDS_LOGPROB = 256  # logprobs of given ids, per position
 MAX_MESSAGES_PER_WAKE = 64  # messages taken in one pass when they queue up
 RETRY_SEND_S = 0.001  # while the pipe to the core is full
 
@@ -59,13 +61,15 @@ GOODBYE_LINGER_MS = 200
 
 
 class TokenizerWorker:
-    def __init__(self, endpoint: str, token: str, core_pid: int) -> None:
+    def __init__(self, endpoint: str, token: str, core_pid: int,
+                 config: EngineConfig | None = None) -> None:
         self.endpoint = endpoint
         self.token = token
         self.core_pid = core_pid
         self.tokenizer: Tokenizer | None = None  # loaded from the directory Welcome names
         self.info: CoreInfo | None = None
-        self.config: EngineConfig | None = None  # the engine's, when attached through its registry
+        self.config = config  # the engine's (the owner's, or its registry's)
+        self.rng = random.Random()  # draws unseeded requests' sampling seeds (see random_seed)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker_id = -1
         self.states: dict[str, ReqState] = {}
@@ -85,8 +89,7 @@ class TokenizerWorker:
     async def attach(cls, registry_path: str | Path, owner_pid: int) -> TokenizerWorker:
         """A frontend for the running engine that `registry_path` describes (owned by `owner_pid`)."""
         info = registry.read_for_attach(registry_path, owner_pid)
-        worker = cls(info.endpoint, info.token, info.core_pid)
-        worker.config = info.config
+        worker = cls(info.endpoint, info.token, info.core_pid, info.config)
         return await worker.start(ATTACH_TIMEOUT)
 
     async def start(self, timeout: float,
@@ -109,11 +112,16 @@ class TokenizerWorker:
             self._close_socket()
             raise ConnectionRefusedError(f"the engine refused this frontend: {reply.reason}")
         self.worker_id, self.info = reply.worker_id, reply.info
-        try:
-            self.tokenizer = Tokenizer.from_dir(reply.info.model_dir)
-        except BaseException:
-            await self.close()
-            raise
+        cfg = self.config
+        if cfg is not None and cfg.random_seed is not None:
+            # Each frontend its own stream, reproducible per frontend.
+            self.rng = random.Random(f"{cfg.random_seed}:{reply.worker_id}")
+        if cfg is None or not cfg.skip_tokenizer_init:
+            try:
+                self.tokenizer = Tokenizer.from_dir(reply.info.model_dir)
+            except BaseException:
+                await self.close()
+                raise
         self._watch_core()
         self._check_pending()
         return self
@@ -196,30 +204,60 @@ class TokenizerWorker:
             raise EngineDeadError(str(self.dead))
 
     def make_request(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None, *,
-                     return_logprob: bool = False, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0, rid: Any = None, priority: int = 0,
-                     add_special_tokens: bool = True) -> GenerateRequest:
-        """Check and tokenize one call (one prompt or a list, sglang.Engine's arguments); raises
-        InvalidParam naming the field, before anything is queued. Thread-safe: it only reads."""
+                     return_logprob: Any = False, logprob_start_len: Any = None,
+                     top_logprobs_num: Any = None, token_ids_logprob: Any = None, rid: Any = None,
+                     priority: int | None = None, add_special_tokens: bool = True) -> GenerateRequest:
+        """Check and tokenize one call (one prompt or a list, sglang.Engine's arguments: each of
+        them one value for all prompts or a list of one per prompt, None for the default);
+        raises InvalidParam naming the field, before anything is queued. Thread-safe: it only
+        reads."""
         check_encodable(prompt, "prompt")
         check_encodable(sampling_params if isinstance(sampling_params, (dict, list)) else None,
                         "sampling_params")
         batch, prompts, id_lists = _normalize_prompts(prompt, input_ids)
         n = len(prompts) or len(id_lists)
+        if prompts and self.tokenizer is None:
+            raise InvalidParam("prompt", "this engine has no tokenizer (skip_tokenizer_init=True): "
+                                         "give input_ids")
         params = [SamplingParams.from_any(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
-        rids = _per_prompt(rid, n, "rid")
-        for r in rids:
-            if r is not None and not isinstance(r, str):
-                raise InvalidParam("rid", f"rid must be a string, got {r!r}")
-        _check_int("top_logprobs_num", top_logprobs_num, 0, MAX_TOP_LOGPROBS)
-        _check_int("logprob_start_len", logprob_start_len, -1)
+        by_id = token_ids_logprob
+        if batch and isinstance(by_id, list) and by_id and not isinstance(by_id[0], list):
+            by_id = [by_id] * n  # one list of ids for every prompt
+        per = zip(prompts or [None] * n, id_lists or [None] * n, params, _per_prompt(rid, n, "rid"),
+                  _per_prompt(return_logprob, n, "return_logprob"),
+                  _per_prompt(logprob_start_len, n, "logprob_start_len"),
+                  _per_prompt(top_logprobs_num, n, "top_logprobs_num"),
+                  _per_prompt(by_id, n, "token_ids_logprob") if batch else [by_id])
+        priority = 0 if priority is None else priority
         _check_int("priority", priority)
+        return GenerateRequest([self._prompt(*args, add_special_tokens) for args in per], batch, priority)
+
+    def _prompt(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
+                rid: Any, return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
+                token_ids_logprob: Any, add_special_tokens: bool) -> PromptRequest:
+        if rid is not None and not isinstance(rid, str):
+            raise InvalidParam("rid", f"rid must be a string, got {rid!r}")
         if not isinstance(return_logprob, bool):
             raise InvalidParam("return_logprob", f"return_logprob must be a bool, got {return_logprob!r}")
-        ids = [self._prompt_ids(p, i, sp, add_special_tokens) for p, i, sp in
-               zip(prompts or [None] * n, id_lists or [None] * n, params)]
-        return GenerateRequest(ids, params, rids, batch, return_logprob, logprob_start_len,
-                               top_logprobs_num, priority)
+        start = -1 if logprob_start_len is None else logprob_start_len
+        top = 0 if top_logprobs_num is None else top_logprobs_num
+        _check_int("logprob_start_len", start, -1)
+        _check_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS)
+        vocab = self.info.vocab_size
+        if token_ids_logprob is not None:
+            if not isinstance(token_ids_logprob, list) or len(token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
+                raise InvalidParam("token_ids_logprob", "token_ids_logprob must be a list of at most "
+                                   f"{MAX_TOKEN_IDS_LOGPROB} token ids (or one such list per prompt)")
+            for t in token_ids_logprob:
+                _check_int("token_ids_logprob", t, 0, vocab - 1)
+        if self.tokenizer is None and (params.stop is not None or params.stop_regex is not None):
+            field = "stop" if params.stop is not None else "stop_regex"
+            raise InvalidParam(field, f"{field} needs a tokenizer; this engine has none "
+                                      "(skip_tokenizer_init=True): use stop_token_ids")
+        ids = self._prompt_ids(prompt, input_ids, params, add_special_tokens)
+        info = self.info
+        max_new = params.max_tokens(len(ids), min(info.context_length, info.max_total_tokens))
+        return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, token_ids_logprob)
 
     def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
                     add_special_tokens: bool = True) -> list[int]:
@@ -237,7 +275,8 @@ class TokenizerWorker:
                 raise InvalidParam("input_ids", f"input_ids must hold token ids in [0, {vocab - 1}], "
                                                 f"got {t!r}")
         params.validate(vocab_size=vocab, context_length=self.info.context_length,
-                        prompt_len=len(input_ids))
+                        prompt_len=len(input_ids),
+                        room=min(self.info.context_length, self.info.max_total_tokens))
         return input_ids
 
     async def submit(self, req: GenerateRequest) -> Collector:
@@ -245,16 +284,17 @@ class TokenizerWorker:
         self.check_alive()
         states, msgs = [], []
         limited = self.info.max_queued_requests is not None  # then hear that each was queued
-        for ids, sp, rid in zip(req.input_ids, req.params, req.rids):
-            base = rid or uuid.uuid4().hex
+        for p in req.prompts:
+            base, sp = p.rid or uuid.uuid4().hex, p.params
             for i in range(sp.n):
                 child = base if sp.n == 1 else f"{base}-{i}"
-                states.append(ReqState(child, ids, sp, self.tokenizer, req.return_logprob,
-                                       req.logprob_start_len, self.loop.create_future() if limited else None))
-                msgs.append(Generate(child, ids, sp.to_core(self.info.vocab_size, i), req.return_logprob,
-                                     req.top_logprobs_num,
-                                     req.logprob_start_len if req.return_logprob else -1, req.priority,
-                                     report_queued=limited))
+                states.append(ReqState(child, p, self.tokenizer,
+                                       self.loop.create_future() if limited else None))
+                msgs.append(Generate(
+                    child, p.input_ids, sp.to_core(self.info.vocab_size, p.max_new_tokens, i, self.rng),
+                    p.return_logprob, p.top_logprobs_num, p.logprob_start_len if p.return_logprob else -1,
+                    req.priority, report_queued=limited,
+                    token_ids_logprob=(p.token_ids_logprob or []) if p.return_logprob else []))
         counts = Counter(s.rid for s in states)
         clash = sorted(r for r, c in counts.items() if c > 1 or r in self.states)
         if clash:
@@ -262,7 +302,8 @@ class TokenizerWorker:
         for state, msg in zip(states, msgs):
             self.states[state.rid] = state
             self._send(msg)
-        return Collector(states, req.batch, self.loop, self.abort_soon)
+        return Collector(states, req.batch, self.loop, self.abort_soon,
+                         incremental=self.config is not None and self.config.stream_output)
 
     def abort_soon(self, rids: list[str]) -> None:
         """Abort from any thread (a consumer that stopped following): done on the frontend's loop."""
@@ -285,12 +326,14 @@ class TokenizerWorker:
             state.wake()
             self._send(Abort(rid))
 
-    async def control(self, op: ControlOp, timeout: float = 30.0) -> Any:
+    async def control(self, op: ControlOp, arg: Any = None, timeout: float | None = 30.0) -> Any:
+        """An engine-wide operation, done in the core; None timeout: as long as it takes (a
+        weight update waits for the requests in flight), unless the core dies."""
         self.check_alive()
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self._controls[cid] = fut
-        self._send(Control(cid, op))
+        self._send(Control(cid, op, arg))
         try:
             reply: ControlReply = await asyncio.wait_for(fut, timeout)
         finally:

@@ -163,6 +163,7 @@ class DecoderModel:
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = get.head(self.embed) if tied else get.linear(["lm_head.weight"], head=True)
         self.layers = [self._layer(get, i) for i in range(cfg.num_hidden_layers)]
+        self.weight_shapes = get.shapes  # what replacement weights must match (a reload)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
 
@@ -304,17 +305,22 @@ class _WeightGetter:
         self.weights, self.device, self.dtype = weights, device, dtype
         self.quantization, self.from_gguf, self.kernels = quantization, from_gguf, kernels
         self.norm_plus_one = norm_plus_one
+        self.shapes: dict[str, tuple[int, ...]] = {}  # every tensor fetched, by name
 
     def has(self, name: str) -> bool:
         return name in self.weights
 
+    def _fetched(self, name: str) -> str:
+        self.shapes[name] = tuple(self.weights.shape(name))
+        return name
+
     def __call__(self, name: str) -> torch.Tensor:
-        return self.weights.float(name).to(device=self.device, dtype=self.dtype).contiguous()
+        return self.weights.float(self._fetched(name)).to(device=self.device, dtype=self.dtype).contiguous()
 
     def norm(self, name: str) -> torch.Tensor:
         """A norm's scale. Gemma stores w for a (1 + w) scale: added here, in float32 as
         transformers does, so the forward always multiplies by the weight."""
-        w = self.weights.float(name).float()
+        w = self.weights.float(self._fetched(name)).float()
         return (1.0 + w if self.norm_plus_one else w).to(device=self.device, dtype=self.dtype).contiguous()
 
     def _bits(self, name: str, head: bool = False) -> int | None:
@@ -324,7 +330,7 @@ class _WeightGetter:
     def linear(self, names: list[str], bias: list[str] | None = None, head: bool = False
                ) -> Linear | QuantLinear:
         bias_t = torch.cat([self(b) for b in bias]) if bias else None
-        bits = [self._bits(n, head) for n in names]
+        bits = [self._bits(self._fetched(n), head) for n in names]
         if bits[0] is None:
             w = torch.cat([self.weights.float(n) for n in names])
             return Linear(w.to(device=self.device, dtype=self.dtype), bias_t)
@@ -338,7 +344,7 @@ class _WeightGetter:
         return QuantLinear(parts, bias_t, self.kernels)
 
     def embedding(self, name: str) -> Embedding:
-        bits = self._bits(name, head=True)
+        bits = self._bits(self._fetched(name), head=True)
         if bits is None:
             return Embedding(self(name))
         return Embedding(None, self.weights.quantized(name, bits), self.kernels)

@@ -91,7 +91,7 @@ class ModelRunner:
                  num_blocks: int | None = None,
                  max_total_tokens: int | None = None, num_threads: int | None = None,
                  load_format: str = "auto", kv_cache_memory_gb: float | None = None,
-                 model_dir: str | Path | None = None):
+                 mem_fraction_static: float | None = None, model_dir: str | Path | None = None):
         """`model_path`: a Hugging Face directory or a GGUF file (None: the embedded model);
         `model_dir`, when known, its resolved directory of config and tokenizer files."""
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
@@ -103,18 +103,13 @@ class ModelRunner:
         self.model_dir = Path(model_dir) if model_dir else resolve_model_dir(model_path)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.dtype = _resolve_dtype(dtype, self.device, self.config)
+        self._quantization_mode = quantization  # as asked: a reload resolves it for its checkpoint
+        total_memory = _total_memory(self.device)  # before the weights, as SGLang measures it
         if load_format == "dummy":  # the real vocabulary, a near-free forward (frontend benchmarks)
             self.quantization = "none"
             self.config, self.model = dummy_model(self.config, self.device, self.dtype)
         else:
-            weights, from_gguf = open_weights(model_path, self.model_dir)
-            self.quantization = resolve_quantization(quantization, self.device, from_gguf,
-                                                     cpu_kernels.load() is not None)
-            if self.quantization != "none" and self.dtype != torch.float32:
-                raise ValueError(f"quantization={self.quantization!r} computes in float32 on CPU; "
-                                 f"dtype={dtype!r} cannot be combined with it")
-            self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.quantization,
-                                    from_gguf)
+            self.quantization, self.model = self._load(model_path, self.model_dir, self.config)
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.dtype, self.quantization)
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
@@ -123,6 +118,8 @@ class ModelRunner:
                 num_blocks = -(-max_total_tokens // block_size)
             elif kv_cache_memory_gb:
                 num_blocks = max(1, int(kv_cache_memory_gb * (1 << 30)) // self.bytes_per_block)
+            elif mem_fraction_static:
+                num_blocks = self._blocks_for_fraction(mem_fraction_static, total_memory)
             else:
                 num_blocks = self._default_num_blocks()
         self._check_fits(num_blocks)
@@ -134,16 +131,48 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %.2f GiB", num_blocks, block_size,
                  str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / (1 << 30))
         self._group = c.num_attention_heads // c.num_key_value_heads
+        self._bind_model()
+        self._step: _Step | None = None
+        # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
+        # page faults that make decode attention 3x slower on CPU.
+        self._gather_bufs = [torch.empty(0, dtype=self.kv_dtype, device=self.device) for _ in range(2)]
+
+    def _load(self, model_path: str | Path | None, model_dir: Path,
+              config: ModelConfig) -> tuple[str, DecoderModel]:
+        weights, from_gguf = open_weights(model_path, model_dir)
+        quantization = resolve_quantization(self._quantization_mode, self.device, from_gguf,
+                                            cpu_kernels.load() is not None)
+        if quantization != "none" and self.dtype != torch.float32:
+            raise ValueError(f"quantization={quantization!r} computes in float32 on CPU; "
+                             f"dtype={str(self.dtype).removeprefix('torch.')!r} cannot be combined with it")
+        return quantization, DecoderModel(config, weights, self.device, self.dtype, quantization, from_gguf)
+
+    def _bind_model(self) -> None:
         ops = self.model.ops
         self._kernel = ops if isinstance(ops, cpu_kernels.CpuKernels) else None
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.
         self._compiled = (cpu_kernels.CompiledDecoder(self._kernel, self.model, self.k_cache, self.v_cache)
                           if self._kernel is not None and self.quantization != "none" else None)
-        self._step: _Step | None = None
-        # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
-        # page faults that make decode attention 3x slower on CPU.
-        self._gather_bufs = [torch.empty(0, dtype=self.kv_dtype, device=self.device) for _ in range(2)]
+
+    def load_weights(self, model_path: str | Path) -> None:
+        """Replace the weights with `model_path`'s (an HF directory or a GGUF file of the same
+        architecture and shapes), in place: the KV cache stays. A checkpoint that differs is
+        refused with ValueError saying how, and the current weights keep serving. The tokenizer
+        and the KV cache's contents are the caller's business (the core flushes the cache)."""
+        model_dir = resolve_model_dir(model_path)
+        config = ModelConfig.from_dir(model_dir)
+        _check_same_shapes(self.config, config, model_path)
+        weights, _ = open_weights(model_path, model_dir)
+        for name, shape in self.model.weight_shapes.items():
+            if name not in weights:
+                raise ValueError(f"{model_path} has no weight {name!r}, which the running model has")
+            if tuple(weights.shape(name)) != shape:
+                raise ValueError(f"{model_path}: weight {name!r} is {list(weights.shape(name))}, "
+                                 f"the running model's is {list(shape)}")
+        self.quantization, self.model = self._load(model_path, model_dir, config)
+        self.config = config
+        self._bind_model()
 
     @property
     def context_length(self) -> int:
@@ -162,13 +191,24 @@ class ModelRunner:
     def _check_fits(self, num_blocks: int) -> None:
         """Fail at start, with the numbers, rather than by the OOM killer in the middle of a run."""
         need = num_blocks * self.bytes_per_block
-        free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
-                else _available_memory())
+        free = _free_memory(self.device)
         if need > free:
             raise ValueError(
                 f"the KV cache ({num_blocks * self.block_size} tokens, {need / (1 << 30):.2f} GiB) does "
                 f"not fit in the {free / (1 << 30):.2f} GiB left after loading the model; lower "
                 "max_total_tokens or kv_cache_memory_gb")
+
+    def _blocks_for_fraction(self, fraction: float, total: int) -> int:
+        """SGLang's mem_fraction_static: weights + KV cache take `fraction` of the memory there
+        was before loading, so the KV cache gets what is free now less the (1 - fraction) kept."""
+        free = _free_memory(self.device)
+        rest = free - total * (1 - fraction)
+        if rest < self.bytes_per_block:
+            raise ValueError(
+                f"mem_fraction_static={fraction} leaves no memory for the KV cache: "
+                f"{free / (1 << 30):.2f} GiB free of {total / (1 << 30):.2f} GiB after loading the "
+                f"weights, {(1 - fraction) * total / (1 << 30):.2f} GiB to keep; raise it")
+        return int(rest) // self.bytes_per_block
 
     def _default_num_blocks(self) -> int:
         # CPU: a quarter of available memory, at most 8 GiB (pages are touched only when used).
@@ -398,6 +438,37 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _free_memory(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_memory()
+
+
+def _total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # a container's limit, when it has one
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        return min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        return total
+
+
+# What must be equal for weights to replace the running model's in place (the KV cache and every
+# frontend's view of the model stay as they are).
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                 "layer_window")
+
+
+def _check_same_shapes(old: ModelConfig, new: ModelConfig, where: str | Path) -> None:
+    if new.family != old.family:
+        raise ValueError(f"{where} is a {new.family.name} model; the running model is {old.family.name}")
+    for name in _SHAPE_FIELDS:
+        if getattr(new, name) != getattr(old, name):
+            raise ValueError(f"{where} has {name}={getattr(new, name)}; the running model has "
+                             f"{getattr(old, name)}")
 
 
 def _available_memory() -> int:

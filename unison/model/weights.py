@@ -22,6 +22,7 @@ class WeightSource(Protocol):
     def __contains__(self, name: str) -> bool: ...
     def names(self) -> set[str]: ...
     def source_type(self, name: str) -> str: ...  # "F32", "BF16", "Q4_K", ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
     def float(self, name: str) -> torch.Tensor: ...
     def quantized(self, name: str, bits: int) -> QuantWeight: ...
 
@@ -40,6 +41,9 @@ class DictWeights:
 
     def source_type(self, name: str) -> str:
         return _TYPE_NAMES.get(self._get(name).dtype, str(self._get(name).dtype))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._get(name).shape)
 
     def _get(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
@@ -77,6 +81,11 @@ class SafetensorsWeights(DictWeights):
 
     def names(self) -> set[str]:
         return set(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._files:
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+        return tuple(self._files[name].get_slice(name).get_shape())
 
     def _get(self, name: str) -> torch.Tensor:
         if name not in self._files:

@@ -1,5 +1,7 @@
-"""The native routes, in SGLang's shapes: /generate, /health, /get_server_info, /flush_cache,
-/metrics."""
+"""The native routes, in SGLang's shapes: /generate, /health, /get_server_info, /get_model_info,
+/metrics, and the engine-wide controls /flush_cache, /pause_generation, /continue_generation,
+/abort_request, /update_weights_from_disk (behind the API key, as every route but /health and
+/metrics). Any worker answers a control: it is acted on in the core, for every frontend."""
 
 from __future__ import annotations
 
@@ -7,12 +9,12 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from unison import registry
 from unison.errors import check_encodable
 from unison.frontend.worker import TokenizerWorker
-from unison.protocol import ControlOp
+from unison.protocol import AbortRequests, ControlOp, OpResult, Pause, PauseMode, UpdateWeights
 from unison.server.metrics import CONTENT_TYPE, render_metrics
 from unison.server.openai_format import HTTPError
 from unison.server.streaming import stream, wait, worker_of
@@ -20,7 +22,7 @@ from unison.server.streaming import stream, wait, worker_of
 router = APIRouter()
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob",
-                   "logprob_start_len", "top_logprobs_num", "rid", "priority"}
+                   "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "rid", "priority"}
 
 
 @router.get("/health")
@@ -35,9 +37,79 @@ async def server_info(request: Request):
     return (await worker_of(request).control(ControlOp.SERVER_INFO)).to_dict()
 
 
-@router.post("/flush_cache")
+@router.get("/get_model_info")
+async def model_info(request: Request):
+    return (await worker_of(request).control(ControlOp.SERVER_INFO)).model_info()
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request):
-    return {"success": await worker_of(request).control(ControlOp.FLUSH_CACHE)}
+    result: OpResult = await worker_of(request).control(ControlOp.FLUSH_CACHE)
+    return _result(result, {"success": result.success, "message": result.message})
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request):
+    body = await _json_body(request, empty_ok=True)
+    _only(body, {"mode"})
+    mode = body.get("mode", PauseMode.ABORT.value)  # SGLang's default
+    try:
+        pause = Pause(PauseMode(mode))
+    except ValueError:
+        raise HTTPError(400, f"mode must be one of {[m.value for m in PauseMode]}, got {mode!r}",
+                        param="mode") from None
+    await worker_of(request).control(ControlOp.PAUSE, pause)
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request):
+    _only(await _json_body(request, empty_ok=True), set())
+    await worker_of(request).control(ControlOp.CONTINUE)
+    return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request):
+    body = await _json_body(request)
+    _only(body, {"rid", "abort_all"})
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(rid, str) or not isinstance(abort_all, bool):
+        raise HTTPError(400, "rid must be a string and abort_all a bool",
+                        param="rid" if not isinstance(rid, str) else "abort_all")
+    if not rid and not abort_all:
+        raise HTTPError(400, "give a rid, or abort_all: true", param="rid")
+    await worker_of(request).control(ControlOp.ABORT_REQUESTS, AbortRequests(rid, abort_all))
+    return Response(status_code=200)
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request):
+    body = await _json_body(request)
+    _only(body, {"model_path", "load_format", "abort_all_requests"})
+    path, fmt = body.get("model_path"), body.get("load_format")
+    abort_all = body.get("abort_all_requests", False)
+    if not isinstance(path, str) or not path:
+        raise HTTPError(400, "model_path must be the path of a model directory or GGUF file",
+                        param="model_path")
+    if fmt is not None and not isinstance(fmt, str):
+        raise HTTPError(400, "load_format must be a string", param="load_format")
+    if not isinstance(abort_all, bool):
+        raise HTTPError(400, "abort_all_requests must be a bool", param="abort_all_requests")
+    result: OpResult = await worker_of(request).control(
+        ControlOp.UPDATE_WEIGHTS, UpdateWeights(path, fmt, abort_all), timeout=None)
+    return _result(result, {"success": result.success, "message": result.message,
+                            "num_paused_requests": result.num_paused_requests})
+
+
+def _result(result: OpResult, body: dict[str, Any]) -> JSONResponse:
+    return JSONResponse(body, status_code=200 if result.success else 400)
+
+
+def _only(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}", param=unknown[0])
 
 
 @router.get("/metrics")
@@ -66,9 +138,12 @@ async def generate(request: Request):
     return collector.results()
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+async def _json_body(request: Request, empty_ok: bool = False) -> dict[str, Any]:
+    raw = await request.body()
+    if empty_ok and not raw.strip():
+        return {}
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
