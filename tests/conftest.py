@@ -41,13 +41,22 @@ def _ours(path: str) -> bool:
     return pid == os.getpid() or not psutil.pid_exists(pid) or pid in _our_processes()
 
 
+# Marks (UNISON_TEST_MODULE_TREE in their environment) of processes a module fixture owns for
+# its whole module (a Ray head, whose workers come and go as Ray pleases, and the cores they
+# start): not counted per test; the module's own check, after the fixture has stopped them,
+# still requires every one of them gone.
+MODULE_TREES: set[str] = set()
+
+
 def _our_processes() -> set[int]:
     found = set()
     for p in psutil.process_iter(["pid", "status"]):
         if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
         try:
-            if p.environ().get("UNISON_TEST_SESSION") == os.environ["UNISON_TEST_SESSION"]:
+            env = p.environ()
+            if env.get("UNISON_TEST_SESSION") == os.environ["UNISON_TEST_SESSION"] \
+                    and env.get("UNISON_TEST_MODULE_TREE") not in MODULE_TREES:
                 found.add(p.pid)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             pass

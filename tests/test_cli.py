@@ -27,7 +27,7 @@ def test_vllm_spellings_parse_to_ours():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["serve", "--data-parallel-size", "2"], "data parallelism is not supported yet"),
+    (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
     (["serve", "a/model", "--model", "b/model"], "the model is given twice"),
 ])
 def test_serve_refuses_clearly(argv, message, capsys):

@@ -1,8 +1,9 @@
 """Unison: an LLM inference engine with one engine core and many frontend processes."""
 
+from unison.core_process import curve_keypair
 from unison.engine import Engine
 from unison.errors import EngineDeadError
 from unison.frontend.sampling_params import SamplingParams
 
-__all__ = ["Engine", "EngineDeadError", "SamplingParams"]
+__all__ = ["Engine", "EngineDeadError", "SamplingParams", "curve_keypair"]
 __version__ = "0.1.0"

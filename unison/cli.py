@@ -27,8 +27,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, action="store_const", const=True, default=None, help=HELP[f.name])
             continue
         kind = next(t for t in (int, float, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
-        default = "" if f.default is MISSING or f.default is None else f" (default: {f.default})"
-        group.add_argument(*flags, dest=f.name, type=kind, default=None, help=HELP[f.name] + default)
+        many = {"nargs": "+"} if typing.get_origin(hints[f.name]) is tuple else {}
+        default = "" if f.default in (MISSING, None, ()) else f" (default: {f.default})"
+        group.add_argument(*flags, dest=f.name, type=kind, default=None, help=HELP[f.name] + default, **many)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, typing.Any]:
@@ -67,9 +68,12 @@ def _serve(args: argparse.Namespace) -> int:
         from unison.frontend.tool_parsers import get_parser
 
         get_parser(args.tool_call_parser)  # an unknown name fails here, not at the first request
-    if args.data_parallel_size != 1:
-        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: data parallelism is not "
-                         "supported yet; run one engine (--data-parallel-size 1)")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 or args.ray_address:
+        from unison.data_parallel import import_ray
+
+        import_ray()  # not installed: say what to install, before anything starts
     if args.model is not None:
         if args.model_path not in (None, args.model):
             raise ValueError(f"the model is given twice: {args.model!r} and --model-path "
@@ -84,7 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                  tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
-                 chat_template=args.chat_template)
+                 chat_template=args.chat_template, data_parallel_size=args.data_parallel_size,
+                 ray_address=args.ray_address, routing=args.routing)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,8 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=30000, help="port to listen on")
     srv.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
                      help="HTTP worker processes, each a frontend of the one engine core")
-    srv.add_argument("--data-parallel-size", type=int, default=1,
-                     help="engine cores behind one address (only 1 for now)")
+    srv.add_argument("--data-parallel-size", "--dp-size", type=int, default=1,
+                     help="engine cores behind one address, each in a Ray actor (needs unison[ray])")
+    srv.add_argument("--ray-address", default=None,
+                     help="an existing Ray cluster for the replicas (left running); default: a "
+                          "local Ray instance, started and stopped with the server")
+    srv.add_argument("--routing", choices=["least_loaded", "prefix"], default="least_loaded",
+                     help="which replica takes a request: least outstanding requests, or by a hash "
+                          "of the prompt's first characters (prefix-cache hits survive scale-out)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)")
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API")

@@ -42,6 +42,11 @@ class EngineConfig:
     mem_fraction_static: float | None = None
     skip_tokenizer_init: bool = False  # token ids in, token ids out; no tokenizer is loaded
     stream_output: bool = False  # streams yield only what is new (disjoint segments), not all so far
+    # Remote frontends: "tcp://HOST:PORT" (port * for any) makes the core also accept frontends
+    # over TCP, each authenticated by ZMQ CURVE with one of the trusted client public keys (Z85).
+    listen: str | None = None
+    trusted_client_keys: tuple[str, ...] = ()
+    heartbeat_timeout_s: float = 3.0  # over TCP: a side silent this long is dead (no pidfds there)
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
@@ -82,6 +87,15 @@ class EngineConfig:
                "random_seed", "must be an integer >= 0")
         _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                "mem_fraction_static", "must be in (0, 1)")
+        self.trusted_client_keys = tuple(self.trusted_client_keys)
+        _check(self.listen is None or self.listen.startswith("tcp://"), "listen",
+               f"must be tcp://HOST:PORT, got {self.listen!r}")
+        _check(self.listen is None or bool(self.trusted_client_keys), "trusted_client_keys",
+               "must name at least one client public key when listen is set (CURVE authenticates "
+               "every remote frontend)")
+        _check(all(isinstance(k, str) and len(k) == 40 for k in self.trusted_client_keys),
+               "trusted_client_keys", "must be Z85 CURVE public keys (40 characters each)")
+        _check(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "must be > 0")
         _check(self.device == "cpu" or self.device.startswith("cuda"), "device",
                "must be 'cpu' or 'cuda[:N]'")
 
@@ -171,6 +185,9 @@ HELP = {
                            "gets the rest after the weights",
     "skip_tokenizer_init": "no tokenizer: prompts are input_ids, outputs output_ids only",
     "stream_output": "streamed items carry only what is new, not everything so far",
+    "listen": "tcp://HOST:PORT: also accept frontends over TCP, authenticated with ZMQ CURVE",
+    "trusted_client_keys": "the CURVE public keys (Z85) of the remote frontends allowed to attach",
+    "heartbeat_timeout_s": "over TCP, a frontend or core silent this long is dead",
 }
 
 

@@ -31,9 +31,22 @@ SHUTDOWN_GRACE = 4.0
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
 
+def curve_keypair() -> tuple[str, str]:
+    """A fresh CURVE (public, secret) key pair, Z85 text: for a core, or a remote frontend."""
+    import zmq
+
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support: remote frontends need it "
+                           "(pip install pyzmq, whose wheels bundle a libzmq with CURVE)")
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
 class CoreProcess:
-    def __init__(self, config: EngineConfig, publish: bool) -> None:
+    def __init__(self, config: EngineConfig, publish: bool, curve_secret_key: str | None = None) -> None:
         config.check_model_path()
+        if config.listen and curve_secret_key is None:
+            curve_secret_key = curve_keypair()[1]
         # 0700; short (ipc paths < 107 bytes); named by the owner so a leftover can be traced
         self.runtime_dir = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")
         self.endpoint = f"ipc://{self.runtime_dir}/core.sock"
@@ -45,6 +58,7 @@ class CoreProcess:
             registry_path=str(self.registry_path) if self.registry_path else None,
             # PR_SET_PDEATHSIG fires when the starting *thread* exits: only safe from the main one.
             pdeathsig=threading.current_thread() is threading.main_thread(),
+            curve_secret_key=curve_secret_key,
         )
         env = {**ONEDNN_CACHES, **os.environ}
         self.proc = subprocess.Popen([sys.executable, "-m", "unison.core"], stdin=subprocess.PIPE, env=env)

@@ -113,13 +113,18 @@ class _Handle:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model_path: str | None = None, *, curve_secret_key: str | None = None,
+                 **kwargs: Any) -> None:
+        """Start an engine core and attach this process's frontend. `listen="tcp://HOST:PORT"`
+        (with `trusted_client_keys`) lets remote frontends attach too; the core's CURVE key is
+        `curve_secret_key`, or a fresh one (its public half: `server_key`)."""
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         self._h = _Handle()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:
             cfg = self.config
-            core = self._h.core = CoreProcess(cfg, publish=cfg.tokenizer_worker_num > 1)
+            publish = cfg.tokenizer_worker_num > 1
+            core = self._h.core = CoreProcess(cfg, publish, curve_secret_key)
             worker = TokenizerWorker(core.endpoint, core.token, core.pid, cfg)
             self._start(worker.start(cfg.startup_timeout, core.startup_problem))
         except BaseException:
@@ -133,21 +138,42 @@ class Engine:
         h.worker = h.loop.run(attaching)
         self.model_dir = h.worker.info.model_dir
 
+    @property
+    def tcp_address(self) -> str | None:
+        """Where remote frontends attach (with `listen`), as the core bound it."""
+        return self._h.worker.info.tcp_address
+
+    @property
+    def server_key(self) -> str | None:
+        """The core's CURVE public key, which remote frontends need (with `listen`)."""
+        return self._h.worker.info.server_key
+
     @classmethod
-    def attach_tokenizer_worker(cls, parent_pid: int | None = None, *,
-                                registry_file: str | None = None) -> Engine:
-        """Attach a frontend to the engine owned by `parent_pid` (default: this process's parent).
+    def attach_tokenizer_worker(cls, parent_pid: int | None = None, *, registry_file: str | None = None,
+                                address: str | None = None, server_key: str | None = None,
+                                client_key: str | None = None) -> Engine:
+        """Attach a frontend to the engine owned by `parent_pid` (default: this process's parent),
+        or, with `address`, to the core listening there over TCP, from any host (`server_key`:
+        its public key; `client_key`: this frontend's CURVE secret key, whose public key the
+        engine trusts).
 
         The returned Engine runs generate() here while prefill and decode stay on that engine's
         core; shutdown() detaches only this frontend.
         """
-        pid = os.getppid() if parent_pid is None else parent_pid
-        path = Path(registry_file) if registry_file else registry.registry_path(pid)
+        if address is not None:
+            if not server_key or not client_key:
+                raise ValueError("attaching by address needs server_key (the core's public key) and "
+                                 "client_key (this frontend's secret key)")
+            attaching = TokenizerWorker.connect(address, server_key, client_key)
+        else:
+            pid = os.getppid() if parent_pid is None else parent_pid
+            path = Path(registry_file) if registry_file else registry.registry_path(pid)
+            attaching = TokenizerWorker.attach(path, pid)
         self = cls.__new__(cls)
         self._h = _Handle()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:
-            self._start(TokenizerWorker.attach(path, pid))
+            self._start(attaching)
         except BaseException:
             self._h.close()
             raise

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, as msgspec Structs encoded with msgpack.
 
-frontend -> core: Hello, Generate, Abort, Control, Ack, Goodbye
-core -> frontend: Welcome, Reject, StepOutputs, ControlReply
+frontend -> core: Hello, Generate, Abort, Control, Ack, Goodbye, Heartbeat
+core -> frontend: Welcome, Reject, StepOutputs, ControlReply, Heartbeat
 
 Nothing is pickled and nothing is a dict of strings: what the core reports (CoreInfo, ServerInfo)
 is typed here too. The core sees token ids, never text: stop strings, detokenizing and chat
@@ -48,8 +48,13 @@ class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class Hello(msgspec.Struct, tag=True):
     pid: int
-    token: str
+    token: str  # the registry's (IPC); over TCP the CURVE key is the credential
     version: str = PROTOCOL_VERSION
+    want_files: bool = False  # a remote frontend: send the tokenizer's files in Welcome
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    """Liveness over TCP, both ways, where no pidfd can watch the other side."""
 
 
 class Generate(msgspec.Struct, tag=True):
@@ -140,11 +145,17 @@ class CoreInfo(msgspec.Struct):
     weights: dict[str, str]  # linear -> what it runs as (float32, int8, int4, ...)
     weights_bytes: int
     max_queued_requests: int | None = None  # when set, Generate asks to hear it was queued
+    tcp_address: str | None = None  # where remote frontends attach (listen), as bound
+    server_key: str | None = None  # the core's CURVE public key (Z85), for them
 
 
 class Welcome(msgspec.Struct, tag=True):
     worker_id: int
     info: CoreInfo
+    config: EngineConfig
+    core_pid: int
+    heartbeat_s: float = 0.0  # > 0 (TCP): send a Heartbeat this often; silence for 3x it is death
+    files: dict[str, bytes] = {}  # the tokenizer's files, when Hello asked for them
 
 
 class Reject(msgspec.Struct, tag=True):
@@ -263,8 +274,8 @@ class ControlReply(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-ToCore = Union[Hello, Generate, Abort, Control, Ack, Goodbye]
-ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply]
+ToCore = Union[Hello, Generate, Abort, Control, Ack, Goodbye, Heartbeat]
+ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply, Heartbeat]
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode
@@ -282,6 +293,7 @@ class CoreArgs(msgspec.Struct):
     owner_pid: int  # the core exits when this process does
     registry_path: str | None = None  # published once ready when frontends may attach
     pdeathsig: bool = True  # the owner's starting thread lives as long as the owner
+    curve_secret_key: str | None = None  # with config.listen: the core's CURVE key (never published)
 
 
 class EngineInfo(msgspec.Struct):

@@ -23,6 +23,7 @@ import zmq
 from unison import registry
 from unison.core.engine_core import EngineCore
 from unison.core.metrics import StepShapes
+from unison.model.loader import tokenizer_files
 from unison.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -32,10 +33,12 @@ from unison.protocol import (
     ControlOp,
     ControlReply,
     CoreArgs,
+    CoreInfo,
     EngineInfo,
     FrontendInfo,
     Generate,
     Goodbye,
+    Heartbeat,
     Hello,
     OpResult,
     Pause,
@@ -59,6 +62,20 @@ HELLO_GRACE_S = 0.25
 MAX_MESSAGES_PER_POLL = 4096  # a flood of messages can delay a step, never starve it
 
 
+ZAP_DOMAIN = "unison"
+TCP_PREFIX = b"t"  # a TCP frontend's key: its routing id after this (ZMQ's own ids start with 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who sent a message: its key in `frontends`, and how to answer it."""
+
+    key: bytes
+    sock: zmq.Socket
+    route: bytes
+    remote: bool
+
+
 @dataclass
 class PendingUpdate:
     """A weight update waiting for the requests that were in flight when it came to finish."""
@@ -71,10 +88,14 @@ class PendingUpdate:
 
 @dataclass
 class Frontend:
-    ident: bytes
+    ident: bytes  # its key here (a TCP frontend's routing id is prefixed: two sockets' ids may clash)
     worker_id: int
     pid: int
     pidfd: int | None
+    sock: zmq.Socket  # the ROUTER it came through
+    route: bytes  # its routing id on that socket
+    remote: bool = False  # over TCP: watched by heartbeats, not a pidfd
+    last_heard: float = 0.0  # remote: when its last message came
     outbox: deque[bytes] = field(default_factory=deque)
     seq: int = 0  # StepOutputs sent so far
     unacked: deque[tuple[int, float]] = field(default_factory=deque)  # (seq, sent at), oldest first
@@ -94,7 +115,7 @@ class CoreServer:
         self.paused: PauseMode | None = None
         self.update: PendingUpdate | None = None
         self.weights_version = 0  # successful weight updates
-        self.deferred_hellos: list[tuple[bytes, Hello, float]] = []  # at capacity, held briefly
+        self.deferred_hellos: list[tuple[Peer, Hello, float]] = []  # at capacity, held briefly
         self.replies: dict[bytes, list[ReqOutput]] = {}  # per frontend, sent once a drain ends
         self.stopping = False
         self._stats_at, self._stats_gen = time.monotonic(), 0
@@ -106,9 +127,40 @@ class CoreServer:
         os.chmod(args.endpoint.removeprefix("ipc://"), 0o600)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        self.tcp, self.auth, self.tcp_address, self.server_key = None, None, None, None
+        if args.config.listen:
+            self._listen(args.config.listen, args.curve_secret_key)
+        self._beat_at = time.monotonic()
         self.owner_pidfd = _pidfd(args.owner_pid)
         if self.owner_pidfd is not None:
             self.poller.register(self.owner_pidfd, zmq.POLLIN)
+
+    def _listen(self, address: str, secret_key: str | None) -> None:
+        """A second ROUTER, on TCP, CURVE-encrypted (CURVE is set per socket: IPC stays as it
+        is). The ZAP authenticator admits only the trusted client keys: without it CURVE takes
+        any client that knows the server's public key."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        if not zmq.has("curve") or not secret_key:
+            raise ValueError("listen needs libzmq with CURVE (zmq.has('curve')) and a server key")
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve_callback(ZAP_DOMAIN, _TrustedKeys(self.config.trusted_client_keys))
+        tcp = self.tcp = self.ctx.socket(zmq.ROUTER)
+        tcp.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        tcp.setsockopt(zmq.LINGER, 0)
+        tcp.curve_server = True
+        tcp.curve_secretkey = secret_key.encode()
+        tcp.zap_domain = ZAP_DOMAIN.encode()
+        tcp.bind(address)
+        self.tcp_address = tcp.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.server_key = zmq.curve_public(secret_key.encode()).decode()
+        self.poller.register(tcp, zmq.POLLIN)
+        log.info("listening for remote frontends on %s", self.tcp_address)
+
+    def info(self) -> CoreInfo:
+        return msgspec.structs.replace(self.core.info(), tcp_address=self.tcp_address,
+                                       server_key=self.server_key)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -116,7 +168,7 @@ class CoreServer:
         if self.args.registry_path:
             registry.publish(self.args.registry_path, EngineInfo(
                 endpoint=self.args.endpoint, owner_pid=self.args.owner_pid, core_pid=os.getpid(),
-                token=self.args.token, config=self.config, info=self.core.info(),
+                token=self.args.token, config=self.config, info=self.info(),
             ))
 
     def serve_forever(self) -> None:
@@ -154,6 +206,9 @@ class CoreServer:
             if fe.pidfd is not None and fe.pidfd != self.owner_pidfd:
                 os.close(fe.pidfd)
         self.sock.close(linger=0)
+        if self.tcp is not None:
+            self.tcp.close(linger=0)
+            self.auth.stop()
         self.ctx.term()
 
     # ---- input -------------------------------------------------------------------------------
@@ -166,8 +221,8 @@ class CoreServer:
         if self.core.compiling and not busy:
             timeout = SHORT_POLL_MS  # a grammar is compiling on its thread: look again soon
         for what, _ in self.poller.poll(timeout):
-            if what is self.sock:
-                self.drain()
+            if what is self.sock or what is self.tcp:
+                self.drain(what)
             elif what == self.owner_pidfd:
                 log.warning("owner process %d exited; the core shuts down", self.args.owner_pid)
                 self.stopping = True
@@ -175,14 +230,30 @@ class CoreServer:
                 self.drop_frontend(self.by_pidfd[what], "its process exited")
         if self.deferred_hellos:
             deferred, self.deferred_hellos = self.deferred_hellos, []
-            for ident, msg, at in deferred:
-                self.hello(ident, msg, at)
+            for peer, msg, at in deferred:
+                self.hello(peer, msg, at)
         self.flush_outboxes()
         self.abort_lagging()
+        if self.tcp is not None:
+            self.heartbeat()
 
-    def drain(self) -> None:
+    def heartbeat(self) -> None:
+        """Over TCP: a Heartbeat to each remote frontend every third of the timeout; one silent
+        for the whole timeout (dead, stopped, cut off) is dropped, its requests aborted."""
+        now, timeout = time.monotonic(), self.config.heartbeat_timeout_s
+        if now - self._beat_at < timeout / 3:
+            return
+        self._beat_at = now
+        for fe in [f for f in self.frontends.values() if f.remote]:
+            if now - fe.last_heard > timeout:
+                self.drop_frontend(fe, f"it sent nothing for {now - fe.last_heard:.1f} s "
+                                       f"(heartbeat_timeout_s={timeout})")
+            else:
+                self.send(fe, Heartbeat())
+
+    def drain(self, sock: zmq.Socket) -> None:
         try:
-            self._drain()
+            self._drain(sock)
         finally:
             self.send_replies()
 
@@ -195,10 +266,11 @@ class CoreServer:
             if fe is not None:
                 self.send_step(fe, outs)
 
-    def _drain(self) -> None:
+    def _drain(self, sock: zmq.Socket) -> None:
+        remote = sock is self.tcp
         for _ in range(MAX_MESSAGES_PER_POLL):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 2:
@@ -209,16 +281,22 @@ class CoreServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("dropped an undecodable message: %s", e)
                 continue
-            self.handle(frames[0], msg)
+            self.handle(Peer(TCP_PREFIX + frames[0] if remote else frames[0], sock, frames[0], remote),
+                        msg)
 
-    def handle(self, ident: bytes, msg: Any) -> None:
+    def handle(self, peer: Peer, msg: Any) -> None:
+        ident = peer.key
         fe = self.frontends.get(ident)
-        if isinstance(msg, Ack):
+        if fe is not None and fe.remote:
+            fe.last_heard = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            pass
+        elif isinstance(msg, Ack):
             if fe is not None:
                 while fe.unacked and fe.unacked[0][0] <= msg.seq:
                     fe.unacked.popleft()
         elif isinstance(msg, Hello):
-            self.hello(ident, msg)
+            self.hello(peer, msg)
         elif fe is None:
             if not isinstance(msg, Goodbye):  # it may trail its process's exit, seen first
                 log.warning("dropped %s from a frontend that has not said Hello",
@@ -238,9 +316,10 @@ class CoreServer:
         elif isinstance(msg, Goodbye):
             self.drop_frontend(fe, "it said goodbye")
 
-    def hello(self, ident: bytes, msg: Hello, deferred_at: float | None = None) -> None:
-        reason = None
-        if not hmac.compare_digest(msg.token.encode(), self.args.token.encode()):
+    def hello(self, peer: Peer, msg: Hello, deferred_at: float | None = None) -> None:
+        ident, reason = peer.key, None
+        # Over TCP, CURVE and the ZAP authenticator have checked the frontend's key already.
+        if not peer.remote and not hmac.compare_digest(msg.token.encode(), self.args.token.encode()):
             reason = "wrong token: the registry's token is required to attach"
         elif msg.version != PROTOCOL_VERSION:
             reason = f"protocol version mismatch: frontend {msg.version}, engine {PROTOCOL_VERSION}"
@@ -251,24 +330,31 @@ class CoreServer:
             # which the ROUTER may read in either order: hold a Hello at capacity for a moment.
             now = time.monotonic()
             if deferred_at is None or now - deferred_at < HELLO_GRACE_S:
-                self.deferred_hellos.append((ident, msg, deferred_at or now))
+                self.deferred_hellos.append((peer, msg, deferred_at or now))
                 return
             reason = (f"engine {self.args.owner_pid} has {len(self.frontends)} of {self.cap} "
                       "frontends attached")
         if reason:
             log.warning("rejected a frontend (pid %d): %s", msg.pid, reason)
-            self.send_raw(ident, encode(Reject(reason)))
+            self.send_raw(peer, encode(Reject(reason)))
             return
-        pidfd = self.owner_pidfd if msg.pid == self.args.owner_pid else _pidfd(msg.pid)
-        fe = Frontend(ident, self.next_worker_id, msg.pid, pidfd)
+        if peer.remote:  # another host's pid means nothing here: heartbeats watch it
+            pidfd = None
+        else:
+            pidfd = self.owner_pidfd if msg.pid == self.args.owner_pid else _pidfd(msg.pid)
+        fe = Frontend(ident, self.next_worker_id, msg.pid, pidfd, peer.sock, peer.route, peer.remote,
+                      time.monotonic())
         self.next_worker_id += 1
         self.frontends[ident] = fe
         self.worker_ids[ident] = fe.worker_id
         if pidfd is not None and pidfd != self.owner_pidfd:
             self.by_pidfd[pidfd] = fe
             self.poller.register(pidfd, zmq.POLLIN)
-        log.info("frontend %d attached (pid %d)", fe.worker_id, fe.pid)
-        self.send(fe, Welcome(fe.worker_id, self.core.info()))
+        log.info("frontend %d attached (pid %d%s)", fe.worker_id, fe.pid, ", over TCP" if fe.remote else "")
+        self.send(fe, Welcome(
+            fe.worker_id, self.info(), self.config, os.getpid(),
+            heartbeat_s=self.config.heartbeat_timeout_s / 3 if fe.remote else 0.0,
+            files=tokenizer_files(self.core.model_dir) if msg.want_files else {}))
 
     def drop_frontend(self, fe: Frontend, why: str) -> None:
         aborted = len(self.core.abort_frontend(fe.ident))
@@ -393,7 +479,7 @@ class CoreServer:
         core, inflight = self.core, self.core.requests_per_frontend()
         return ServerInfo(
             version=PROTOCOL_VERSION, core_pid=os.getpid(), owner_pid=self.args.owner_pid,
-            config=self.config, core=core.info(), paused=self.paused is not None,
+            config=self.config, core=self.info(), paused=self.paused is not None,
             pause_mode=self.paused.value if self.paused else None, weights_version=self.weights_version,
             num_running=core.num_running,
             num_waiting=core.num_waiting, kv_blocks_used=core.kv_blocks_used,
@@ -448,7 +534,7 @@ class CoreServer:
     def flush(self, fe: Frontend) -> None:
         while fe.outbox:
             try:
-                self.sock.send_multipart([fe.ident, fe.outbox[0]], zmq.NOBLOCK)
+                fe.sock.send_multipart([fe.route, fe.outbox[0]], zmq.NOBLOCK)
             except zmq.Again:
                 return  # its queue is full: retry after the next step
             except zmq.ZMQError as e:
@@ -458,11 +544,24 @@ class CoreServer:
                 raise
             fe.outbox.popleft()
 
-    def send_raw(self, ident: bytes, payload: bytes) -> None:
+    def send_raw(self, peer: Peer, payload: bytes) -> None:
         try:
-            self.sock.send_multipart([ident, payload], zmq.NOBLOCK)
+            peer.sock.send_multipart([peer.route, payload], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # a rejected frontend that is gone already
+
+
+class _TrustedKeys:
+    """The ZAP authenticator's CURVE check: is this client's public key one we trust?"""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = {k.encode() for k in keys}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key in self.keys
+        if not ok:
+            log.warning("refused a remote frontend: its CURVE key %s is not trusted", key.decode())
+        return ok
 
 
 def _arg(arg: Any, kind: type, op: ControlOp) -> Any:

@@ -10,10 +10,12 @@ InvalidParam naming the field), `submit` it, and read the Collector it returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import random
+import tempfile
 import time
 import uuid
 from collections import Counter, deque
@@ -39,6 +41,7 @@ from unison.protocol import (
     CoreInfo,
     Generate,
     Goodbye,
+    Heartbeat,
     Hello,
     Reject,
     ReqOutput,
@@ -58,12 +61,20 @@ RETRY_SEND_S = 0.001  # while the pipe to the core is full
 log = logging.getLogger("unison.frontend")
 
 GOODBYE_LINGER_MS = 200
+HANDSHAKE_EVENTS_NAMES = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+                          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: protocol",
+                          zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed: key not trusted"}
+# The connection's events, watched over TCP: a refused handshake while attaching, and after it a
+# lost connection (a dead core's host resets it at once, well before a heartbeat would be missed).
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | sum(HANDSHAKE_EVENTS_NAMES)
 
 
 class TokenizerWorker:
-    def __init__(self, endpoint: str, token: str, core_pid: int,
-                 config: EngineConfig | None = None) -> None:
+    def __init__(self, endpoint: str, token: str, core_pid: int, config: EngineConfig | None = None,
+                 curve: tuple[str, str] | None = None) -> None:
+        """`curve`: (the core's public key, this frontend's secret key) to attach over TCP."""
         self.endpoint = endpoint
+        self.curve = curve
         self.token = token
         self.core_pid = core_pid
         self.tokenizer: Tokenizer | None = None  # loaded from the directory Welcome names
@@ -81,6 +92,9 @@ class TokenizerWorker:
         self._retry: asyncio.TimerHandle | None = None
         self._read_scheduled = False
         self._pidfd: int | None = None
+        self._monitor: zmq.Socket | None = None  # CURVE handshake events, while attaching
+        self._heard_at = 0.0  # over TCP: when the core last said anything
+        self._beat: asyncio.TimerHandle | None = None
         self.on_dead: Callable[[], None] | None = None  # e.g. an HTTP worker stops serving
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -92,6 +106,18 @@ class TokenizerWorker:
         worker = cls(info.endpoint, info.token, info.core_pid, info.config)
         return await worker.start(ATTACH_TIMEOUT)
 
+    @classmethod
+    async def connect(cls, address: str, server_key: str, client_key: str) -> TokenizerWorker:
+        """A frontend for the engine core listening at `address` (tcp://, maybe on another host):
+        `server_key` is the core's CURVE public key, `client_key` this frontend's secret key
+        (its public key must be one the engine trusts). The tokenizer comes over the connection."""
+        if not address.startswith("tcp://"):
+            raise ValueError(f"address must be tcp://HOST:PORT, got {address!r}")
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq has no CURVE support, which attaching over TCP needs")
+        worker = cls(address, "", 0, curve=(server_key, client_key))
+        return await worker.start(ATTACH_TIMEOUT)
+
     async def start(self, timeout: float,
                     alive: Callable[[], str | None] = lambda: None) -> TokenizerWorker:
         """Connect and say Hello; `alive` returns why the engine cannot answer, or None."""
@@ -99,6 +125,13 @@ class TokenizerWorker:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            server_key, secret = (k.encode() for k in self.curve)
+            self._sock.curve_serverkey = server_key
+            self._sock.curve_secretkey = secret
+            self._sock.curve_publickey = zmq.curve_public(secret)
+            # A refused key shows only as a handshake event: watched until Welcome comes.
+            self._monitor = self._sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self._sock.connect(self.endpoint)
         # A plain socket read from the loop's own reader: every message is taken as it comes,
         # without a future or a task per message. ZMQ's FD is edge-triggered, so every send and
@@ -106,25 +139,81 @@ class TokenizerWorker:
         self._fd = self._sock.getsockopt(zmq.FD)
         self.loop.add_reader(self._fd, self._on_readable)
         self._welcome = self.loop.create_future()
-        self._send(Hello(pid=os.getpid(), token=self.token))
+        self._send(Hello(pid=os.getpid(), token=self.token, want_files=self.curve is not None))
         reply = await self._await_welcome(timeout, alive)
         if isinstance(reply, Reject):
             self._close_socket()
             raise ConnectionRefusedError(f"the engine refused this frontend: {reply.reason}")
-        self.worker_id, self.info = reply.worker_id, reply.info
+        self.worker_id, self.info, self.config = reply.worker_id, reply.info, reply.config
+        self.core_pid = reply.core_pid
         cfg = self.config
         if cfg is not None and cfg.random_seed is not None:
             # Each frontend its own stream, reproducible per frontend.
             self.rng = random.Random(f"{cfg.random_seed}:{reply.worker_id}")
-        if cfg is None or not cfg.skip_tokenizer_init:
+        if not cfg.skip_tokenizer_init:
             try:
-                self.tokenizer = Tokenizer.from_dir(reply.info.model_dir)
+                self.tokenizer = (_tokenizer_from_files(reply.files) if reply.files
+                                  else Tokenizer.from_dir(reply.info.model_dir))
             except BaseException:
                 await self.close()
                 raise
-        self._watch_core()
+        if reply.heartbeat_s > 0:  # over TCP: no pidfd across hosts
+            self._heard_at = time.monotonic()
+            self._beat = self.loop.call_later(reply.heartbeat_s, self._heartbeat, reply.heartbeat_s)
+            if self._monitor is not None:
+                self.loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+                self._on_monitor()
+        else:
+            self._watch_core()
         self._check_pending()
         return self
+
+    def _heartbeat(self, interval: float) -> None:
+        silent = time.monotonic() - self._heard_at
+        if silent > 3 * interval:
+            self._mark_dead(f"the engine core at {self.endpoint} sent nothing for {silent:.1f} s "
+                            f"(heartbeat timeout {3 * interval:.1f} s): it is gone or cut off")
+            return
+        self._send(Heartbeat())
+        self._beat = self.loop.call_later(interval, self._heartbeat, interval)
+
+    def _on_monitor(self) -> None:
+        """Attached over TCP: a lost connection is a dead engine (ZMQ would reconnect under a new
+        identity, which the core has never welcomed)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._mark_dead(f"the connection to the engine core at {self.endpoint} was lost")
+                return
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(self._monitor.getsockopt(zmq.FD))
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def _handshake_refused(self) -> str | None:
+        """Why the CURVE handshake failed, if it did (from the socket's monitor events)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            if event["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                kind = HANDSHAKE_EVENTS_NAMES.get(event["event"], "disconnected")
+                return (f"the engine at {self.endpoint} refused the connection ({kind}, code "
+                        f"{event['value']}): check server_key, and that this frontend's public key is "
+                        "among the engine's trusted_client_keys")
+        return None
 
     async def _await_welcome(self, timeout: float, alive: Callable[[], str | None]) -> Welcome | Reject:
         deadline = time.monotonic() + timeout
@@ -133,15 +222,20 @@ class TokenizerWorker:
                 return await asyncio.wait_for(asyncio.shield(self._welcome), 0.1)
             except asyncio.TimeoutError:
                 pass
+            refused = self._handshake_refused()
+            if refused:
+                self._close_socket()
+                raise ConnectionRefusedError(refused)
             problem = alive()
-            if problem is None and not pid_alive(self.core_pid):
+            if problem is None and self.curve is None and not pid_alive(self.core_pid):
                 problem = f"the core (pid {self.core_pid}) is not running"
             if problem:
                 self._close_socket()
                 raise EngineDeadError(problem)
             if time.monotonic() > deadline:
                 self._close_socket()
-                raise TimeoutError(f"the engine did not answer within {timeout:.0f} s")
+                where = f" at {self.endpoint} (check the address and server_key)" if self.curve else ""
+                raise TimeoutError(f"the engine{where} did not answer within {timeout:.0f} s")
 
     def _watch_core(self) -> None:
         try:
@@ -156,6 +250,9 @@ class TokenizerWorker:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
         self._outbox.clear()  # nobody will read it
         if self.dead is None:
             self.dead = EngineDeadError(why)
@@ -190,6 +287,7 @@ class TokenizerWorker:
 
     def _close_socket(self, linger: int = 0) -> None:
         if self._sock is not None:
+            self._stop_monitor()
             self.loop.remove_reader(self._fd)
             if self._retry is not None:
                 self._retry.cancel()
@@ -387,6 +485,8 @@ class TokenizerWorker:
                 batch.append(self._sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
+        if batch:
+            self._heard_at = time.monotonic()
         seq, outputs = 0, []
         for data in batch:
             msg = decode_to_frontend(data)
@@ -441,6 +541,18 @@ class TokenizerWorker:
             except RuntimeError:  # its event loop is closed: nobody is waiting there
                 pass
         return replies
+
+
+def _tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
+    """A remote frontend's tokenizer, from the files its core sent (read once, then deleted)."""
+    with tempfile.TemporaryDirectory(prefix="unison-tokenizer-") as tmp:
+        for name, data in files.items():
+            path = Path(tmp, name)
+            if Path(tmp).resolve() not in path.resolve().parents:
+                raise ValueError(f"the core sent a file outside the tokenizer directory: {name!r}")
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(data)
+        return Tokenizer.from_dir(tmp)
 
 
 def _normalize_prompts(prompt: Any, input_ids: Any) -> tuple[bool, list[str], list[list[int]]]:

@@ -66,6 +66,20 @@ def open_weights(model_path: str | os.PathLike | None, model_dir: Path | None = 
     return GGUFWeights(path, config), True
 
 
+# What a frontend's tokenizer reads from a model directory (frontend/tokenizer.py): what a remote
+# frontend, which has no model cache of its own, is sent when it attaches.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
+                   "chat_template.jinja")
+
+
+def tokenizer_files(model_dir: str | os.PathLike) -> dict[str, bytes]:
+    root = Path(model_dir)
+    files = {name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()}
+    for extra in sorted((root / "additional_chat_templates").glob("*.jinja")):
+        files[f"additional_chat_templates/{extra.name}"] = extra.read_bytes()
+    return files
+
+
 def check_model_dir(path: Path) -> dict:
     """The directory's config.json, after checking the architecture is one Unison runs."""
     config_file = path / "config.json"

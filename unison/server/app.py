@@ -25,10 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
-from unison.frontend.worker import TokenizerWorker
 from unison.server import native, openai
 from unison.server.openai_format import HTTPError, error_kind, error_response, invalid_param
 from unison.server.openai_protocol import generation_defaults
+from unison.server.replicas import Replicas
 from unison.server.streaming import Settings
 
 log = logging.getLogger("unison.server")
@@ -44,16 +44,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker = await TokenizerWorker.attach(settings.registry_path, settings.owner_pid)
-        worker.on_dead = _exit_when_engine_dies
-        app.state.worker = worker
+        if settings.replicas_path:  # data parallel: every replica's core, over TCP
+            replicas = await Replicas.remote(settings.replicas_path, settings.routing)
+        else:
+            replicas = await Replicas.local(settings.registry_path, settings.owner_pid,
+                                            _exit_when_engine_dies)
+        app.state.replicas = replicas
+        worker = replicas.any
         app.state.sampling_defaults = generation_defaults(settings.generation_config, worker.info.model_dir)
         app.state.chat_template = _template_text(settings.chat_template)
-        log.info("worker %d attached as frontend %d", os.getpid(), worker.worker_id)
+        log.info("worker %d attached as frontend %d of %d replica(s)", os.getpid(), worker.worker_id,
+                 len(replicas.workers))
         try:
             yield
         finally:
-            await worker.close()
+            await replicas.close()
 
     app = FastAPI(title="Unison", lifespan=lifespan)
     app.state.settings = settings

@@ -11,14 +11,18 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.server.app import ENV, create_app
@@ -30,34 +34,36 @@ log = logging.getLogger("unison.server")
 def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
           served_model_name: str | None, tool_call_parser: str | None = None,
           generation_config: str = "auto", chat_template: str | None = None,
-          max_request_bytes: int | None = None) -> int:
+          max_request_bytes: int | None = None, data_parallel_size: int = 1,
+          ray_address: str | None = None, routing: str = "least_loaded") -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    if data_parallel_size > 1 or ray_address:
+        return _serve_data_parallel(config, data_parallel_size, ray_address, routing, host=host, port=port,
+                                    api_key=api_key, served_model_name=served_model_name,
+                                    tool_call_parser=tool_call_parser, generation_config=generation_config,
+                                    chat_template=chat_template, max_request_bytes=max_request_bytes)
     core = CoreProcess(config, publish=True)
     failure: list[str] = []  # why the server stopped on its own, when it did
     stopping = threading.Event()
     try:
         core.wait_published(config.startup_timeout)
+        if config.listen:
+            info = registry.read(core.registry_path).info
+            log.warning("remote frontends attach at %s with server_key %s", info.tcp_address, info.server_key)
         settings = Settings(
             registry_path=str(core.registry_path), owner_pid=os.getpid(), api_key=api_key,
             served_model_name=served_model_name or _default_name(config.model_path),
             max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser,
             generation_config=generation_config, chat_template=chat_template,
         )
-        os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
         workers = config.tokenizer_worker_num
         threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
-                         args=(host, port, workers, api_key, config.startup_timeout, core,
+                         args=(host, port, workers, api_key, config.startup_timeout, core.proc.poll,
                                failure)).start()
         threading.Thread(target=_stop_when_core_exits, daemon=True, name="unison-core-watch",
                          args=(core, stopping, failure)).start()
-        # With one worker uvicorn runs here and, once shut down, re-raises the SIGTERM it caught
-        # under the handler it found: the default one would kill the launcher before it stops
-        # the core and reports. The signal is handled by then.
-        signal.signal(signal.SIGTERM, lambda *_: None)
-        app: Any = create_app(settings) if workers == 1 else "unison.server.app:create_app"
-        uvicorn.run(app, host=host, port=port, workers=None if workers == 1 else workers,
-                    factory=workers > 1, log_level=config.log_level, timeout_graceful_shutdown=5)
+        _run_uvicorn(settings, host, port, workers, config.log_level)
     finally:
         stopping.set()
         core.stop()
@@ -65,6 +71,50 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
         log.error("the server stopped: %s", failure[0])
         return 1
     return 0 if core.proc.returncode in (0, -signal.SIGTERM) else 1
+
+
+def _serve_data_parallel(config: EngineConfig, size: int, ray_address: str | None, routing: str, *,
+                         host: str, port: int, api_key: str | None, **settings_args: Any) -> int:
+    """N cores in Ray actors; the same HTTP workers, each attached to every core over TCP."""
+    from unison.data_parallel import RayReplicas
+
+    workers = config.tokenizer_worker_num
+    runtime = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")  # 0700: the replicas file holds a key
+    failure: list[str] = []
+    cores = None
+    try:
+        # Each core takes every HTTP worker as a frontend, and one more (a worker re-attaching).
+        cores = RayReplicas(dataclasses.replace(config, tokenizer_worker_num=workers + 1), size,
+                            ray_address, Path(runtime) / "replicas.json")
+        log.warning("%d replicas: %s", size, ", ".join(
+            f"core pid {w.core_pid} on {w.host} at {w.address}" for w in cores.where))
+        settings_args["served_model_name"] = (settings_args["served_model_name"]
+                                              or _default_name(config.model_path))
+        settings = Settings(registry_path="", owner_pid=os.getpid(), api_key=api_key,
+                            replicas_path=str(cores.path), routing=routing, **settings_args)
+        threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
+                         args=(host, port, workers * size, api_key, config.startup_timeout, lambda: None,
+                               failure)).start()
+        _run_uvicorn(settings, host, port, workers, config.log_level)
+    finally:
+        if cores is not None:
+            cores.stop()
+        shutil.rmtree(runtime, ignore_errors=True)
+    if failure:
+        log.error("the server stopped: %s", failure[0])
+        return 1
+    return 0
+
+
+def _run_uvicorn(settings: Settings, host: str, port: int, workers: int, log_level: str) -> None:
+    os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
+    # With one worker uvicorn runs here and, once shut down, re-raises the SIGTERM it caught
+    # under the handler it found: the default one would kill the launcher before it stops
+    # the core and reports. The signal is handled by then.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    app: Any = create_app(settings) if workers == 1 else "unison.server.app:create_app"
+    uvicorn.run(app, host=host, port=port, workers=None if workers == 1 else workers,
+                factory=workers > 1, log_level=log_level, timeout_graceful_shutdown=5)
 
 
 def _default_name(model_path: str | None) -> str:
@@ -86,12 +136,12 @@ def _stop_when_core_exits(core: CoreProcess, stopping: threading.Event, failure:
 
 
 def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None, timeout: float,
-                         core: CoreProcess, failure: list[str]) -> None:
+                         exited: Any, failure: list[str]) -> None:
     """Log the URL once every worker has attached; stop the launch if that does not happen."""
     url = f"http://{host}:{port}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and core.proc.poll() is None:
+    while time.monotonic() < deadline and exited() is None:
         try:
             req = urllib.request.Request(f"{url}/get_server_info", headers=headers)
             with urllib.request.urlopen(req, timeout=2) as r:
@@ -105,7 +155,7 @@ def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None
         except OSError:
             pass
         time.sleep(0.2)
-    if core.proc.poll() is None:  # else the core watcher reports
+    if exited() is None:  # else the core watcher reports
         failure.append(f"the server did not get ready: {workers} worker(s) did not attach to the "
                        f"engine within {timeout:.0f} s")
         log.error("%s", failure[0])

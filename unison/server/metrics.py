@@ -8,6 +8,7 @@ dashboards built for vLLM port with a prefix change. A registry of its own per s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -28,11 +29,15 @@ HISTOGRAMS = {  # ServerInfo.histograms key -> (name, help)
 
 
 class _EngineCollector:
-    def __init__(self, info: ServerInfo) -> None:
-        self.info = info
+    """One engine's metrics; `engine`: its label among data-parallel replicas (vLLM's)."""
+
+    def __init__(self, info: ServerInfo, engine: str | None = None) -> None:
+        self.info, self.labels = info, {} if engine is None else {"engine": engine}
 
     def collect(self) -> Iterator[Metric]:
         info, stats = self.info, self.info.stats
+        _gauge, _counter, _histogram = (functools.partial(f, labels=self.labels)
+                                        for f in (_gauge_of, _counter_of, _histogram_of))
         yield _gauge("num_requests_running", "Requests in the running batch.", info.num_running)
         yield _gauge("num_requests_waiting", "Requests waiting for admission.", info.num_waiting)
         yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).",
@@ -51,24 +56,49 @@ class _EngineCollector:
             yield _histogram(name, doc, info.histograms[key])
 
 
-def _gauge(name: str, doc: str, value: float) -> Metric:
-    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+def _gauge_of(name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
 
 
-def _counter(name: str, doc: str, value: float) -> Metric:
-    return CounterMetricFamily(PREFIX + name, doc, value=value)  # exposed as <name>_total
+def _counter_of(name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels))  # exposed as <name>_total
+    family.add_metric(list(labels.values()), value)
+    return family
 
 
-def _histogram(name: str, doc: str, h: HistogramData) -> Metric:
+def _histogram_of(name: str, doc: str, h: HistogramData, labels: dict[str, str]) -> Metric:
     cumulative, buckets = 0, []
     for bound, count in zip(h.buckets, h.counts):
         cumulative += count
         buckets.append((repr(float(bound)), cumulative))
     buckets.append(("+Inf", h.count))
-    return HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=h.sum)
+    family = HistogramMetricFamily(PREFIX + name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), buckets, sum_value=h.sum)
+    return family
 
 
-def render_metrics(info: ServerInfo) -> bytes:
+class _Engines:
+    """Every replica's metrics as one family per name, a sample set per `engine` label."""
+
+    def __init__(self, infos: list[ServerInfo], engines: list[str] | None) -> None:
+        labels = engines or [None] * len(infos)
+        self.collectors = [_EngineCollector(i, e) for i, e in zip(infos, labels)]
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for collector in self.collectors:
+            for family in collector.collect():
+                if family.name in merged:
+                    merged[family.name].samples += family.samples
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+
+
+def render_metrics(infos: list[ServerInfo], engines: list[str] | None = None) -> bytes:
+    """The engine's metrics; data parallel: each replica's, labelled engine="i"."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(info))
+    registry.register(_Engines(infos, engines))
     return generate_latest(registry)

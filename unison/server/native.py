@@ -8,16 +8,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from unison import registry
-from unison.errors import check_encodable
-from unison.frontend.worker import TokenizerWorker
+from unison.errors import EngineDeadError, check_encodable
 from unison.protocol import AbortRequests, ControlOp, OpResult, Pause, PauseMode, UpdateWeights
 from unison.server.metrics import CONTENT_TYPE, render_metrics
 from unison.server.openai_format import HTTPError
-from unison.server.streaming import stream, wait, worker_of
+from unison.server.replicas import Replicas
+from unison.server.streaming import route, stream, wait, worker_of
 
 router = APIRouter()
 
@@ -27,14 +28,30 @@ GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_log
 
 @router.get("/health")
 async def health(request: Request):
-    worker: TokenizerWorker = request.app.state.worker
-    ok = worker.dead is None and registry.pid_alive(worker.core_pid)
+    """200 while any replica serves."""
+    replicas: Replicas = request.app.state.replicas
+    ok = any(w.curve is not None or registry.pid_alive(w.core_pid) for _, w in replicas.live)
     return Response(status_code=200 if ok else 503)
 
 
 @router.get("/get_server_info")
 async def server_info(request: Request):
-    return (await worker_of(request).control(ControlOp.SERVER_INFO)).to_dict()
+    """One engine: its state. Data parallel: the first live replica's keys, the counts summed,
+    and each replica under `replicas` (its core's pid, host and own state; `internal_states`
+    has one entry per replica, as SGLang's per DP rank)."""
+    replicas: Replicas = request.app.state.replicas
+    infos = await _control_all(request, ControlOp.SERVER_INFO)
+    info = infos[0].to_dict()
+    if replicas.replicas_path is None:
+        return info
+    rows = {r["index"]: r for r in replicas.replica_rows()}
+    info["replicas"] = [rows[i] | {"state": one.to_dict()["internal_states"][0]}
+                        for (i, _), one in zip(replicas.live, infos)]
+    info["internal_states"] = [r["state"] for r in info["replicas"]]
+    for key in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached"):
+        info[key] = sum(getattr(one, key) for one in infos)
+    info["frontends"] = [f for one in infos for f in msgspec.to_builtins(one.frontends)]
+    return info
 
 
 @router.get("/get_model_info")
@@ -44,8 +61,8 @@ async def model_info(request: Request):
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request):
-    result: OpResult = await worker_of(request).control(ControlOp.FLUSH_CACHE)
-    return _result(result, {"success": result.success, "message": result.message})
+    results: list[OpResult] = await _control_all(request, ControlOp.FLUSH_CACHE)
+    return _results(results)
 
 
 @router.post("/pause_generation")
@@ -58,14 +75,14 @@ async def pause_generation(request: Request):
     except ValueError:
         raise HTTPError(400, f"mode must be one of {[m.value for m in PauseMode]}, got {mode!r}",
                         param="mode") from None
-    await worker_of(request).control(ControlOp.PAUSE, pause)
+    await _control_all(request, ControlOp.PAUSE, pause)
     return {"message": "Generation paused successfully.", "status": "ok"}
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request):
     _only(await _json_body(request, empty_ok=True), set())
-    await worker_of(request).control(ControlOp.CONTINUE)
+    await _control_all(request, ControlOp.CONTINUE)
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
@@ -79,7 +96,7 @@ async def abort_request(request: Request):
                         param="rid" if not isinstance(rid, str) else "abort_all")
     if not rid and not abort_all:
         raise HTTPError(400, "give a rid, or abort_all: true", param="rid")
-    await worker_of(request).control(ControlOp.ABORT_REQUESTS, AbortRequests(rid, abort_all))
+    await _control_all(request, ControlOp.ABORT_REQUESTS, AbortRequests(rid, abort_all))
     return Response(status_code=200)
 
 
@@ -96,14 +113,24 @@ async def update_weights_from_disk(request: Request):
         raise HTTPError(400, "load_format must be a string", param="load_format")
     if not isinstance(abort_all, bool):
         raise HTTPError(400, "abort_all_requests must be a bool", param="abort_all_requests")
-    result: OpResult = await worker_of(request).control(
-        ControlOp.UPDATE_WEIGHTS, UpdateWeights(path, fmt, abort_all), timeout=None)
-    return _result(result, {"success": result.success, "message": result.message,
-                            "num_paused_requests": result.num_paused_requests})
+    results: list[OpResult] = await _control_all(
+        request, ControlOp.UPDATE_WEIGHTS, UpdateWeights(path, fmt, abort_all), timeout=None)
+    return _results(results, num_paused_requests=sum(r.num_paused_requests for r in results))
 
 
-def _result(result: OpResult, body: dict[str, Any]) -> JSONResponse:
-    return JSONResponse(body, status_code=200 if result.success else 400)
+async def _control_all(request: Request, op: ControlOp, arg: Any = None, timeout: float | None = 30.0):
+    """A control on every replica's core (one, unless data parallel)."""
+    try:
+        return await request.app.state.replicas.control_all(op, arg, timeout)
+    except EngineDeadError as e:
+        raise HTTPError(503, f"the engine is not running: {e}") from None
+
+
+def _results(results: list[OpResult], **extra: Any) -> JSONResponse:
+    """SGLang's {success, message}: 200 when every replica succeeded, else 400 saying why."""
+    ok = all(r.success for r in results)
+    message = " | ".join(dict.fromkeys(r.message for r in results if r.success is ok))
+    return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
 
 
 def _only(body: dict[str, Any], allowed: set[str]) -> None:
@@ -114,8 +141,10 @@ def _only(body: dict[str, Any], allowed: set[str]) -> None:
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    info = await worker_of(request).control(ControlOp.SERVER_INFO)
-    return Response(render_metrics(info), media_type=CONTENT_TYPE)
+    replicas: Replicas = request.app.state.replicas
+    infos = await _control_all(request, ControlOp.SERVER_INFO)
+    engines = [str(i) for i, _ in replicas.live] if replicas.replicas_path else None
+    return Response(render_metrics(infos, engines), media_type=CONTENT_TYPE)
 
 
 @router.post("/generate")
@@ -130,7 +159,9 @@ async def generate(request: Request):
         raise HTTPError(400, "give exactly one of text and input_ids")
     call = {k: v for k, v in body.items() if k != "stream"}
     call["prompt"] = call.pop("text", None)
-    collector = await worker.submit(worker.make_request(**call))  # InvalidParam: the app's handler
+    head = call["prompt"] if isinstance(call["prompt"], str) else None
+    req = worker.make_request(**call)  # InvalidParam: the app's handler
+    collector = await route(request, head).submit(req)
     await collector.admitted()
     if body.get("stream"):
         return stream(collector, collector.outputs)

@@ -19,7 +19,7 @@ from unison.server.openai_protocol import (
     TokenizeRequest,
 )
 from unison.server.openai_tools import messages_for_template, plan_tools
-from unison.server.streaming import stream, wait, worker_of
+from unison.server.streaming import route, stream, wait, worker_of
 
 router = APIRouter()
 RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -94,7 +94,8 @@ async def completions(body: CompletionRequest, request: Request):
         raise HTTPError(400, "suffix and best_of are not supported", param="suffix")
     prompt, input_ids = _completion_prompt(body.prompt)
     k = body.logprobs
-    collector = await _submit(request, worker, prompt=prompt, input_ids=input_ids,
+    head = prompt if isinstance(prompt, str) else prompt[0] if prompt else None
+    collector = await _submit(request, worker, head, prompt=prompt, input_ids=input_ids,
                               add_special_tokens=body.add_special_tokens is not False,
                               sampling_params=body.sampling_params(16, request.app.state.sampling_defaults),
                               return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
@@ -133,7 +134,7 @@ async def chat(body: ChatCompletionRequest, request: Request):
             raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "
                                  "it cannot be combined with response_format", param="tool_choice")
         params.json_schema = tools.json_schema
-    collector = await _submit(request, worker, input_ids=prompt_ids, sampling_params=params,
+    collector = await _submit(request, worker, text, input_ids=prompt_ids, sampling_params=params,
                               return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                               priority=body.priority)
     fmt = Formatter(worker.tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
@@ -142,10 +143,11 @@ async def chat(body: ChatCompletionRequest, request: Request):
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
 
 
-async def _submit(request: Request, worker: TokenizerWorker, **call) -> Collector:
+async def _submit(request: Request, worker: TokenizerWorker, text: str | None, **call) -> Collector:
+    """Check with any replica's frontend, then queue on the one routing picks for `text`."""
     req = worker.make_request(**call)  # an InvalidParam: the app's handler names the field
     req.batch = True  # choices are indexed whatever the prompt's form
-    collector = await worker.submit(req)
+    collector = await route(request, text).submit(req)
     await collector.admitted()  # a full engine queue is a 503 now, not an error inside a stream
     return collector
 

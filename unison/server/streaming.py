@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from unison.errors import EngineDeadError
 from unison.frontend.collector import Collector
 from unison.frontend.worker import TokenizerWorker
 from unison.server.openai_format import HTTPError, sse, stream_error
@@ -28,13 +29,25 @@ class Settings:
     generation_config: str = "auto"  # auto (the model's), vllm (none) or a folder
     chat_template: str | None = None  # a file or the template itself, over the model's
     max_request_bytes: int | None = None
+    # Data parallel: the launcher's replicas file (replicas.ReplicaSet) instead of the registry.
+    replicas_path: str | None = None
+    routing: str = "least_loaded"  # or "prefix" (see replicas.py)
 
 
 def worker_of(request: Request) -> TokenizerWorker:
-    worker: TokenizerWorker = request.app.state.worker
-    if worker.dead is not None:
-        raise HTTPError(503, f"the engine is not running: {worker.dead}")
-    return worker
+    """A live frontend, for what every replica answers alike (tokenizing, the model's limits)."""
+    try:
+        return request.app.state.replicas.any
+    except EngineDeadError as e:
+        raise HTTPError(503, f"the engine is not running: {e}") from None
+
+
+def route(request: Request, text: str | None) -> TokenizerWorker:
+    """The frontend of the replica that serves a request whose prompt text is `text`."""
+    try:
+        return request.app.state.replicas.pick(text)
+    except EngineDeadError as e:
+        raise HTTPError(503, f"the engine is not running: {e}") from None
 
 
 def stream(collector: Collector, items: Callable[[list[int]], Iterable[object]],

@@ -1,0 +1,132 @@
+"""Data parallelism on Ray: N engine cores, each in a Ray actor placed anywhere in the cluster.
+
+A `CoreActor` owns one core process that listens on its node's address over TCP, CURVE-keyed,
+trusting the HTTP workers' one key. `RayReplicas` (in the launcher, the Ray driver) starts the
+actors, writes where each core listens to the replicas file the HTTP workers follow
+(server/replicas.py), and rewrites it when Ray restarts an actor. Ray does not see the death of
+an actor's child process, so the actor exits when its core dies and Ray restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+from unison import registry
+from unison.config import EngineConfig
+from unison.core_process import CoreProcess, curve_keypair
+from unison.server.replicas import ReplicaAddress, ReplicaSet, write_replica_set
+
+log = logging.getLogger("unison.server")
+
+WATCH_S = 0.5  # how often the launcher asks each actor where its core is
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--data-parallel-size > 1 runs its engine cores on Ray, which is not "
+                         "installed: pip install 'unison[ray]' (or pip install 'ray[serve]')") from None
+    return ray
+
+
+class CoreActor:
+    """One replica: a core process owned by this actor, listening on the node's address."""
+
+    def __init__(self, config: bytes, index: int, trusted_key: str) -> None:
+        import ray
+
+        cfg = msgspec.msgpack.decode(config, type=EngineConfig)
+        cfg.listen = f"tcp://{ray.util.get_node_ip_address()}:*"
+        cfg.trusted_client_keys = (trusted_key,)
+        self.index, self.stopping = index, False
+        self.core = CoreProcess(cfg, publish=True)  # the registry tells the address it bound
+        self.core.wait_published(cfg.startup_timeout)
+        info = registry.read(self.core.registry_path)
+        self.where = ReplicaAddress(index, info.info.tcp_address, info.info.server_key, info.core_pid,
+                                    socket.gethostname())
+        threading.Thread(target=self._exit_with_core, daemon=True, name="unison-core-watch").start()
+
+    def address(self) -> bytes:
+        return msgspec.msgpack.encode(self.where)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.core.stop()
+
+    def _exit_with_core(self) -> None:
+        self.core.proc.wait()
+        if not self.stopping:  # killed or crashed: exit so that Ray restarts this replica
+            self.core.stop()  # its runtime dir and registry
+            os._exit(1)
+
+
+class RayReplicas:
+    """The launcher's side: the actors, and the replicas file kept current."""
+
+    def __init__(self, config: EngineConfig, size: int, ray_address: str | None, path: Path) -> None:
+        ray = self.ray = import_ray()
+        self.started_ray = ray_address is None  # then it is ours to stop
+        if ray_address is None:  # a local instance, its files in our runtime dir (gone with it)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, _temp_dir=str(path.parent / "ray"))
+        else:
+            ray.init(address=ray_address, log_to_driver=False, configure_logging=False)
+        public, secret = curve_keypair()
+        self.path, self.secret = path, secret
+        actor = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=config.num_threads or 1)(CoreActor)
+        blob = msgspec.msgpack.encode(config)
+        self.actors = [actor.options(scheduling_strategy="SPREAD").remote(blob, i, public)
+                       for i in range(size)]
+        self.where: list[ReplicaAddress | None] = [None] * size
+        self._stop = threading.Event()
+        deadline = time.monotonic() + config.startup_timeout
+        while None in self.where:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.where.count(None)} replica(s) did not start within "
+                                   f"{config.startup_timeout:.0f} s")
+            self.refresh(timeout=5)
+        self._watch = threading.Thread(target=self._watch_actors, daemon=True, name="unison-replicas")
+        self._watch.start()
+
+    def refresh(self, timeout: float = 1.0) -> bool:
+        """Ask each actor where its core is; rewrite the file when one moved. True: all answered."""
+        ray, changed, answered = self.ray, False, True
+        for i, actor in enumerate(self.actors):
+            try:
+                where = msgspec.msgpack.decode(ray.get(actor.address.remote(), timeout=timeout),
+                                               type=ReplicaAddress)
+            except Exception:  # restarting (Ray retries its creation), or not up yet
+                answered = False
+                continue
+            if where != self.where[i]:
+                if self.where[i] is not None:
+                    log.warning("replica %d is back: core pid %d on %s", i, where.core_pid, where.host)
+                self.where[i], changed = where, True
+        if changed and None not in self.where:
+            write_replica_set(self.path, ReplicaSet(list(self.where), self.secret))
+        return answered
+
+    def _watch_actors(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            self.refresh()
+
+    def stop(self) -> None:
+        """Stop the cores and the actors; and Ray itself when the server started it."""
+        self._stop.set()
+        ray = self.ray
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=10)
+        except Exception:  # a replica mid-restart: killing its actor ends its core too
+            pass
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.started_ray:
+            ray.shutdown()
