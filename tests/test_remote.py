@@ -135,22 +135,27 @@ def test_a_stopped_or_killed_remote_frontend_is_freed_within_the_heartbeat_bound
         proc.stdout.close()
 
 
-def test_a_dead_core_is_an_engine_dead_error_within_the_bound():
+@pytest.mark.parametrize("fault, noticed", [("SIGKILL", "connection .* was lost"),  # reset at once
+                                           ("SIGSTOP", "sent nothing")])  # silent: the heartbeat
+def test_a_dead_or_silent_core_is_an_engine_dead_error_within_the_bound(fault, noticed):
     with Engine(listen="tcp://127.0.0.1:*", trusted_client_keys=[CLIENT_PUBLIC], tokenizer_worker_num=2,
                 num_threads=1, max_total_tokens=2048, heartbeat_timeout_s=1.5) as owner:
         remote = attach(owner)
+        core = owner.get_server_info()["core_pid"]
         try:
             stream = remote.generate(PROMPTS[0], ENDLESS, stream=True)
             next(stream)
             start = time.monotonic()
-            os.kill(owner.get_server_info()["core_pid"], signal.SIGKILL)
-            with pytest.raises(EngineDeadError, match="sent nothing"):
+            os.kill(core, getattr(signal, fault))
+            with pytest.raises(EngineDeadError, match=noticed):
                 for _ in stream:
                     pass
             took = time.monotonic() - start
-            print(f"\n[figure] core kill -9 to EngineDeadError in a remote frontend: {took:.2f} s")
+            print(f"\n[figure] core {fault} to EngineDeadError in a remote frontend: {took:.2f} s")
             assert took < 1.5 + SLACK_S
             with pytest.raises(EngineDeadError):
                 remote.generate("Hi", GREEDY)
         finally:
             remote.shutdown()
+            if fault == "SIGSTOP":
+                os.kill(core, signal.SIGKILL)

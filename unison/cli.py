@@ -71,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1 or args.ray_address:
-        from unison.data_parallel import import_ray
+        from unison.server.data_parallel import import_ray
 
         import_ray()  # not installed: say what to install, before anything starts
     if args.model is not None:

@@ -76,7 +76,7 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
 def _serve_data_parallel(config: EngineConfig, size: int, ray_address: str | None, routing: str, *,
                          host: str, port: int, api_key: str | None, **settings_args: Any) -> int:
     """N cores in Ray actors; the same HTTP workers, each attached to every core over TCP."""
-    from unison.data_parallel import RayReplicas
+    from unison.server.data_parallel import RayReplicas
 
     workers = config.tokenizer_worker_num
     runtime = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")  # 0700: the replicas file holds a key
