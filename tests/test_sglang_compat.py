@@ -402,3 +402,14 @@ def test_an_sglang_engine_script_runs_with_only_the_import_changed(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Generated text:" in run.stdout and "tokens: 4096 0" in run.stdout
     assert run.stdout.strip().endswith("done")
+
+
+def test_sglangs_other_methods_say_why_there_are_none(engine):
+    for name in ("encode", "open_session", "load_lora_adapter", "release_memory_occupation"):
+        with pytest.raises(AttributeError, match=f"Engine.{name} .* is not supported by Unison: "):
+            getattr(engine, name)
+    with pytest.raises(NotImplementedError, match="update_weights_from_disk"):
+        engine.update_weights_from_tensor([("model.norm.weight", None)])
+    assert engine.get_all_child_pids() == [engine.get_server_info()["core_pid"]]
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_method'"):
+        engine.no_such_method  # noqa: B018

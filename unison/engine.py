@@ -305,6 +305,17 @@ class Engine:
         """Raise if the core's KV block pool has a leaked or double-owned block."""
         self._control(ControlOp.CHECK_INTEGRITY)
 
+    def get_all_child_pids(self) -> list[int]:
+        """The processes this Engine started: its core (none when attached)."""
+        return [self._h.core.pid] if self._h.core is not None else []
+
+    def __getattr__(self, name: str) -> Any:
+        # sglang.Engine's other methods: say why there is none, rather than a bare AttributeError.
+        if name in SGLANG_METHODS:
+            raise AttributeError(f"Engine.{name} (an sglang.Engine method) is not supported by Unison: "
+                                 f"{SGLANG_METHODS[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     @property
@@ -353,6 +364,30 @@ SGLANG_UNSUPPORTED = {
     "session_id": None, "cache_salt": None,
 }
 SGLANG_NO_EFFECT = {"external_trace_header", "kv_router_hint", "routed_dp_rank", "data_parallel_rank"}
+
+
+_NO_TP = ("Unison runs one process per engine core, with no torch.distributed group; use "
+          "update_weights_from_disk")
+SGLANG_METHODS = {
+    **dict.fromkeys(["encode", "async_encode", "rerank", "score", "async_score"],
+                    "embedding, rerank and scoring models are not served"),
+    **dict.fromkeys(["open_session", "close_session"], "sessions are not supported"),
+    **dict.fromkeys(["start_profile", "stop_profile"],
+                    "profile the core process (get_server_info()['core_pid']) with py-spy or perf"),
+    **dict.fromkeys(["start_expert_distribution_record", "stop_expert_distribution_record",
+                     "dump_expert_distribution_record"], "no mixture-of-experts models are served"),
+    **dict.fromkeys(["init_weights_update_group", "destroy_weights_update_group",
+                     "update_weights_from_distributed", "update_weights_from_ipc", "collective_rpc"],
+                    _NO_TP),
+    "get_weights_by_name": "weights live in the core process, packed for its kernels",
+    **dict.fromkeys(["load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
+                     "async_load_lora_adapter", "async_unload_lora_adapter"],
+                    "LoRA adapters are not supported"),
+    **dict.fromkeys(["release_memory_occupation", "resume_memory_occupation"],
+                    "the KV cache and weights stay allocated (there is no memory saver)"),
+    "freeze_gc": "not needed: the frontends hold few long-lived objects",
+    **dict.fromkeys(["save_remote_model", "save_sharded_model"], "the weights are read, never written"),
+}
 
 
 def _refuse_unsupported(**args: Any) -> None:

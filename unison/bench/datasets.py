@@ -71,6 +71,18 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float 
             for i, o in zip(ins, outs, strict=True)]
 
 
+def shared_prefix_requests(n: int, groups: int, system_len: int, question_len: int, output_len: int,
+                           seed: int = 0) -> list[SampleRequest]:
+    """SGLang's generated-shared-prefix workload: `groups` system prompts of `system_len` words,
+    each followed by its own questions of `question_len` words; n requests in a shuffled order."""
+    rng = random.Random(seed)
+    systems = [" ".join(rng.choices(WORDS, k=system_len)) for _ in range(groups)]
+    reqs = [SampleRequest(f"{systems[i % groups]}\n{' '.join(rng.choices(WORDS, k=question_len))}",
+                          system_len + question_len, output_len) for i in range(n)]
+    rng.shuffle(reqs)
+    return reqs
+
+
 _PIECES = re.compile(r"\w+|[^\w\s]")
 
 

@@ -29,6 +29,7 @@ from unison.bench.datasets import (
     SampleRequest,
     load_tokenizer_counter,
     random_requests,
+    shared_prefix_requests,
     sharegpt_requests,
 )
 
@@ -48,6 +49,7 @@ class RequestResult:
     latency: float = 0.0
     start: float = 0.0  # when it was sent, seconds after the benchmark began
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage, when reported)
 
 
 # ---- arrivals -------------------------------------------------------------------------------
@@ -104,6 +106,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / max(in_tokens, 1),
     }
     for name, values in series.items():
         for stat, value in _stats(values).items():
@@ -125,7 +128,8 @@ def format_summary(s: dict[str, Any]) -> str:
              row("Total generated tokens:", s["total_output_tokens"]),
              row("Request throughput (req/s):", s["request_throughput"]),
              row("Output token throughput (tok/s):", s["output_throughput"]),
-             row("Total token throughput (tok/s):", s["total_token_throughput"])]
+             row("Total token throughput (tok/s):", s["total_token_throughput"]),
+             row("Prefix cache hit rate:", s["prefix_cache_hit_rate"])]
     for name, title in METRICS:
         lines.append(f"{title:-^50}")
         for stat in ("mean", "median", "p90", "p99"):
@@ -224,6 +228,7 @@ async def send_request(client: Any, url: str, payload: dict[str, Any], prompt_to
     if usage:
         result.output_tokens = usage.get("completion_tokens") or chunks
         result.prompt_tokens = usage.get("prompt_tokens") or prompt_tokens
+        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return result
 
 
@@ -306,6 +311,9 @@ def load_samples(args: argparse.Namespace) -> list[SampleRequest]:
         count = load_tokenizer_counter(args.tokenizer) if args.tokenizer else None
         return sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.output_len,
                                  count)
+    if args.dataset == "generated-shared-prefix":
+        return shared_prefix_requests(args.num_prompts, args.gsp_num_groups, args.gsp_system_prompt_len,
+                                      args.gsp_question_len, args.output_len or 128, args.seed)
     return random_requests(args.num_prompts, args.input_len, args.output_len or 128,
                            args.range_ratio, args.seed)
 
@@ -342,7 +350,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--endpoint", choices=[COMPLETIONS, CHAT], default=COMPLETIONS)
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+    p.add_argument("--dataset", choices=["random", "sharegpt", "generated-shared-prefix"], default="random")
+    p.add_argument("--gsp-num-groups", type=int, default=8, help="shared-prefix: distinct system prompts")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=512, help="shared-prefix: its words")
+    p.add_argument("--gsp-question-len", type=int, default=32, help="shared-prefix: words per question")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json (or its directory) to count ShareGPT tokens; "
