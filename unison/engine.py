@@ -151,11 +151,11 @@ class Engine:
     @classmethod
     def attach_tokenizer_worker(cls, parent_pid: int | None = None, *, registry_file: str | None = None,
                                 address: str | None = None, server_key: str | None = None,
-                                client_key: str | None = None) -> Engine:
+                                client_key: str | None = None, heartbeat_timeout_s: float = 3.0) -> Engine:
         """Attach a frontend to the engine owned by `parent_pid` (default: this process's parent),
         or, with `address`, to the core listening there over TCP, from any host (`server_key`:
         its public key; `client_key`: this frontend's CURVE secret key, whose public key the
-        engine trusts).
+        engine trusts; a core silent for `heartbeat_timeout_s` is dead).
 
         The returned Engine runs generate() here while prefill and decode stay on that engine's
         core; shutdown() detaches only this frontend.
@@ -164,7 +164,7 @@ class Engine:
             if not server_key or not client_key:
                 raise ValueError("attaching by address needs server_key (the core's public key) and "
                                  "client_key (this frontend's secret key)")
-            attaching = TokenizerWorker.connect(address, server_key, client_key)
+            attaching = TokenizerWorker.connect(address, server_key, client_key, heartbeat_timeout_s)
         else:
             pid = os.getppid() if parent_pid is None else parent_pid
             path = Path(registry_file) if registry_file else registry.registry_path(pid)

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, as msgspec Structs encoded with msgpack.
 
 frontend -> core: Hello, Generate, Abort, Control, Ack, Goodbye, Heartbeat
-core -> frontend: Welcome, Reject, StepOutputs, ControlReply, Heartbeat
+core -> frontend: Welcome, Reject, StepOutputs, ControlReply
 
 Nothing is pickled and nothing is a dict of strings: what the core reports (CoreInfo, ServerInfo)
 is typed here too. The core sees token ids, never text: stop strings, detokenizing and chat
@@ -54,7 +54,8 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class Heartbeat(msgspec.Struct, tag=True):
-    """Liveness over TCP, both ways, where no pidfd can watch the other side."""
+    """A remote frontend's liveness, where no pidfd can watch it (the core's is libzmq's own
+    heartbeats, answered even while a step runs)."""
 
 
 class Generate(msgspec.Struct, tag=True):
@@ -275,7 +276,7 @@ class ControlReply(msgspec.Struct, tag=True):
 
 
 ToCore = Union[Hello, Generate, Abort, Control, Ack, Goodbye, Heartbeat]
-ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply, Heartbeat]
+ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply]
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode

@@ -23,6 +23,7 @@ import zmq
 from unison import registry
 from unison.core.engine_core import EngineCore
 from unison.core.metrics import StepShapes
+from unison.core.request import Request
 from unison.model.loader import tokenizer_files
 from unison.protocol import (
     PROTOCOL_VERSION,
@@ -63,7 +64,9 @@ MAX_MESSAGES_PER_POLL = 4096  # a flood of messages can delay a step, never star
 
 
 ZAP_DOMAIN = "unison"
-TCP_PREFIX = b"t"  # a TCP frontend's key: its routing id after this (ZMQ's own ids start with 0)
+# A frontend's key here: its socket's letter, then its routing id there (ids of two sockets may
+# be equal, and a peer may choose its own).
+IPC_PREFIX, TCP_PREFIX = b"i", b"t"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +86,12 @@ class PendingUpdate:
     frontend: bytes
     cid: int
     arg: UpdateWeights
-    waits_for: set[str]
+    waits_for: set[Request]  # the requests themselves: a rid may come back, held, meanwhile
 
 
 @dataclass
 class Frontend:
-    ident: bytes  # its key here (a TCP frontend's routing id is prefixed: two sockets' ids may clash)
+    ident: bytes  # its key here: IPC_PREFIX or TCP_PREFIX, then `route`
     worker_id: int
     pid: int
     pidfd: int | None
@@ -177,9 +180,8 @@ class CoreServer:
             while not self.stopping:
                 self.poll_once()
                 self.core.poll_grammars()
-                if self.update is not None and (
-                        self.paused or not self.update.waits_for & self.core.requests.keys()):
-                    self.finish_update()  # what it waited for finished, or was paused
+                if self.update_may_run():
+                    self.finish_update()
                 if self.core.has_work and not self.paused:
                     self.send_outputs(self.core.step())
                     self.log_stats()
@@ -238,18 +240,16 @@ class CoreServer:
             self.heartbeat()
 
     def heartbeat(self) -> None:
-        """Over TCP: a Heartbeat to each remote frontend every third of the timeout; one silent
-        for the whole timeout (dead, stopped, cut off) is dropped, its requests aborted."""
+        """Over TCP: a remote frontend sends a Heartbeat every third of the timeout; one silent
+        for the whole timeout (dead, stopped, cut off) is dropped, its requests aborted. (Its
+        view of the core is libzmq's heartbeats: see TokenizerWorker.connect.)"""
         now, timeout = time.monotonic(), self.config.heartbeat_timeout_s
         if now - self._beat_at < timeout / 3:
             return
         self._beat_at = now
-        for fe in [f for f in self.frontends.values() if f.remote]:
-            if now - fe.last_heard > timeout:
-                self.drop_frontend(fe, f"it sent nothing for {now - fe.last_heard:.1f} s "
-                                       f"(heartbeat_timeout_s={timeout})")
-            else:
-                self.send(fe, Heartbeat())
+        for fe in [f for f in self.frontends.values() if f.remote and now - f.last_heard > timeout]:
+            self.drop_frontend(fe, f"it sent nothing for {now - fe.last_heard:.1f} s "
+                                   f"(heartbeat_timeout_s={timeout})")
 
     def drain(self, sock: zmq.Socket) -> None:
         try:
@@ -281,8 +281,8 @@ class CoreServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("dropped an undecodable message: %s", e)
                 continue
-            self.handle(Peer(TCP_PREFIX + frames[0] if remote else frames[0], sock, frames[0], remote),
-                        msg)
+            prefix = TCP_PREFIX if remote else IPC_PREFIX
+            self.handle(Peer(prefix + frames[0], sock, frames[0], remote), msg)
 
     def handle(self, peer: Peer, msg: Any) -> None:
         ident = peer.key
@@ -334,6 +334,12 @@ class CoreServer:
                 return
             reason = (f"engine {self.args.owner_pid} has {len(self.frontends)} of {self.cap} "
                       "frontends attached")
+        files: dict[str, bytes] = {}
+        if reason is None and msg.want_files:
+            try:
+                files = tokenizer_files(self.core.model_dir)
+            except OSError as e:
+                reason = f"the core could not read the tokenizer's files to send: {e}"
         if reason:
             log.warning("rejected a frontend (pid %d): %s", msg.pid, reason)
             self.send_raw(peer, encode(Reject(reason)))
@@ -353,8 +359,7 @@ class CoreServer:
         log.info("frontend %d attached (pid %d%s)", fe.worker_id, fe.pid, ", over TCP" if fe.remote else "")
         self.send(fe, Welcome(
             fe.worker_id, self.info(), self.config, os.getpid(),
-            heartbeat_s=self.config.heartbeat_timeout_s / 3 if fe.remote else 0.0,
-            files=tokenizer_files(self.core.model_dir) if msg.want_files else {}))
+            heartbeat_s=self.config.heartbeat_timeout_s / 3 if fe.remote else 0.0, files=files))
 
     def drop_frontend(self, fe: Frontend, why: str) -> None:
         aborted = len(self.core.abort_frontend(fe.ident))
@@ -444,7 +449,7 @@ class CoreServer:
             return ControlReply(msg.cid, result=OpResult(False, "another weight update is in progress"))
         if arg.abort_all_requests:
             self.abort_all("aborted: the weights are being updated (abort_all_requests=True)")
-        waits_for = set() if self.paused else set(self.core.requests)
+        waits_for = set() if self.paused else set(self.core.requests.values())
         self.update = PendingUpdate(ident, msg.cid, arg, waits_for)
         self.core.hold_new(True)
         if waits_for:
@@ -454,21 +459,31 @@ class CoreServer:
             self.finish_update()
         return None  # finish_update answers
 
+    def update_may_run(self) -> bool:
+        """A pending weight update runs once what it waited for has finished, or on a pause."""
+        upd = self.update
+        return upd is not None and (self.paused is not None or not any(
+            self.core.requests.get(r.rid) is r for r in upd.waits_for))
+
     def finish_update(self) -> None:
         upd, self.update = self.update, None
         held = len(self.core.requests)  # queued meanwhile, or paused: they run on the new weights
         started = time.monotonic()
         try:
             self.core.load_weights(upd.arg.model_path)
-        except (ValueError, OSError) as e:  # refused: the old weights keep serving
-            result = OpResult(False, f"the weights were not updated: {e}", num_paused_requests=held)
+        except Exception as e:  # refused, or failed to load: the old weights keep serving
+            result = OpResult(False, f"the weights were not updated: {type(e).__name__}: {e}",
+                              num_paused_requests=held)
             log.warning("weight update from %s refused: %s", upd.arg.model_path, e)
         else:
             result = OpResult(True, f"weights updated from {upd.arg.model_path} in "
                               f"{time.monotonic() - started:.1f} s", num_paused_requests=held)
             log.info("%s", result.message)
             self.weights_version += 1
-            self.publish()  # a frontend attaching later sees the model path now served
+            try:
+                self.publish()  # a frontend attaching later sees the model path now served
+            except OSError as e:
+                log.warning("could not republish the registry: %s", e)
         finally:
             self.core.hold_new(False)
         fe = self.frontends.get(upd.frontend)

@@ -226,6 +226,9 @@ class TokenIds:
         return ""
 
 
+CONTEXT = 16  # characters before a stop_regex window, for anchors and lookbehinds
+
+
 class StopRegex:
     """SGLang's stop_regex: patterns searched in the output text as it grows. Each search looks
     at the new text and as much of the text before it as a match can span (the whole text only
@@ -239,17 +242,23 @@ class StopRegex:
         self.matched: str | None = None  # the pattern that matched (SGLang reports the pattern)
 
     def search(self, before: str, delta: str) -> int | None:
-        """Where in `delta` the earliest-ending match ends, or None."""
-        tail = before[-self.lookback:] if self.lookback < self.UNBOUNDED else before
+        """Where in `delta` the earliest-ending match that ends in it ends, or None. Matches
+        start in the window, which keeps CONTEXT characters more before it: anchors, word
+        boundaries and lookbehinds see the real text there, not a string's start."""
+        whole = self.lookback >= self.UNBOUNDED or len(before) <= self.lookback + CONTEXT
+        tail = before if whole else before[-(self.lookback + CONTEXT):]
+        start = 0 if whole else CONTEXT  # where a match may begin
         text, best = tail + delta, None
         for p in self.patterns:
-            m = p.search(text)
-            if m is not None and (best is None or m.end() < best[0]):
-                best = (m.end(), p.pattern)
+            for m in p.finditer(text, start):
+                if m.end() > len(tail):
+                    if best is None or m.end() < best[0]:
+                        best = (m.end(), p.pattern)
+                    break
         if best is None:
             return None
         self.matched = best[1]
-        return max(best[0] - len(tail), 0)
+        return best[0] - len(tail)
 
 
 def _max_width(pattern: re.Pattern) -> int:

@@ -108,7 +108,7 @@ class ReqState:
             return
         stopped = self.detok.stop_matched is not None
         if (out.finish is not None or stopped) and not detok.finished:
-            text += self._checked(detok.flush())
+            text += self._checked(detok.flush(), [text])
         self.text += text
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if self.return_logprob:

@@ -93,7 +93,7 @@ class TokenizerWorker:
         self._read_scheduled = False
         self._pidfd: int | None = None
         self._monitor: zmq.Socket | None = None  # CURVE handshake events, while attaching
-        self._heard_at = 0.0  # over TCP: when the core last said anything
+        self.heartbeat_timeout_s = 3.0  # over TCP: a core silent this long is dead
         self._beat: asyncio.TimerHandle | None = None
         self.on_dead: Callable[[], None] | None = None  # e.g. an HTTP worker stops serving
 
@@ -107,16 +107,21 @@ class TokenizerWorker:
         return await worker.start(ATTACH_TIMEOUT)
 
     @classmethod
-    async def connect(cls, address: str, server_key: str, client_key: str) -> TokenizerWorker:
+    async def connect(cls, address: str, server_key: str, client_key: str,
+                      heartbeat_timeout_s: float = 3.0, timeout: float = ATTACH_TIMEOUT) -> TokenizerWorker:
         """A frontend for the engine core listening at `address` (tcp://, maybe on another host):
         `server_key` is the core's CURVE public key, `client_key` this frontend's secret key
-        (its public key must be one the engine trusts). The tokenizer comes over the connection."""
+        (its public key must be one the engine trusts). The tokenizer comes over the connection.
+        A core silent for `heartbeat_timeout_s` (or whose connection drops) is dead."""
         if not address.startswith("tcp://"):
             raise ValueError(f"address must be tcp://HOST:PORT, got {address!r}")
         if not zmq.has("curve"):
             raise RuntimeError("this libzmq has no CURVE support, which attaching over TCP needs")
+        if not heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
         worker = cls(address, "", 0, curve=(server_key, client_key))
-        return await worker.start(ATTACH_TIMEOUT)
+        worker.heartbeat_timeout_s = heartbeat_timeout_s
+        return await worker.start(timeout)
 
     async def start(self, timeout: float,
                     alive: Callable[[], str | None] = lambda: None) -> TokenizerWorker:
@@ -132,6 +137,13 @@ class TokenizerWorker:
             self._sock.curve_publickey = zmq.curve_public(secret)
             # A refused key shows only as a handshake event: watched until Welcome comes.
             self._monitor = self._sock.get_monitor_socket(HANDSHAKE_EVENTS)
+            # The core's liveness: ZMTP heartbeats, answered by libzmq's I/O thread, so a long
+            # step or a weight load is not silence; a stopped or unreachable core is, and its
+            # connection is closed after the timeout (then EVENT_DISCONNECTED: _on_monitor).
+            ms = int(self.heartbeat_timeout_s * 1000)
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, max(ms // 3, 1))
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+            self._sock.setsockopt(zmq.HEARTBEAT_TTL, ms)
         self._sock.connect(self.endpoint)
         # A plain socket read from the loop's own reader: every message is taken as it comes,
         # without a future or a task per message. ZMQ's FD is edge-triggered, so every send and
@@ -158,7 +170,6 @@ class TokenizerWorker:
                 await self.close()
                 raise
         if reply.heartbeat_s > 0:  # over TCP: no pidfd across hosts
-            self._heard_at = time.monotonic()
             self._beat = self.loop.call_later(reply.heartbeat_s, self._heartbeat, reply.heartbeat_s)
             if self._monitor is not None:
                 self.loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
@@ -169,11 +180,8 @@ class TokenizerWorker:
         return self
 
     def _heartbeat(self, interval: float) -> None:
-        silent = time.monotonic() - self._heard_at
-        if silent > 3 * interval:
-            self._mark_dead(f"the engine core at {self.endpoint} sent nothing for {silent:.1f} s "
-                            f"(heartbeat timeout {3 * interval:.1f} s): it is gone or cut off")
-            return
+        """Tell the core this frontend is alive (from the loop: a stopped or wedged frontend
+        stays silent, and the core drops it and frees its requests)."""
         self._send(Heartbeat())
         self._beat = self.loop.call_later(interval, self._heartbeat, interval)
 
@@ -188,7 +196,8 @@ class TokenizerWorker:
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._mark_dead(f"the connection to the engine core at {self.endpoint} was lost")
+                self._mark_dead(f"the connection to the engine core at {self.endpoint} was lost (closed, "
+                                f"or silent past the {self.heartbeat_timeout_s:g} s heartbeat timeout)")
                 return
 
     def _stop_monitor(self) -> None:
@@ -319,7 +328,7 @@ class TokenizerWorker:
                                          "give input_ids")
         params = [SamplingParams.from_any(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
         by_id = token_ids_logprob
-        if batch and isinstance(by_id, list) and by_id and not isinstance(by_id[0], list):
+        if batch and isinstance(by_id, list) and not any(isinstance(x, list) or x is None for x in by_id):
             by_id = [by_id] * n  # one list of ids for every prompt
         per = zip(prompts or [None] * n, id_lists or [None] * n, params, _per_prompt(rid, n, "rid"),
                   _per_prompt(return_logprob, n, "return_logprob"),
@@ -485,8 +494,6 @@ class TokenizerWorker:
                 batch.append(self._sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
-        if batch:
-            self._heard_at = time.monotonic()
         seq, outputs = 0, []
         for data in batch:
             msg = decode_to_frontend(data)

@@ -170,8 +170,11 @@ class ModelRunner:
             if tuple(weights.shape(name)) != shape:
                 raise ValueError(f"{model_path}: weight {name!r} is {list(weights.shape(name))}, "
                                  f"the running model's is {list(shape)}")
-        self.quantization, self.model = self._load(model_path, model_dir, config)
-        self.config = config
+        quantization, model = self._load(model_path, model_dir, config)
+        if quantization != self.quantization:  # memory and the KV cache were sized for the old
+            raise ValueError(f"{model_path} would run as {quantization!r}, the running model as "
+                             f"{self.quantization!r}: update from a checkpoint of the same format")
+        self.model, self.config = model, config
         self._bind_model()
 
     @property

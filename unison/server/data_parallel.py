@@ -72,6 +72,7 @@ class RayReplicas:
     """The launcher's side: the actors, and the replicas file kept current."""
 
     def __init__(self, config: EngineConfig, size: int, ray_address: str | None, path: Path) -> None:
+        config.check_model_path()  # here, not as an actor that fails and is restarted forever
         ray = self.ray = import_ray()
         self.started_ray = ray_address is None  # then it is ours to stop
         if ray_address is None:  # a local instance, its files in our runtime dir (gone with it)
@@ -86,12 +87,13 @@ class RayReplicas:
         self.actors = [actor.options(scheduling_strategy="SPREAD").remote(blob, i, public)
                        for i in range(size)]
         self.where: list[ReplicaAddress | None] = [None] * size
+        self.last_error: str | None = None  # why a replica did not answer, last time
         self._stop = threading.Event()
         deadline = time.monotonic() + config.startup_timeout
         while None in self.where:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.where.count(None)} replica(s) did not start within "
-                                   f"{config.startup_timeout:.0f} s")
+                                   f"{config.startup_timeout:.0f} s; last error: {self.last_error}")
             self.refresh(timeout=5)
         self._watch = threading.Thread(target=self._watch_actors, daemon=True, name="unison-replicas")
         self._watch.start()
@@ -103,8 +105,8 @@ class RayReplicas:
             try:
                 where = msgspec.msgpack.decode(ray.get(actor.address.remote(), timeout=timeout),
                                                type=ReplicaAddress)
-            except Exception:  # restarting (Ray retries its creation), or not up yet
-                answered = False
+            except Exception as e:  # restarting (Ray retries its creation), or not up yet
+                answered, self.last_error = False, f"replica {i}: {type(e).__name__}: {e}"[:2000]
                 continue
             if where != self.where[i]:
                 if self.where[i] is not None:

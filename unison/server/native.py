@@ -40,13 +40,13 @@ async def server_info(request: Request):
     and each replica under `replicas` (its core's pid, host and own state; `internal_states`
     has one entry per replica, as SGLang's per DP rank)."""
     replicas: Replicas = request.app.state.replicas
-    infos = await _control_all(request, ControlOp.SERVER_INFO)
+    indexed = await _control_all(request, ControlOp.SERVER_INFO)
+    infos = [one for _, one in indexed]
     info = infos[0].to_dict()
     if replicas.replicas_path is None:
         return info
     rows = {r["index"]: r for r in replicas.replica_rows()}
-    info["replicas"] = [rows[i] | {"state": one.to_dict()["internal_states"][0]}
-                        for (i, _), one in zip(replicas.live, infos)]
+    info["replicas"] = [rows[i] | {"state": one.to_dict()["internal_states"][0]} for i, one in indexed]
     info["internal_states"] = [r["state"] for r in info["replicas"]]
     for key in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached"):
         info[key] = sum(getattr(one, key) for one in infos)
@@ -61,8 +61,7 @@ async def model_info(request: Request):
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request):
-    results: list[OpResult] = await _control_all(request, ControlOp.FLUSH_CACHE)
-    return _results(results)
+    return _results(await _control_all(request, ControlOp.FLUSH_CACHE))
 
 
 @router.post("/pause_generation")
@@ -113,9 +112,9 @@ async def update_weights_from_disk(request: Request):
         raise HTTPError(400, "load_format must be a string", param="load_format")
     if not isinstance(abort_all, bool):
         raise HTTPError(400, "abort_all_requests must be a bool", param="abort_all_requests")
-    results: list[OpResult] = await _control_all(
-        request, ControlOp.UPDATE_WEIGHTS, UpdateWeights(path, fmt, abort_all), timeout=None)
-    return _results(results, num_paused_requests=sum(r.num_paused_requests for r in results))
+    indexed = await _control_all(request, ControlOp.UPDATE_WEIGHTS, UpdateWeights(path, fmt, abort_all),
+                                 timeout=None)
+    return _results(indexed, num_paused_requests=sum(r.num_paused_requests for _, r in indexed))
 
 
 async def _control_all(request: Request, op: ControlOp, arg: Any = None, timeout: float | None = 30.0):
@@ -126,8 +125,9 @@ async def _control_all(request: Request, op: ControlOp, arg: Any = None, timeout
         raise HTTPError(503, f"the engine is not running: {e}") from None
 
 
-def _results(results: list[OpResult], **extra: Any) -> JSONResponse:
+def _results(indexed: list[tuple[int, OpResult]], **extra: Any) -> JSONResponse:
     """SGLang's {success, message}: 200 when every replica succeeded, else 400 saying why."""
+    results = [r for _, r in indexed]
     ok = all(r.success for r in results)
     message = " | ".join(dict.fromkeys(r.message for r in results if r.success is ok))
     return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
@@ -142,9 +142,9 @@ def _only(body: dict[str, Any], allowed: set[str]) -> None:
 @router.get("/metrics")
 async def metrics(request: Request):
     replicas: Replicas = request.app.state.replicas
-    infos = await _control_all(request, ControlOp.SERVER_INFO)
-    engines = [str(i) for i, _ in replicas.live] if replicas.replicas_path else None
-    return Response(render_metrics(infos, engines), media_type=CONTENT_TYPE)
+    indexed = await _control_all(request, ControlOp.SERVER_INFO)
+    engines = [str(i) for i, _ in indexed] if replicas.replicas_path else None
+    return Response(render_metrics([one for _, one in indexed], engines), media_type=CONTENT_TYPE)
 
 
 @router.post("/generate")

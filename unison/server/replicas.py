@@ -30,6 +30,8 @@ log = logging.getLogger("unison.server")
 ROUTINGS = ("least_loaded", "prefix")
 PREFIX_CHARS = 256  # of the rendered prompt, hashed for prefix-affine routing (SGLang's router: 256)
 FOLLOW_S = 0.5  # how often a worker looks at the replicas file and retries a dead replica
+ATTACH_S = 5.0  # a new replica's core has this long to welcome a worker
+RETRY_ATTACH_S = 1.0  # ... and a lost one's, at its old address (usually gone: Ray restarts it)
 
 
 class ReplicaAddress(msgspec.Struct, frozen=True):
@@ -85,23 +87,28 @@ class Replicas:
 
     async def refresh(self, strict: bool = False) -> None:
         """Attach to each replica that is new or moved (Ray restarted it: a new core, a new
-        address); a dead replica's old address is not retried."""
+        address), and again to one whose connection was lost at the same address (a network
+        cut); all at once, so that one slow replica holds up no other."""
         spec = _read(self.replicas_path)
-        for addr in spec.replicas:
-            worker = self.workers[addr.index]
-            if worker is not None and self.addresses[addr.index] == addr:
-                continue
-            try:
-                new = await TokenizerWorker.connect(addr.address, addr.server_key, spec.client_key)
-            except (OSError, TimeoutError, EngineDeadError) as e:
-                if strict:
-                    raise
-                log.debug("replica %d at %s not attachable yet: %s", addr.index, addr.address, e)
-                continue
-            if worker is not None:
-                await worker.close(goodbye=worker.dead is None)
-            self.workers[addr.index], self.addresses[addr.index] = new, addr
-            log.info("attached to replica %d (core pid %d on %s)", addr.index, addr.core_pid, addr.host)
+        todo = [a for a in spec.replicas if self.workers[a.index] is None
+                or self.addresses[a.index] != a or self.workers[a.index].dead is not None]
+        await asyncio.gather(*(self._attach(a, spec.client_key, strict) for a in todo))
+
+    async def _attach(self, addr: ReplicaAddress, client_key: str, strict: bool) -> None:
+        old = self.workers[addr.index]
+        retry = old is not None and self.addresses[addr.index] == addr  # its core may be gone
+        try:
+            new = await TokenizerWorker.connect(addr.address, addr.server_key, client_key,
+                                                timeout=RETRY_ATTACH_S if retry else ATTACH_S)
+        except (OSError, TimeoutError, EngineDeadError) as e:
+            if strict:
+                raise
+            log.debug("replica %d at %s not attachable yet: %s", addr.index, addr.address, e)
+            return
+        if old is not None:
+            await old.close(goodbye=old.dead is None)
+        self.workers[addr.index], self.addresses[addr.index] = new, addr
+        log.info("attached to replica %d (core pid %d on %s)", addr.index, addr.core_pid, addr.host)
 
     async def _follow_file(self) -> None:
         while True:
@@ -148,12 +155,15 @@ class Replicas:
 
     # ---- engine-wide controls, on every replica -----------------------------------------------
 
-    async def control_all(self, op: ControlOp, arg: Any = None, timeout: float | None = 30.0) -> list[Any]:
-        """Run a control on every live replica (an operator's pause or update is engine-wide)."""
+    async def control_all(self, op: ControlOp, arg: Any = None,
+                          timeout: float | None = 30.0) -> list[tuple[int, Any]]:
+        """(replica index, result) of a control run on every live replica (an operator's pause
+        or update is engine-wide)."""
         live = self.live
         if not live:
             raise EngineDeadError(self._why_dead())
-        return list(await asyncio.gather(*(w.control(op, arg, timeout) for _, w in live)))
+        results = await asyncio.gather(*(w.control(op, arg, timeout) for _, w in live))
+        return [(i, r) for (i, _), r in zip(live, results)]
 
     def replica_rows(self) -> list[dict[str, Any]]:
         return [{"index": i, "address": a.address, "host": a.host, "pid": a.core_pid}
