@@ -53,7 +53,8 @@ def uvicorn() -> None:
     server = subprocess.Popen(cmd, cwd=where)
     time.sleep(3)
     try:
-        print("uvicorn: median %.2f ms, %.0f req/s" % measure("http://127.0.0.1:30201/ping"))
+        ms, rate = measure("http://127.0.0.1:30201/ping")
+        print(f"uvicorn: median {ms:.2f} ms, {rate:.0f} req/s")
     finally:
         server.terminate()
         server.wait()
@@ -78,7 +79,8 @@ def ray_serve() -> None:
     serve.run(Ping.bind(), route_prefix="/")
     time.sleep(2)
     try:
-        print("ray serve: median %.2f ms, %.0f req/s" % measure("http://127.0.0.1:30202/ping"))
+        ms, rate = measure("http://127.0.0.1:30202/ping")
+        print(f"ray serve: median {ms:.2f} ms, {rate:.0f} req/s")
     finally:
         serve.shutdown()
         ray.shutdown()
