@@ -46,6 +46,11 @@ def measure(url: str, n: int = 300) -> tuple[float, float]:
     return statistics.median(latencies) * 1e3, asyncio.run(concurrent())
 
 
+def report(name: str, url: str) -> None:
+    ms, rate = measure(url)
+    print(f"{name}: median {ms:.2f} ms, {rate:.0f} req/s")
+
+
 def uvicorn() -> None:
     where = tempfile.mkdtemp()
     Path(where, "app.py").write_text(APP)
@@ -53,8 +58,7 @@ def uvicorn() -> None:
     server = subprocess.Popen(cmd, cwd=where)
     time.sleep(3)
     try:
-        ms, rate = measure("http://127.0.0.1:30201/ping")
-        print(f"uvicorn: median {ms:.2f} ms, {rate:.0f} req/s")
+        report("uvicorn", "http://127.0.0.1:30201/ping")
     finally:
         server.terminate()
         server.wait()
@@ -79,8 +83,7 @@ def ray_serve() -> None:
     serve.run(Ping.bind(), route_prefix="/")
     time.sleep(2)
     try:
-        ms, rate = measure("http://127.0.0.1:30202/ping")
-        print(f"ray serve: median {ms:.2f} ms, {rate:.0f} req/s")
+        report("ray serve", "http://127.0.0.1:30202/ping")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -125,7 +125,7 @@ class Engine:
             cfg = self.config
             publish = cfg.tokenizer_worker_num > 1
             core = self._h.core = CoreProcess(cfg, publish, curve_secret_key)
-            worker = TokenizerWorker(core.endpoint, core.token, core.pid, cfg)
+            worker = TokenizerWorker(core.endpoint, core.token, core.pid)
             self._start(worker.start(cfg.startup_timeout, core.startup_problem))
         except BaseException:
             self._h.close()

@@ -70,7 +70,7 @@ HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | sum(
 
 
 class TokenizerWorker:
-    def __init__(self, endpoint: str, token: str, core_pid: int, config: EngineConfig | None = None,
+    def __init__(self, endpoint: str, token: str, core_pid: int,
                  curve: tuple[str, str] | None = None) -> None:
         """`curve`: (the core's public key, this frontend's secret key) to attach over TCP."""
         self.endpoint = endpoint
@@ -79,7 +79,7 @@ class TokenizerWorker:
         self.core_pid = core_pid
         self.tokenizer: Tokenizer | None = None  # loaded from the directory Welcome names
         self.info: CoreInfo | None = None
-        self.config = config  # the engine's (the owner's, or its registry's)
+        self.config: EngineConfig | None = None  # the engine's, from Welcome
         self.rng = random.Random()  # draws unseeded requests' sampling seeds (see random_seed)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker_id = -1
@@ -103,7 +103,7 @@ class TokenizerWorker:
     async def attach(cls, registry_path: str | Path, owner_pid: int) -> TokenizerWorker:
         """A frontend for the running engine that `registry_path` describes (owned by `owner_pid`)."""
         info = registry.read_for_attach(registry_path, owner_pid)
-        worker = cls(info.endpoint, info.token, info.core_pid, info.config)
+        worker = cls(info.endpoint, info.token, info.core_pid)
         return await worker.start(ATTACH_TIMEOUT)
 
     @classmethod
@@ -410,7 +410,7 @@ class TokenizerWorker:
             self.states[state.rid] = state
             self._send(msg)
         return Collector(states, req.batch, self.loop, self.abort_soon,
-                         incremental=self.config is not None and self.config.stream_output)
+                         incremental=self.config.stream_output)
 
     def abort_soon(self, rids: list[str]) -> None:
         """Abort from any thread (a consumer that stopped following): done on the frontend's loop."""
