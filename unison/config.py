@@ -30,9 +30,12 @@ class EngineConfig:
     disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
     # A frontend that has not processed its outputs for this long, or this many steps' worth,
-    # has its requests aborted: the core never waits for a stalled frontend.
+    # has its requests aborted: the core never waits for a stalled frontend. The age is the bound
+    # that matters; the count only caps what the core holds for a frontend that stopped reading.
+    # It must stay far above the steps in a scheduling hiccup: a small model steps every few ms,
+    # and a count of 64 took a busy frontend's 0.3 s pause for a stall.
     frontend_max_lag_s: float = 2.0
-    frontend_max_unacked: int = 64
+    frontend_max_unacked: int = 4096
     startup_timeout: float = 300.0  # seconds to wait for the core to load the model
     log_level: str = "warning"
     # SGLang's options, with SGLang's meaning:
