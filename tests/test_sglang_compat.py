@@ -1,5 +1,5 @@
 """Code written for sglang.Engine runs unchanged: its option and argument names, its defaults,
-its result shapes, weight updates from disk and the three pause modes."""
+its result shapes, weight updates from disk and from tensors, and the three pause modes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.test_attach import AttachedProcess
 from tests.test_engine import PROMPTS, wait_idle
@@ -24,6 +24,7 @@ from unison import Engine
 from unison.config import EngineConfig
 from unison.errors import InvalidParam
 from unison.model.loader import default_gguf_path
+from unison.registry import REGISTRY_DIR
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 LONG = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
@@ -328,6 +329,67 @@ def test_reload_while_8_requests_stream(tiny_engine, tiny, abort_all):
     tiny_engine.update_weights_from_disk(str(tiny["a"]))
 
 
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def tensor_files() -> list[Path]:
+    return list(REGISTRY_DIR.glob("unison_tensors_*"))
+
+
+def test_update_from_tensors_is_the_update_from_disk(tiny_engine, tiny):
+    tiny_engine.update_weights_from_disk(str(tiny["a"]))
+    before = greedy_texts(tiny_engine)
+    a, b = checkpoint_tensors(tiny["a"]), checkpoint_tensors(tiny["b"])
+    ok, message = tiny_engine.update_weights_from_tensor(list(b.items()))
+    assert ok and message.startswith(f"{len(b)} tensor(s) updated"), message
+    assert tiny_engine.get_server_info()["kv_blocks_cached"] == 0  # flushed: KV of the old weights
+    from_tensors = greedy_texts(tiny_engine)
+    assert from_tensors != before
+    assert tiny_engine.update_weights_from_disk(str(tiny["b"]))[0]
+    assert greedy_texts(tiny_engine) == from_tensors
+    # A subset: one tensor of a's, the rest stay b's; one tensor under two names works too.
+    up = "model.layers.{}.mlp.up_proj.weight"
+    assert tiny_engine.update_weights_from_tensor([("model.norm.weight", a["model.norm.weight"]),
+                                                   (up.format(0), a[up.format(0)]),
+                                                   (up.format(1), a[up.format(0)])])[0]
+    assert greedy_texts(tiny_engine) not in (before, from_tensors)
+    # Back to a's in two updates, a dict each, the first keeping the prefix cache.
+    names = sorted(a)
+    greedy_texts(tiny_engine)
+    assert tiny_engine.update_weights_from_tensor({n: a[n] for n in names[:9]}, flush_cache=False)[0]
+    assert tiny_engine.get_server_info()["kv_blocks_cached"] > 0
+    assert tiny_engine.update_weights_from_tensor({n: a[n] for n in names[9:]})[0]
+    assert greedy_texts(tiny_engine) == before
+    assert not tensor_files(), "a tensor file was left in shared memory"
+
+
+def test_tensor_updates_that_do_not_fit_are_refused_and_change_nothing(tiny_engine, tiny):
+    tiny_engine.update_weights_from_disk(str(tiny["a"]))
+    before = greedy_texts(tiny_engine)
+    norm = ("model.norm.weight", torch.full((64,), 2.0))
+    for pairs, reason in [
+        ([norm, ("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))],
+         "has no weight 'model.layers.9.mlp.up_proj.weight'"),
+        ([("lm_head.weight", torch.zeros(49152, 64))], "tied"),
+        ([norm, ("model.layers.0.input_layernorm.weight", torch.ones(32))],
+         "is [32], the running model's is [64]"),
+    ]:
+        ok, message = tiny_engine.update_weights_from_tensor(pairs)
+        assert not ok and reason in message, message
+    for pairs, reason in [([("model.norm.weight",)], r"named_tensors\[0\] must be a \(name, tensor\) pair"),
+                          ([(1, torch.ones(64))], r"must be \(str, torch.Tensor\), got \(int, Tensor\)"),
+                          ([("model.norm.weight", torch.ones(64, dtype=torch.int64))], "torch.int64"),
+                          ([norm, norm], "names 'model.norm.weight' twice")]:
+        with pytest.raises(InvalidParam, match=reason):
+            tiny_engine.update_weights_from_tensor(pairs)
+    with pytest.raises(InvalidParam, match="load_format='flattened_bucket'"):
+        tiny_engine.update_weights_from_tensor([norm], load_format="flattened_bucket")
+    assert greedy_texts(tiny_engine) == before
+    assert tiny_engine.update_weights_from_tensor([]) == (True, "no tensors given: nothing updated")
+    assert not tensor_files(), "a tensor file was left in shared memory"
+
+
 # ---- engines of their own ----------------------------------------------------------------------
 
 
@@ -408,8 +470,8 @@ def test_sglangs_other_methods_say_why_there_are_none(engine):
     for name in ("encode", "open_session", "load_lora_adapter", "release_memory_occupation"):
         with pytest.raises(AttributeError, match=f"Engine.{name} .* is not supported by Unison: "):
             getattr(engine, name)
-    with pytest.raises(NotImplementedError, match="update_weights_from_disk"):
-        engine.update_weights_from_tensor([("model.norm.weight", None)])
+    ok, message = engine.update_weights_from_tensor([("model.norm.weight", torch.ones(576))])
+    assert not ok and "quantized ('int4')" in message, message  # the embedded GGUF runs as int4
     assert engine.get_all_child_pids() == [engine.get_server_info()["core_pid"]]
     with pytest.raises(AttributeError, match="has no attribute 'no_such_method'"):
         engine.no_such_method  # noqa: B018

@@ -25,7 +25,7 @@ from unison.errors import EngineDeadError, InvalidParam
 from unison.frontend.collector import Collector
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.worker import TokenizerWorker
-from unison.protocol import ControlOp, OpResult, Pause, PauseMode, UpdateWeights
+from unison.protocol import ControlOp, OpResult, Pause, PauseMode, UpdateTensors, UpdateWeights
 
 
 class _LoopThread:
@@ -295,11 +295,31 @@ class Engine:
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True) -> tuple[bool, str]:
-        """Not supported: write the tensors as a checkpoint (safetensors.torch.save_file into an
-        HF directory) and call update_weights_from_disk."""
-        raise NotImplementedError(
-            "update_weights_from_tensor is not supported by Unison: save the tensors with "
-            "safetensors.torch.save_file into a model directory and call update_weights_from_disk")
+        """Replace some of the model's tensors, given as (name, tensor) pairs (or a dict) under
+        the checkpoint's names, e.g. "model.layers.0.mlp.up_proj.weight"; as SGLang's, for a
+        trainer on the core's host. Same order as update_weights_from_disk (waits for what is in
+        flight); `flush_cache=False` keeps the prefix cache, for a series of updates whose last
+        flushes. The tensors reach the core as a file in shared memory, removed on return.
+        Returns (success, message); a refused update changes nothing."""
+        if load_format is not None:
+            raise InvalidParam("load_format", f"load_format={load_format!r} is not supported: tensors "
+                               "are taken by their checkpoint names (load_format=None)")
+        worker = self._worker()
+        if worker.curve is not None:
+            raise InvalidParam("named_tensors", "update_weights_from_tensor works on the core's host "
+                               "only; over TCP, save a checkpoint there and use update_weights_from_disk")
+        tensors = _named_tensors(named_tensors)
+        if not tensors:
+            return True, "no tensors given: nothing updated"
+        from unison.model.weights import save_tensors  # torch: only for those who update this way
+
+        path = save_tensors(tensors, registry.REGISTRY_DIR)
+        try:
+            r = self._control(ControlOp.UPDATE_WEIGHTS, UpdateTensors(str(path), bool(flush_cache)),
+                              timeout=None)
+        finally:
+            path.unlink(missing_ok=True)
+        return r.success, r.message
 
     def check_integrity(self) -> None:
         """Raise if the core's KV block pool has a leaked or double-owned block."""
@@ -367,7 +387,7 @@ SGLANG_NO_EFFECT = {"external_trace_header", "kv_router_hint", "routed_dp_rank",
 
 
 _NO_TP = ("Unison runs one process per engine core, with no torch.distributed group; use "
-          "update_weights_from_disk")
+          "update_weights_from_tensor (same host) or update_weights_from_disk")
 SGLANG_METHODS = {
     **dict.fromkeys(["encode", "async_encode", "rerank", "score", "async_score"],
                     "embedding, rerank and scoring models are not served"),
@@ -402,6 +422,28 @@ def _refuse_unsupported(**args: Any) -> None:
             raise InvalidParam(name, f"{name} is not supported by Unison (text-only generation, no "
                                      "LoRA, custom logit processors, sessions or disaggregation); "
                                      "leave it unset")
+
+
+def _named_tensors(given: Any) -> dict[str, Any]:
+    """update_weights_from_tensor's (name, tensor) pairs, checked: InvalidParam saying which."""
+    import torch
+
+    pairs = list(given.items() if isinstance(given, dict) else given)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise InvalidParam("named_tensors", f"named_tensors[{i}] must be a (name, tensor) pair")
+        name, tensor = pair
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise InvalidParam("named_tensors", f"named_tensors[{i}] must be (str, torch.Tensor), got "
+                                                f"({type(name).__name__}, {type(tensor).__name__})")
+        if not tensor.is_floating_point():
+            raise InvalidParam("named_tensors", f"named_tensors[{i}] ({name!r}) is {tensor.dtype}: "
+                                                "a floating-point tensor is needed")
+        if name in tensors:
+            raise InvalidParam("named_tensors", f"named_tensors names {name!r} twice")
+        tensors[name] = tensor
+    return tensors
 
 
 def _pause_mode(mode: str) -> PauseMode:

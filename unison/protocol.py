@@ -17,7 +17,7 @@ import msgspec
 
 from unison.config import EngineConfig
 
-PROTOCOL_VERSION = "3"
+PROTOCOL_VERSION = "4"
 
 
 class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -111,10 +111,19 @@ class UpdateWeights(msgspec.Struct, tag=True, frozen=True):
     abort_all_requests: bool = False  # abort what is in flight instead of letting it finish
 
 
+class UpdateTensors(msgspec.Struct, tag=True, frozen=True):
+    """Replace some of the running model's tensors (update_weights_from_tensor). They travel
+    as a file, not in the message: a model's worth of bytes through the control socket would
+    stall every other frontend's outputs behind it."""
+
+    path: str  # a safetensors file on the core's host, named as the checkpoint names them
+    flush_cache: bool = True  # empty the prefix cache afterwards (False: more updates follow)
+
+
 class Control(msgspec.Struct, tag=True):
     cid: int  # echoed in the reply
     op: ControlOp
-    arg: Pause | AbortRequests | UpdateWeights | None = None
+    arg: Pause | AbortRequests | UpdateWeights | UpdateTensors | None = None
 
 
 class Ack(msgspec.Struct, tag=True):

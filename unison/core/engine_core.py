@@ -136,6 +136,16 @@ class EngineCore:
         self.scheduler.flush_cache()
         self.config.model_path = model_path
 
+    def update_tensors(self, path: str, flush_cache: bool = True) -> int:
+        """Replace the tensors in the safetensors file `path`, as load_weights does a whole
+        checkpoint. `flush_cache=False` keeps the prefix cache (SGLang's: more updates follow,
+        and the caller flushes after the last); what holds KV is recomputed either way."""
+        count = self.runner.update_tensors(path)
+        self.retract_all()
+        if flush_cache:
+            self.scheduler.flush_cache()
+        return count
+
     def retract_all(self) -> int:
         """Free the KV of every running request; they wait, first in line, to be recomputed."""
         return self.scheduler.retract_all()

@@ -15,6 +15,8 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import UnionType
 from typing import Any
 
 import msgspec
@@ -25,6 +27,7 @@ from unison.core.engine_core import EngineCore
 from unison.core.metrics import StepShapes
 from unison.core.request import Request
 from unison.model.loader import tokenizer_files
+from unison.model.weights import TENSOR_FILE_PREFIX
 from unison.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -48,6 +51,7 @@ from unison.protocol import (
     ReqOutput,
     ServerInfo,
     StepOutputs,
+    UpdateTensors,
     UpdateWeights,
     Welcome,
     decode_to_core,
@@ -85,7 +89,7 @@ class PendingUpdate:
 
     frontend: bytes
     cid: int
-    arg: UpdateWeights
+    arg: UpdateWeights | UpdateTensors
     waits_for: set[Request]  # the requests themselves: a rid may come back, held, meanwhile
 
 
@@ -441,23 +445,33 @@ class CoreServer:
     def start_update(self, ident: bytes, msg: Control) -> ControlReply | None:
         """Load new weights now when nothing runs (or generation is paused), else once the
         requests in flight have finished; new requests wait meanwhile (SGLang's order)."""
-        arg = _arg(msg.arg, UpdateWeights, msg.op)
-        if arg.load_format not in (None, "auto", "safetensors", "gguf"):
-            return ControlReply(msg.cid, result=OpResult(False, f"load_format={arg.load_format!r} is "
-                                "not supported: weights load from a safetensors directory or a GGUF file"))
-        if self.update is not None:
-            return ControlReply(msg.cid, result=OpResult(False, "another weight update is in progress"))
-        if arg.abort_all_requests:
+        arg = _arg(msg.arg, UpdateWeights | UpdateTensors, msg.op)
+        refused = self.refuse_update(ident, arg)
+        if refused:
+            return ControlReply(msg.cid, result=OpResult(False, refused))
+        if isinstance(arg, UpdateWeights) and arg.abort_all_requests:
             self.abort_all("aborted: the weights are being updated (abort_all_requests=True)")
         waits_for = set() if self.paused else set(self.core.requests.values())
         self.update = PendingUpdate(ident, msg.cid, arg, waits_for)
         self.core.hold_new(True)
         if waits_for:
-            log.info("weight update from %s waits for %d request(s) in flight", arg.model_path,
-                     len(waits_for))
+            log.info("weight update (%s) waits for %d request(s) in flight", _source(arg), len(waits_for))
         else:
             self.finish_update()
         return None  # finish_update answers
+
+    def refuse_update(self, ident: bytes, arg: UpdateWeights | UpdateTensors) -> str:
+        """Why this update cannot be taken ("" if it can)."""
+        if self.update is not None:
+            return "another weight update is in progress"
+        if isinstance(arg, UpdateTensors) and self.frontends[ident].remote:
+            return ("update_weights_from_tensor works on the core's host only (the tensors come as "
+                    "a file there); over TCP, save a checkpoint the core can read and use "
+                    "update_weights_from_disk")
+        if isinstance(arg, UpdateWeights) and arg.load_format not in (None, "auto", "safetensors", "gguf"):
+            return (f"load_format={arg.load_format!r} is not supported: weights load from a "
+                    "safetensors directory or a GGUF file")
+        return ""
 
     def update_may_run(self) -> bool:
         """A pending weight update runs once what it waited for has finished, or on a pause."""
@@ -470,14 +484,19 @@ class CoreServer:
         held = len(self.core.requests)  # queued meanwhile, or paused: they run on the new weights
         started = time.monotonic()
         try:
-            self.core.load_weights(upd.arg.model_path)
+            if isinstance(upd.arg, UpdateTensors):
+                count = self.core.update_tensors(upd.arg.path, upd.arg.flush_cache)
+                done = f"{count} tensor(s) updated"
+            else:
+                self.core.load_weights(upd.arg.model_path)
+                done = f"weights updated from {upd.arg.model_path}"
         except Exception as e:  # refused, or failed to load: the old weights keep serving
             result = OpResult(False, f"the weights were not updated: {type(e).__name__}: {e}",
                               num_paused_requests=held)
-            log.warning("weight update from %s refused: %s", upd.arg.model_path, e)
+            log.warning("weight update (%s) refused: %s", _source(upd.arg), e)
         else:
-            result = OpResult(True, f"weights updated from {upd.arg.model_path} in "
-                              f"{time.monotonic() - started:.1f} s", num_paused_requests=held)
+            result = OpResult(True, f"{done} in {time.monotonic() - started:.1f} s",
+                              num_paused_requests=held)
             log.info("%s", result.message)
             self.weights_version += 1
             try:
@@ -486,6 +505,8 @@ class CoreServer:
                 log.warning("could not republish the registry: %s", e)
         finally:
             self.core.hold_new(False)
+            if isinstance(upd.arg, UpdateTensors):
+                _remove_tensor_file(upd.arg.path)
         fe = self.frontends.get(upd.frontend)
         if fe is not None:
             self.send(fe, ControlReply(upd.cid, result=result))
@@ -579,10 +600,23 @@ class _TrustedKeys:
         return ok
 
 
-def _arg(arg: Any, kind: type, op: ControlOp) -> Any:
+def _arg(arg: Any, kind: type | UnionType, op: ControlOp) -> Any:
     if not isinstance(arg, kind):
-        raise ValueError(f"{op.value} needs a {kind.__name__} argument, got {type(arg).__name__}")
+        raise ValueError(f"{op.value} needs a {getattr(kind, '__name__', kind)} argument, "
+                         f"got {type(arg).__name__}")
     return arg
+
+
+def _source(arg: UpdateWeights | UpdateTensors) -> str:
+    return f"from {arg.model_path}" if isinstance(arg, UpdateWeights) else "from tensors"
+
+
+def _remove_tensor_file(path: str) -> None:
+    """A tensors file is spent once read. Its writer removes it when the call returns; this is
+    for a writer that died waiting (only ever save_tensors' own files)."""
+    file = Path(path)
+    if file.parent == registry.REGISTRY_DIR and file.name.startswith(TENSOR_FILE_PREFIX):
+        file.unlink(missing_ok=True)
 
 
 def _pidfd(pid: int) -> int | None:

@@ -18,7 +18,7 @@ from . import cpu_kernels
 from .decoder import DecoderModel, dummy_model
 from .families import ModelConfig
 from .loader import open_weights, resolve_model_dir
-from .weights import resolve_quantization
+from .weights import SafetensorsWeights, overlay, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -164,18 +164,44 @@ class ModelRunner:
         config = ModelConfig.from_dir(model_dir)
         _check_same_shapes(self.config, config, model_path)
         weights, _ = open_weights(model_path, model_dir)
-        for name, shape in self.model.weight_shapes.items():
+        for name in self.model.weight_shapes:
             if name not in weights:
                 raise ValueError(f"{model_path} has no weight {name!r}, which the running model has")
-            if tuple(weights.shape(name)) != shape:
-                raise ValueError(f"{model_path}: weight {name!r} is {list(weights.shape(name))}, "
-                                 f"the running model's is {list(shape)}")
+            self._check_shape(name, weights.shape(name), model_path)
         quantization, model = self._load(model_path, model_dir, config)
         if quantization != self.quantization:  # memory and the KV cache were sized for the old
             raise ValueError(f"{model_path} would run as {quantization!r}, the running model as "
                              f"{self.quantization!r}: update from a checkpoint of the same format")
         self.model, self.config = model, config
         self._bind_model()
+
+    def update_tensors(self, path: str | Path) -> int:
+        """Replace the tensors in the safetensors file `path` (named as in the checkpoint; any
+        subset), keeping the others: the model is rebuilt from its source with those swapped in,
+        as the linears fuse and pack several checkpoint tensors each. Returns how many; a name
+        the model does not use or a shape that differs is refused (ValueError), changing nothing."""
+        if self.quantization != "none":  # re-quantizing a trainer's float tensors would change them
+            raise ValueError(f"the running model is quantized ({self.quantization!r}): tensor updates "
+                             "need quantization='none'; or update_weights_from_disk from a checkpoint")
+        given, tensors = SafetensorsWeights(path), {}
+        for name in sorted(given.names()):
+            if name not in self.model.weight_shapes:
+                tied = " (its LM head is the embedding, tied)" if name == "lm_head.weight" else ""
+                raise ValueError(f"the running model has no weight {name!r}{tied}")
+            self._check_shape(name, given.shape(name), "the given tensor")
+            tensor = given.float(name)
+            if not tensor.is_floating_point():
+                raise ValueError(f"weight {name!r} is {tensor.dtype}: a floating-point tensor is needed")
+            tensors[name] = tensor.clone()  # the file is the caller's, removed once we answer
+        source = overlay(self.model.source, tensors)
+        self.model = DecoderModel(self.config, source, self.device, self.dtype, "none", self.model.from_gguf)
+        self._bind_model()
+        return len(tensors)
+
+    def _check_shape(self, name: str, shape: tuple[int, ...], where: str | Path) -> None:
+        if tuple(shape) != self.model.weight_shapes[name]:
+            raise ValueError(f"{where}: weight {name!r} is {list(shape)}, the running model's is "
+                             f"{list(self.model.weight_shapes[name])}")
 
     @property
     def context_length(self) -> int:

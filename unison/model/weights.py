@@ -2,11 +2,13 @@
 
 A weight source serves tensors by their Hugging Face names, one at a time: as float, or already
 converted into the quantized kernel's blocks. `SafetensorsWeights` reads a Hugging Face directory,
-`gguf.GGUFWeights` a GGUF file, `DictWeights` tensors in memory (tests, the dummy model).
+`gguf.GGUFWeights` a GGUF file, `DictWeights` tensors in memory (tests, the dummy model),
+`OverlayWeights` a source with some tensors replaced (update_weights_from_tensor).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -16,6 +18,7 @@ from . import quant
 from .quant import QuantWeight
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+TENSOR_FILE_PREFIX = "unison_tensors_"  # save_tensors' files: the core removes them once read
 
 
 class WeightSource(Protocol):
@@ -58,12 +61,14 @@ class DictWeights:
 
 
 class SafetensorsWeights(DictWeights):
-    """A Hugging Face directory's *.safetensors, each tensor read when first asked for."""
+    """A Hugging Face directory's *.safetensors (or one such file), each tensor read when first
+    asked for."""
 
     def __init__(self, model_dir: str | Path) -> None:
         from safetensors import SafetensorError, safe_open
 
-        files = sorted(Path(model_dir).glob("*.safetensors"))
+        path = Path(model_dir)
+        files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
         self._files: dict[str, object] = {}
@@ -91,6 +96,70 @@ class SafetensorsWeights(DictWeights):
         if name not in self._files:
             raise ValueError(f"checkpoint is missing weight {name!r}")
         return self._files[name].get_tensor(name)
+
+
+class OverlayWeights:
+    """`base`'s tensors, except those in `tensors`: what the model is rebuilt from when some of
+    its tensors are replaced in place."""
+
+    def __init__(self, base: WeightSource, tensors: dict[str, torch.Tensor]) -> None:
+        self.base, self.own = base, DictWeights(tensors)
+
+    def _of(self, name: str) -> WeightSource:
+        return self.own if name in self.own else self.base
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.own or name in self.base
+
+    def names(self) -> set[str]:
+        return self.base.names() | self.own.names()
+
+    def source_type(self, name: str) -> str:
+        return self._of(name).source_type(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._of(name).shape(name)
+
+    def float(self, name: str) -> torch.Tensor:
+        return self._of(name).float(name)
+
+    def quantized(self, name: str, bits: int) -> QuantWeight:
+        return self._of(name).quantized(name, bits)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], directory: str | Path) -> Path:
+    """Write `tensors` as a private safetensors file in `directory` (update_weights_from_tensor
+    hands them to the core this way); the caller removes it. Tensors that share memory (one
+    tensor given under several names, views of one buffer) are written as copies."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    own: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach().to("cpu").contiguous()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != t.nbytes:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        own[name] = t
+    fd, path = tempfile.mkstemp(prefix=TENSOR_FILE_PREFIX, suffix=".safetensors", dir=directory)
+    os.close(fd)
+    try:
+        save_file(own, path)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return Path(path)
+
+
+def overlay(source: WeightSource, tensors: dict[str, torch.Tensor]) -> OverlayWeights:
+    """`source` with `tensors` replacing its own, one level deep however many updates came
+    before: a tensor updated again lets go of its previous value."""
+    if isinstance(source, OverlayWeights):
+        return OverlayWeights(source.base, source.own.tensors | tensors)
+    return OverlayWeights(source, tensors)
 
 
 _TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
