@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from tests.serving import free_port
 from tests.test_engine import PROMPTS
 from tests.utils import wait_until
 from unison import Engine
+from unison.model.loader import default_gguf_path
 from unison.server.replicas import Replicas
 
 pytest.importorskip("ray", reason="the data-parallel tests need the ray extra (make test installs it)")
@@ -155,9 +157,12 @@ def test_server_info_metrics_and_health_cover_every_replica(dp):
     assert httpx.post(dp.url + "/continue_generation").status_code == 200
 
 
-def test_a_replica_whose_core_dies_comes_back_and_the_other_serves_meanwhile(dp):
-    info = dp.info()
-    victim = info["replicas"][0]["pid"]
+def test_a_replica_whose_core_dies_comes_back_and_the_other_serves_meanwhile(dp, tmp_path):
+    # The weights updated first (the same model, under another path): the replica that comes back
+    # must serve those, as the other does, not the ones the server started with.
+    weights = shutil.copy(default_gguf_path(), tmp_path / "updated.gguf")
+    r = httpx.post(dp.url + "/update_weights_from_disk", json={"model_path": str(weights)}, timeout=60)
+    assert r.status_code == 200 and r.json()["success"], r.text
     with httpx.stream("POST", dp.url + "/v1/completions", timeout=60, json={
             "prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}) as stream:
         lines = stream.iter_lines()
@@ -178,7 +183,9 @@ def test_a_replica_whose_core_dies_comes_back_and_the_other_serves_meanwhile(dp)
         return len(replicas) == 2 and victim not in [r["pid"] for r in replicas]
 
     wait_until(back, BACK_WITHIN_S, "the replica to come back", interval=0.2)
-    print(f"[figure] replica core kill -9 to the replica serving again: {time.monotonic() - start:.2f} s")
+    print(f"[figure] replica core kill -9 to the replica serving again (its weights updated "
+          f"first): {time.monotonic() - start:.2f} s")
+    assert [s["model_path"] for s in dp.info()["internal_states"]] == [str(weights)] * 2
     outs = [httpx.post(dp.url + "/generate", json={"text": p, "sampling_params": {"max_new_tokens": 4}},
                        timeout=30) for p in PROMPTS[:4]]
     assert all(o.status_code == 200 for o in outs)

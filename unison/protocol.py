@@ -254,7 +254,8 @@ class ServerInfo(msgspec.Struct, tag=True):
         info.pop("type")  # the message's tag
         config, core = info["config"], info.pop("core")
         state = {k: info[k] for k in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached",
-                                      "paused", "pause_mode", "stats")}
+                                      "paused", "pause_mode", "weights_version", "stats")}
+        state["model_path"] = config["model_path"]  # what it serves now (a weight update changes it)
         sglang = {**config, "status": "ready", "max_total_num_tokens": core["max_total_tokens"],
                   "max_req_input_len": core["max_req_input_len"], "internal_states": [state],
                   "version": __version__}

@@ -4,7 +4,9 @@ A `CoreActor` owns one core process that listens on its node's address over TCP,
 trusting the HTTP workers' one key. `RayReplicas` (in the launcher, the Ray driver) starts the
 actors, writes where each core listens to the replicas file the HTTP workers follow
 (server/replicas.py), and rewrites it when Ray restarts an actor. Ray does not see the death of
-an actor's child process, so the actor exits when its core dies and Ray restarts it.
+an actor's child process, so the actor exits when its core dies and Ray restarts it. A restarted
+actor starts its core from the server's original options; if the weights were updated since,
+the launcher has it load the ones its siblings serve before any worker is sent to it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -26,6 +29,13 @@ from unison.server.replicas import ReplicaAddress, ReplicaSet, write_replica_set
 log = logging.getLogger("unison.server")
 
 WATCH_S = 0.5  # how often the launcher asks each actor where its core is
+
+
+class ReplicaState(msgspec.Struct, frozen=True):
+    """What the launcher polls from each actor."""
+
+    where: ReplicaAddress
+    model_path: str | None  # the weights its core serves now (a weight update changes it)
 
 
 def import_ray():
@@ -54,8 +64,19 @@ class CoreActor:
                                     socket.gethostname())
         threading.Thread(target=self._exit_with_core, daemon=True, name="unison-core-watch").start()
 
-    def address(self) -> bytes:
-        return msgspec.msgpack.encode(self.where)
+    def state(self) -> bytes:
+        served = registry.read(self.core.registry_path).config.model_path  # the core republishes it
+        return msgspec.msgpack.encode(ReplicaState(self.where, served))
+
+    def update_weights(self, model_path: str) -> tuple[bool, str]:
+        """Load `model_path` into this replica's core, through a frontend of its own for the call."""
+        from unison.engine import Engine
+
+        engine = Engine.attach_tokenizer_worker(registry_file=self.core.registry_path)
+        try:
+            return engine.update_weights_from_disk(model_path)[:2]
+        finally:
+            engine.shutdown()
 
     def stop(self) -> None:
         self.stopping = True
@@ -87,6 +108,11 @@ class RayReplicas:
         self.actors = [actor.options(scheduling_strategy="SPREAD").remote(blob, i, public)
                        for i in range(size)]
         self.where: list[ReplicaAddress | None] = [None] * size
+        self.updated = False  # whether the weights were updated since the server started
+        self.model_path: str | None = None  # ... then, the path the replicas serve
+        self.serving: list[str | None] = [None] * size  # each replica's, as last seen
+        self.stale: dict[int, int] = {}  # replica -> the core pid that could not load them
+        self.update_timeout = config.startup_timeout
         self.last_error: str | None = None  # why a replica did not answer, last time
         self._stop = threading.Event()
         deadline = time.monotonic() + config.startup_timeout
@@ -103,18 +129,51 @@ class RayReplicas:
         ray, changed, answered = self.ray, False, True
         for i, actor in enumerate(self.actors):
             try:
-                where = msgspec.msgpack.decode(ray.get(actor.address.remote(), timeout=timeout),
-                                               type=ReplicaAddress)
+                state = msgspec.msgpack.decode(ray.get(actor.state.remote(), timeout=timeout),
+                                               type=ReplicaState)
             except Exception as e:  # restarting (Ray retries its creation), or not up yet
                 answered, self.last_error = False, f"replica {i}: {type(e).__name__}: {e}"[:2000]
                 continue
-            if where != self.where[i]:
-                if self.where[i] is not None:
-                    log.warning("replica %d is back: core pid %d on %s", i, where.core_pid, where.host)
-                self.where[i], changed = where, True
+            if state.where == self.where[i]:
+                if state.model_path != self.serving[i]:  # updated (an HTTP worker's control)
+                    self.serving[i] = self.model_path = state.model_path
+                    self.updated = True
+                continue
+            if not self.caught_up(i, actor, state):
+                continue
+            if self.where[i] is not None:
+                log.warning("replica %d is back: core pid %d on %s", i, state.where.core_pid,
+                            state.where.host)
+            self.where[i], changed = state.where, True
         if changed and None not in self.where:
             write_replica_set(self.path, ReplicaSet(list(self.where), self.secret))
         return answered
+
+    def caught_up(self, i: int, actor: Any, state: ReplicaState) -> bool:
+        """Whether a replica's new core serves the weights its siblings do, after loading them if
+        the weights were updated since the server started. One that cannot stays out of service
+        (logged), rather than serve other weights than the rest."""
+        pid = state.where.core_pid
+        if not self.updated or state.model_path == self.model_path:
+            self.serving[i] = state.model_path
+            return True
+        if self.stale.get(i) == pid:
+            return False
+        try:
+            ok, message = self.ray.get(actor.update_weights.remote(self.model_path),
+                                       timeout=self.update_timeout)
+        except Exception as e:  # its core died again meanwhile, or the call timed out
+            ok, message = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            log.error("replica %d (core pid %d) restarted and could not load %s, which the others "
+                      "serve: %s; it stays out of service until its core restarts", i, pid,
+                      self.model_path, message)
+            self.stale[i] = pid
+            return False
+        log.warning("replica %d restarted on the original weights; it serves %s now, as the others: "
+                    "%s", i, self.model_path, message)
+        self.serving[i] = self.model_path
+        return True
 
     def _watch_actors(self) -> None:
         while not self._stop.wait(WATCH_S):
