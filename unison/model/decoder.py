@@ -152,7 +152,7 @@ class DecoderModel:
     def __init__(self, cfg: ModelConfig, weights: WeightSource, device: torch.device,
                  dtype: torch.dtype, quantization: str = "none", from_gguf: bool = False):
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        # Kept (memory-mapped, not copied) so that replacing some tensors rebuilds from it.
+        # Kept (a checkpoint is memory-mapped, not copied): replacing some tensors rebuilds from it.
         self.source, self.from_gguf = weights, from_gguf
         # The C kernels where they apply (CPU, float32); torch ops elsewhere.
         kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None

@@ -192,7 +192,7 @@ class ModelRunner:
             tensor = given.float(name)
             if not tensor.is_floating_point():
                 raise ValueError(f"weight {name!r} is {tensor.dtype}: a floating-point tensor is needed")
-            tensors[name] = tensor.clone()  # the file is the caller's, removed once we answer
+            tensors[name] = tensor.clone()  # not the mapped file: removed once we answer
         source = overlay(self.model.source, tensors)
         self.model = DecoderModel(self.config, source, self.device, self.dtype, "none", self.model.from_gguf)
         self._bind_model()
