@@ -72,7 +72,7 @@ class CoreActor:
         """Load `model_path` into this replica's core, through a frontend of its own for the call."""
         from unison.engine import Engine
 
-        engine = Engine.attach_tokenizer_worker(registry_file=self.core.registry_path)
+        engine = Engine.attach_tokenizer_worker(os.getpid(), registry_file=self.core.registry_path)
         try:
             return engine.update_weights_from_disk(model_path)[:2]
         finally:
