@@ -130,14 +130,14 @@ def test_launcher_killed_leaves_nothing():
             server.kill()
 
 
-def test_health_is_503_once_the_core_is_gone():
-    """After kill -9 of the core, /health answers 503 as soon as the worker has seen it die (or
-    nothing, once the worker has exited); never 200 after that."""
+def _health_after_core_kill() -> list[tuple[float, str, int]]:
+    """Kill -9 a server's core and poll /health until the launcher exits: (seconds after the
+    kill, worker pid, status) of each answer."""
     server = Server("--chunked-prefill-size", "64", workers=2)
     try:
         assert server.get("/health").status_code == 200
         os.kill(server.core_pid, signal.SIGKILL)
-        t0, answers = time.monotonic(), []  # (seconds after the kill, worker pid, status)
+        t0, answers = time.monotonic(), []
         while server.proc.poll() is None and time.monotonic() - t0 < 10:
             try:
                 r = httpx.get(server.url + "/health", timeout=2)
@@ -146,17 +146,30 @@ def test_health_is_503_once_the_core_is_gone():
                 pass  # that worker has exited
             time.sleep(0.01)
         assert server.proc.returncode not in (None, 0), "the launcher must exit non-zero"
-        first_503 = {}
+        server.assert_gone()
+        return answers
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def test_health_is_503_once_the_core_is_gone():
+    """After kill -9 of the core, /health answers 503 as soon as the worker has seen it die (or
+    nothing, once the worker has exited); never 200 after that. A worker stops itself within
+    about 0.1 s of its 503s (uvicorn's tick), so on a loaded machine the polls can miss every
+    answer: such a run observed nothing and is run again, up to 3 times."""
+    for _ in range(3):
+        answers = _health_after_core_kill()
+        first_503: dict[str, float] = {}
         for t, pid, status in answers:  # each worker: 503 once it has seen the core die, never 200 after
             if status == 503:
                 first_503.setdefault(pid, t)
             assert status in (200, 503) and not (status == 200 and pid in first_503), answers
-        assert first_503 and max(first_503.values()) < 1.0, f"no timely 503: {answers[:20]}"
-        FIGURES["core kill -9 to /health 503"] = min(first_503.values())
-        server.assert_gone()
-    finally:
-        if server.proc.poll() is None:
-            server.kill()
+        assert not [a for a in answers if a[0] > 1.0 and a[2] == 200], f"200 a second after: {answers}"
+        if first_503:
+            break
+    assert first_503 and max(first_503.values()) < 1.0, f"no timely 503 in 3 runs: {answers[:20]}"
+    FIGURES["core kill -9 to /health 503"] = min(first_503.values())
 
 
 @pytest.fixture(scope="module")
