@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
+import statistics
 import threading
 import time
 
@@ -444,12 +446,18 @@ def test_a_slow_consumer_gets_merged_deltas(engine):
     """A consumer that falls behind the core gets fewer, larger items: everything since it last
     looked, merged, with nothing lost and the same final text and ids."""
     params = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}
-    fast = list(engine.generate(PROMPTS[0], params, stream=True))
+    fast, stamps = [], []
+    for item in engine.generate(PROMPTS[0], params, stream=True):
+        fast.append(item)
+        stamps.append(time.monotonic())
+    # Away for several decode steps each time, as long as a step takes here (a loaded machine's
+    # steps are slower: a fixed sleep would not outlast enough of them).
+    away = max(0.05, 5 * statistics.median(b - a for a, b in itertools.pairwise(stamps)))
     slow = []
     for item in engine.generate(PROMPTS[0], params, stream=True):
         slow.append(item)
-        time.sleep(0.1)  # several decode steps pass while this consumer is away
-    assert len(slow) < len(fast) / 2, (len(slow), len(fast))
+        time.sleep(away)
+    assert len(slow) < len(fast) / 2, (len(slow), len(fast), away)
     assert (slow[-1]["text"], slow[-1]["output_ids"]) == (fast[-1]["text"], fast[-1]["output_ids"])
     assert len(slow[-1]["output_ids"]) == 48
     for before, after in zip(slow, slow[1:]):  # each item extends the last: nothing skipped
