@@ -4,6 +4,7 @@ its result shapes, weight updates from disk and from tensors, and the three paus
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import shutil
@@ -24,7 +25,7 @@ from unison import Engine
 from unison.config import EngineConfig
 from unison.errors import InvalidParam
 from unison.model.loader import default_gguf_path
-from unison.registry import REGISTRY_DIR
+from unison.model.weights import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 LONG = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
@@ -334,7 +335,7 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def tensor_files() -> list[Path]:
-    return list(REGISTRY_DIR.glob("unison_tensors_*"))
+    return [f for d in TENSOR_FILE_DIRS for f in d.glob(f"{TENSOR_FILE_PREFIX}*")]
 
 
 def test_update_from_tensors_is_the_update_from_disk(tiny_engine, tiny):
@@ -388,6 +389,33 @@ def test_tensor_updates_that_do_not_fit_are_refused_and_change_nothing(tiny_engi
     assert greedy_texts(tiny_engine) == before
     assert tiny_engine.update_weights_from_tensor([]) == (True, "no tensors given: nothing updated")
     assert not tensor_files(), "a tensor file was left in shared memory"
+
+
+def test_tensor_files_go_to_disk_when_shared_memory_is_full(tmp_path, monkeypatch):
+    from unison.model import weights
+
+    full, disk = tmp_path / "shm", tmp_path / "disk"
+    full.mkdir()
+    disk.mkdir()
+    real = weights._save_file
+
+    def save(tensors, directory):
+        if directory == full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, directory)
+
+    monkeypatch.setattr(weights, "_save_file", save)
+    shared = torch.arange(6.0)
+    path = weights.save_tensors({"a": shared, "b": shared, "c": shared[2:4]}, [full, disk])
+    assert path.parent == disk
+    assert {k: v.tolist() for k, v in load_file(path).items()} == {
+        "a": [0, 1, 2, 3, 4, 5], "b": [0, 1, 2, 3, 4, 5], "c": [2, 3]}
+    def refuse(tensors, directory):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(weights, "_save_file", refuse)
+    with pytest.raises(PermissionError):  # only a full directory sends the file on to the next
+        weights.save_tensors({"a": shared}, [full, disk])
 
 
 # ---- engines of their own ----------------------------------------------------------------------

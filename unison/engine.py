@@ -299,7 +299,8 @@ class Engine:
         the checkpoint's names, e.g. "model.layers.0.mlp.up_proj.weight"; as SGLang's, for a
         trainer on the core's host. Same order as update_weights_from_disk (waits for what is in
         flight); `flush_cache=False` keeps the prefix cache, for a series of updates whose last
-        flushes. The tensors reach the core as a file in shared memory, removed on return.
+        flushes. The tensors reach the core as a file in shared memory (on disk when that is
+        full), removed on return.
         Returns (success, message); a refused update changes nothing."""
         if load_format is not None:
             raise InvalidParam("load_format", f"load_format={load_format!r} is not supported: tensors "
@@ -311,9 +312,9 @@ class Engine:
         tensors = _named_tensors(named_tensors)
         if not tensors:
             return True, "no tensors given: nothing updated"
-        from unison.model.weights import save_tensors  # torch: only for those who update this way
+        from unison.model.weights import TENSOR_FILE_DIRS, save_tensors  # torch: for these callers only
 
-        path = save_tensors(tensors, registry.REGISTRY_DIR)
+        path = save_tensors(tensors, TENSOR_FILE_DIRS)
         try:
             r = self._control(ControlOp.UPDATE_WEIGHTS, UpdateTensors(str(path), bool(flush_cache)),
                               timeout=None)

@@ -27,7 +27,7 @@ from unison.core.engine_core import EngineCore
 from unison.core.metrics import StepShapes
 from unison.core.request import Request
 from unison.model.loader import tokenizer_files
-from unison.model.weights import TENSOR_FILE_PREFIX
+from unison.model.weights import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
 from unison.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -615,7 +615,7 @@ def _remove_tensor_file(path: str) -> None:
     """A tensors file is spent once read. Its writer removes it when the call returns; this is
     for a writer that died waiting (only ever save_tensors' own files)."""
     file = Path(path)
-    if file.parent == registry.REGISTRY_DIR and file.name.startswith(TENSOR_FILE_PREFIX):
+    if file.parent in TENSOR_FILE_DIRS and file.name.startswith(TENSOR_FILE_PREFIX):
         file.unlink(missing_ok=True)
 
 

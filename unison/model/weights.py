@@ -8,7 +8,9 @@ converted into the quantized kernel's blocks. `SafetensorsWeights` reads a Huggi
 
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +21,8 @@ from .quant import QuantWeight
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 TENSOR_FILE_PREFIX = "unison_tensors_"  # save_tensors' files: the core removes them once read
+# Where they are written: shared memory, or disk when it has no room.
+TENSOR_FILE_DIRS = [d for d in (Path("/dev/shm"), Path(tempfile.gettempdir())) if d.is_dir()]
 
 
 class WeightSource(Protocol):
@@ -127,13 +131,11 @@ class OverlayWeights:
         return self._of(name).quantized(name, bits)
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], directory: str | Path) -> Path:
-    """Write `tensors` as a private safetensors file in `directory` (update_weights_from_tensor
-    hands them to the core this way); the caller removes it. Tensors that share memory (one
-    tensor given under several names, views of one buffer) are written as copies."""
-    import tempfile
-
-    from safetensors.torch import save_file
+def save_tensors(tensors: dict[str, torch.Tensor], directories: list[Path]) -> Path:
+    """Write `tensors` as a private safetensors file in the first of `directories` with room
+    (update_weights_from_tensor hands them to the core this way); the caller removes it.
+    Tensors that share memory (one tensor given under several names, views of one buffer) are
+    written as copies."""
 
     seen: set[int] = set()
     own: dict[str, torch.Tensor] = {}
@@ -144,10 +146,22 @@ def save_tensors(tensors: dict[str, torch.Tensor], directory: str | Path) -> Pat
             t = t.clone()
         seen.add(t.untyped_storage().data_ptr())
         own[name] = t
+    for directory in directories[:-1]:
+        try:
+            return _save_file(own, directory)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:  # else: a container's /dev/shm is often 64 MiB
+                raise
+    return _save_file(own, directories[-1])
+
+
+def _save_file(tensors: dict[str, torch.Tensor], directory: Path) -> Path:
+    from safetensors.torch import save_file
+
     fd, path = tempfile.mkstemp(prefix=TENSOR_FILE_PREFIX, suffix=".safetensors", dir=directory)
     os.close(fd)
     try:
-        save_file(own, path)
+        save_file(tensors, path)
     except BaseException:
         os.unlink(path)
         raise
