@@ -136,7 +136,6 @@ def save_tensors(tensors: dict[str, torch.Tensor], directories: list[Path]) -> P
     (update_weights_from_tensor hands them to the core this way); the caller removes it.
     Tensors that share memory (one tensor given under several names, views of one buffer) are
     written as copies."""
-
     seen: set[int] = set()
     own: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
