@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,16 +185,20 @@ class TokenizerWorker:
         self._send(Heartbeat())
         self._beat = self.loop.call_later(interval, self._heartbeat, interval)
 
-    def _on_monitor(self) -> None:
-        """Attached over TCP: a lost connection is a dead engine (ZMQ would reconnect under a new
-        identity, which the core has never welcomed)."""
+    def _monitor_events(self) -> Iterator[dict]:
+        """The connection's events that have come (over TCP), oldest first."""
         from zmq.utils.monitor import recv_monitor_message
 
         while self._monitor is not None:
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                yield recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
+
+    def _on_monitor(self) -> None:
+        """Attached over TCP: a lost connection is a dead engine (ZMQ would reconnect under a new
+        identity, which the core has never welcomed)."""
+        for event in self._monitor_events():
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._mark_dead(f"the connection to the engine core at {self.endpoint} was lost (closed, "
                                 f"or silent past the {self.heartbeat_timeout_s:g} s heartbeat timeout)")
@@ -210,13 +214,7 @@ class TokenizerWorker:
 
     def _handshake_refused(self) -> str | None:
         """Why the CURVE handshake failed, if it did (from the socket's monitor events)."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self._monitor is not None:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return None
+        for event in self._monitor_events():
             if event["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 kind = HANDSHAKE_EVENTS_NAMES.get(event["event"], "disconnected")
                 return (f"the engine at {self.endpoint} refused the connection ({kind}, code "

@@ -108,8 +108,7 @@ class RayReplicas:
         self.actors = [actor.options(scheduling_strategy="SPREAD").remote(blob, i, public)
                        for i in range(size)]
         self.where: list[ReplicaAddress | None] = [None] * size
-        self.updated = False  # whether the weights were updated since the server started
-        self.model_path: str | None = None  # ... then, the path the replicas serve
+        self.model_path: str | None = None  # once the weights were updated: the path they serve
         self.serving: list[str | None] = [None] * size  # each replica's, as last seen
         self.stale: dict[int, int] = {}  # replica -> the core pid that could not load them
         self.update_timeout = config.startup_timeout
@@ -137,7 +136,6 @@ class RayReplicas:
             if state.where == self.where[i]:
                 if state.model_path != self.serving[i]:  # updated (an HTTP worker's control)
                     self.serving[i] = self.model_path = state.model_path
-                    self.updated = True
                 continue
             if not self.caught_up(i, actor, state):
                 continue
@@ -154,7 +152,7 @@ class RayReplicas:
         the weights were updated since the server started. One that cannot stays out of service
         (logged), rather than serve other weights than the rest."""
         pid = state.where.core_pid
-        if not self.updated or state.model_path == self.model_path:
+        if self.model_path is None or state.model_path == self.model_path:
             self.serving[i] = state.model_path
             return True
         if self.stale.get(i) == pid:
