@@ -70,6 +70,80 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_threads():
             torch.set_num_threads(threads)
 
 
+# ---- one result on every instruction-set path -------------------------------------------------
+
+PATHS = ["avx2", "vnni"]  # each beside the first one this machine runs
+
+
+def _on_path(path: str):
+    """Selects int4 path `path` for the test (skipped, with the reason, where it cannot run)."""
+    supported = KERNELS.supported_quant_paths()
+    if path not in supported:
+        pytest.skip(f"this CPU or build cannot run the {path} path (it runs {', '.join(supported)})")
+    if supported.index(path) == 0:
+        pytest.skip(f"{path} is this machine's reference path")
+    return supported[0]
+
+
+class _Path:
+    """with _Path(name): int4 linears run on `name` inside, and on the default path after."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.before = name, KERNELS.quant_path
+
+    def __enter__(self) -> None:
+        KERNELS.select_quant_path(self.name)
+
+    def __exit__(self, *exc) -> None:
+        KERNELS.select_quant_path(self.before)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_int4_paths_are_bit_identical_on_random_shapes(path: str):
+    """M from 1 to 600 (every code path: narrow, widened, the row-chunk edges), K and N multiples
+    of 32 but not of 256, fused parts and padding tiles: the same bits as the reference path."""
+    reference = _on_path(path)
+    rng = np.random.default_rng(3)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(12):
+        k, n = int(rng.choice([32, 96, 160, 480, 800, 2080])), int(rng.choice([40, 96, 224, 288, 1056]))
+        parts = [quant.quantize(torch.randn(n, k, generator=g), 4), quant.quantize(torch.randn(24, k, generator=g), 4)]
+        plan = cpu_kernels.QuantPlan(parts)
+        for m in {1, 2, 3, 4, 5, 11, 12, 13, 16, 37, int(rng.integers(1, 601))}:
+            x = torch.randn(m, k, generator=g) * float(rng.choice([0.01, 1.0, 40.0]))
+            with _Path(reference):
+                want = KERNELS.quant_linear(x, plan)
+            with _Path(path):
+                got = KERNELS.quant_linear(x, plan)
+            assert torch.equal(got, want), f"[{m}, {k}] x [{n}+24, {k}] differs on {path} vs {reference}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_int4_paths_give_the_same_forward(path: str, runners, prompts):
+    """A whole forward of the embedded model (prefill chunks and decode rows in one batch, the
+    compiled decoder's path) gives the same logits, bit for bit, on each path."""
+    reference = _on_path(path)
+    runner = runners["int4"]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(6)]
+    prefill = [BatchItem(ids, 0, table, 0) for ids, table in zip(prompts, tables)]
+    decode = [BatchItem([7], len(ids), table, 0) for ids, table in zip(prompts, tables)]
+    with _Path(reference):
+        want = [runner.forward(prefill), runner.forward(decode)]
+    with _Path(path):
+        assert runner.model.linear_kinds()["layers.0.qkv"] == f"int4/{path}"
+        got = [runner.forward(prefill), runner.forward(decode)]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_forcing_a_path_the_cpu_lacks_is_a_clear_error():
+    with pytest.raises(ValueError, match="UNISON_QUANT_KERNEL='amx'"):
+        KERNELS.select_quant_path("amx")
+    missing = [p for p in PATHS if p not in KERNELS.supported_quant_paths()]
+    for p in missing:
+        with pytest.raises(ValueError, match="cannot run it"):
+            KERNELS.select_quant_path(p)
+
+
 def test_fused_parts_of_different_kinds():
     """q | k | v with v wider (as a GGUF's Q4_K_M may store it) and parts not a whole tile."""
     g = torch.Generator().manual_seed(2)
@@ -286,17 +360,22 @@ INVARIANCE_PROMPTS = [f"{i + 1}. {t}" for i, t in enumerate(
      "Q: What is 2 + 2? A:"])]
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_batch_invariance(kind: str):
-    """The same 16 prompts alone and together give identical tokens. (No prefix cache: a hit
-    prefills through another attention shape, which is a different float sum.)"""
+@pytest.mark.parametrize("kind", ["int8", "int4/avx2", "int4/vnni"])
+def test_batch_invariance(kind: str, monkeypatch: pytest.MonkeyPatch):
+    """The same 16 prompts alone and together give identical tokens, on each int4 path. (No
+    prefix cache: a hit prefills through another attention shape, a different float sum.)"""
+    quantization, _, path = kind.partition("/")
+    if path:
+        if path not in KERNELS.supported_quant_paths():
+            pytest.skip(f"this CPU or build cannot run the {path} path")
+        monkeypatch.setenv("UNISON_QUANT_KERNEL", path)  # the core process inherits it
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    with Engine(quantization=kind, disable_radix_cache=True) as engine:
+    with Engine(quantization=quantization, disable_radix_cache=True) as engine:
         info = engine.get_server_info()
-        assert info["quantization"] == kind and info["kv_cache_dtype"] == "float16"
+        assert info["quantization"] == quantization and info["kv_cache_dtype"] == "float16"
         weights = info["weights"]
         assert weights["embed_tokens"] == weights["lm_head"] == "int8"
-        assert weights["layers.0.qkv"] == ("int4" if kind == "int4" else "int8")
+        assert weights["layers.0.qkv"] == kind
         alone = [engine.generate(p, params)["output_ids"] for p in INVARIANCE_PROMPTS]
         together = [o["output_ids"] for o in engine.generate(INVARIANCE_PROMPTS, params)]
     assert together == alone

@@ -12,6 +12,10 @@ The sources are plain C (no torch headers), so building takes about a second; th
 is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flags and the CPU's
 feature flags. Without a C compiler, or with UNISON_CPU_KERNELS=0, `load()` returns None and
 the model runs on torch ops alone (the reference path, tested beside this one).
+
+The int4 linears have one path per instruction set (AVX2, AVX-512 VNNI), chosen at run time by
+what the CPU reports, and giving the same bits on each. UNISON_QUANT_KERNEL=avx2|vnni forces one
+(tests compare them; an unsupported one is an error, not a silent fallback).
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # as act_mul numbers them
+# The int4 kernel's instruction-set paths, as quant_linear.c numbers them, slowest first.
+QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2}
 # The KV cache's element types, as the kernels number them.
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -128,6 +134,34 @@ class CpuKernels:
         lib.decoder_workspace_bytes.restype = _I64
         lib.decoder_forward.argtypes = [_PTR, _PTR]
         lib.decoder_forward.restype = _INT
+        for name in ("quant_kernel_best", "quant_kernel_path"):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = [], _INT
+        lib.quant_kernel_select.argtypes, lib.quant_kernel_select.restype = [_INT], _INT
+        self.select_quant_path(os.environ.get("UNISON_QUANT_KERNEL", "auto"))
+
+    def supported_quant_paths(self) -> list[str]:
+        """The int4 paths this build and CPU can run, slowest first."""
+        current = self.lib.quant_kernel_path()
+        paths = [name for name, n in QUANT_PATHS.items() if self.lib.quant_kernel_select(n) == n]
+        self.lib.quant_kernel_select(current)
+        return paths
+
+    def select_quant_path(self, name: str) -> None:
+        """Run int4 linears on `name` (a QUANT_PATHS key, or auto: the fastest supported)."""
+        if name == "auto":
+            self.lib.quant_kernel_select(self.lib.quant_kernel_best())
+            return
+        if name not in QUANT_PATHS:
+            raise ValueError(f"UNISON_QUANT_KERNEL={name!r}: expected auto or one of {sorted(QUANT_PATHS)}")
+        if self.lib.quant_kernel_select(QUANT_PATHS[name]) < 0:
+            raise ValueError(f"UNISON_QUANT_KERNEL={name!r}: this CPU or build cannot run it "
+                             f"(it can: {', '.join(self.supported_quant_paths())})")
+
+    @property
+    def quant_path(self) -> str:
+        """The int4 path in use."""
+        number = self.lib.quant_kernel_path()
+        return next(name for name, n in QUANT_PATHS.items() if n == number)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,

@@ -88,7 +88,9 @@ class QuantLinear:
 
     @property
     def kind(self) -> str:
-        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+        """int4 / int8 / a mix, with the int4 kernel's instruction-set path: e.g. int4/vnni."""
+        path = self.kernels.quant_path
+        return "+".join(dict.fromkeys(p.kind + (f"/{path}" if p.bits == 4 else "") for p in self.parts))
 
 
 class Embedding:

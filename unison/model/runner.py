@@ -110,6 +110,7 @@ class ModelRunner:
             self.config, self.model = dummy_model(self.config, self.device, self.dtype)
         else:
             self.quantization, self.model = self._load(model_path, self.model_dir, self.config)
+        log.info("linears run as %s", ", ".join(sorted(set(self.model.linear_kinds().values()))))
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.dtype, self.quantization)
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size

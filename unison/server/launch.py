@@ -145,12 +145,14 @@ def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None
         try:
             req = urllib.request.Request(f"{url}/get_server_info", headers=headers)
             with urllib.request.urlopen(req, timeout=2) as r:
-                if len(json.load(r)["frontends"]) >= workers:
+                info = json.load(r)
+                if len(info["frontends"]) >= workers:
                     auth = " -H \"Authorization: Bearer $API_KEY\"" if api_key else ""
                     body = '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
-                    log.warning("Unison ready at %s with %d frontend worker(s). Try:\n  curl "
+                    kinds = ", ".join(sorted(set(info.get("weights", {}).values()))) or "n/a"
+                    log.warning("Unison ready at %s with %d frontend worker(s), linears as %s. Try:\n  curl "
                                 "%s/v1/completions -H 'Content-Type: application/json'%s -d '%s'",
-                                url, workers, url, auth, body)
+                                url, workers, kinds, url, auth, body)
                     return
         except OSError:
             pass

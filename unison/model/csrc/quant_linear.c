@@ -28,6 +28,13 @@
 // run at about float32's rate once compute-bound; at batch 1 they read a quarter and a half of its
 // bytes. AVX2 where the compiler targets it, portable C otherwise. Built with the other kernels
 // by unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+//
+// int4 has a second path, chosen at run time (quant_kernel_select): AVX-512 VNNI, whose vpdpwssd
+// multiplies 32 int16 pairs into int32 per instruction, so the 16-bit activations cost one
+// instruction per two k instead of two maddubs and an add per four. Every path computes each
+// block's dot product as the exact integer and then the same float operations in the same order
+// (acc = fma(dot, d * da, acc); acc = fma(m, sa, acc), blocks in order), so a row's result is the
+// same bits on every path: results do not depend on which CPU served them.
 
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +51,54 @@ static inline int omp_get_thread_num(void) { return 0; }
 #include <immintrin.h>
 #define QL_AVX2 1
 #endif
+// The VNNI path is compiled whatever -march says (function-level target) and used only where the
+// CPU reports it, so one source serves every x86 machine.
+#if defined(QL_AVX2) && defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 9 || defined(__clang__))
+#define QL_VNNI 1
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#endif
+
+// ---- which path runs (one per process: the engine core runs one model) -------------------------
+
+enum { QL_PATH_PORTABLE = 0, QL_PATH_AVX2 = 1, QL_PATH_VNNI = 2 };
+
+static int quant_kernel_supported(int path) {
+    switch (path) {
+#ifdef QL_AVX2
+    case QL_PATH_AVX2: return 1;
+#else
+    case QL_PATH_PORTABLE: return 1;
+#endif
+#ifdef QL_VNNI
+    case QL_PATH_VNNI:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+    default: return 0;
+    }
+}
+
+static int ql_path = -1;  // -1: not chosen yet, the fastest supported on first use
+
+// The fastest path this build and CPU support.
+int quant_kernel_best(void) {
+    for (int path = QL_PATH_VNNI; path > QL_PATH_PORTABLE; path--)
+        if (quant_kernel_supported(path)) return path;
+    return QL_PATH_PORTABLE;
+}
+
+// Runs `path` from now on; -1 (and nothing changed) where this build or CPU cannot.
+int quant_kernel_select(int path) {
+    if (!quant_kernel_supported(path)) return -1;
+    ql_path = path;
+    return path;
+}
+
+int quant_kernel_path(void) {
+    if (ql_path < 0) ql_path = quant_kernel_best();
+    return ql_path;
+}
 
 #define QBLOCK 32
 #define TILE 8
@@ -84,14 +139,16 @@ static inline float fp16_to_float(uint16_t h) {
 // The int4 kernel's view of x [rows, k] (row stride x_stride floats), per row and 32-block:
 // q = round(x / da) in [-32767, 32767] as its high byte (hi, signed) and low byte (lo, unsigned),
 // da, sa = da * sum(q) (for the weights' min term) and l8 = 8 * sum(lo) (for the kernel's signed
-// low-byte weights), and q itself as floats (qf, for the many-row path). Columns k..kp (padding
-// to a whole block) are 0.
+// low-byte weights), q itself as floats (qf, for the AVX2 many-row path), and q as int16 pairs in
+// the VNNI path's order (q2: pair 4c + j of a block is q[8c + j], q[8c + 4 + j], the two nibbles
+// of one packed weight byte). Columns k..kp (padding to a whole block) are 0.
 typedef struct {
     int8_t *hi;
     uint8_t *lo;
     float *da, *sa;
     int32_t *l8;
     float *qf;
+    int16_t *q2;
 } act16;
 
 static act16 act16_at(void *buf, int64_t rows, int64_t kp) {
@@ -103,12 +160,13 @@ static act16 act16_at(void *buf, int64_t rows, int64_t kp) {
     a.sa = a.da + rows * nb;
     a.l8 = (int32_t *)(a.sa + rows * nb);
     a.qf = (float *)(a.l8 + rows * nb);
+    a.q2 = (int16_t *)(a.qf + rows * kp);
     return a;
 }
 
 // Scratch bytes for a linear of `rows` rows: act16 (int4 parts), then the block sums (int8 parts).
-int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 6 + rows * (kp / QBLOCK) * 16; }
-#define XS_OFFSET(rows, kp) ((rows) * (kp) * 6 + (rows) * ((kp) / QBLOCK) * 12)
+int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 8 + rows * (kp / QBLOCK) * 16; }
+#define XS_OFFSET(rows, kp) ((rows) * (kp) * 8 + (rows) * ((kp) / QBLOCK) * 12)
 
 #ifdef QL_AVX2
 // One whole block, 8 lanes at a time: the same values as the scalar loop below (cvtps rounds to
@@ -134,6 +192,10 @@ static inline void act16_block(const float *x, act16 a, int64_t at, int64_t rb) 
         sum = _mm256_add_epi32(sum, q);
         lows = _mm256_add_epi32(lows, lo);
         _mm256_storeu_ps(a.qf + at + 8 * i, _mm256_cvtepi32_ps(q));
+        const __m128i pairs = _mm_or_si128(  // (q[j], q[4 + j]) as int16 pairs: the nibbles' order
+            _mm_and_si128(_mm256_castsi256_si128(q), _mm_set1_epi32(0xffff)),
+            _mm_slli_epi32(_mm256_extracti128_si256(q, 1), 16));
+        _mm_storeu_si128((__m128i *)(a.q2 + at + 8 * i), pairs);
         int32_t qs[8], ls[8];
         _mm256_storeu_si256((__m256i *)qs, _mm256_srai_epi32(q, 8));
         _mm256_storeu_si256((__m256i *)ls, lo);
@@ -177,6 +239,7 @@ void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, i
                 a.hi[r * kp + k0 + i] = (int8_t)(v >> 8);  // arithmetic: v = 256 hi + lo
                 a.lo[r * kp + k0 + i] = (uint8_t)(v & 0xff);
                 a.qf[r * kp + k0 + i] = (float)v;
+                a.q2[r * kp + k0 + (i / 8) * 8 + (i % 4) * 2 + (i % 8) / 4] = (int16_t)v;
                 sum += v;
                 lows += v & 0xff;
             }
@@ -414,6 +477,212 @@ static int fma_linear(int bits, const uint8_t *w, int64_t n, int64_t kp, const f
 }
 #endif
 
+// ---- int4 on AVX-512 VNNI ---------------------------------------------------------------------
+//
+// A group of VNNI_TILES column tiles (32 columns, two 512-bit registers) is widened once into
+// int16 pairs, lane = column: pair 4c + j of a block holds the low and high nibble of byte
+// 32c + 4 col + j, i.e. q of k = 8c + j and 8c + 4 + j, matching act16's q2. Then every row runs
+// against it: per block, 16 vpdpwssd per register give the exact integer dot (|sum| < 2^24, so
+// its float is exact too), and the float epilogue is the AVX2 path's, lane for lane.
+
+#ifdef QL_VNNI
+#define VNNI_TILES 4
+#define VNNI_COLS (VNNI_TILES * TILE)
+#define VNNI_ROWS 4  // rows x 2 registers: 8 int32 sums and 8 float accumulators
+#define VNNI_MIN_ROWS 12  // from this many rows widening a group once beats vnni_narrow (measured)
+
+// wq [nb][16][32] int32 (pairs, lane = column), dm [nb][2][32] float (d, then m, per column).
+static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t nb, int ntiles, int32_t *wq, float *dm) {
+    const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0x0f0000);
+    for (int64_t b = 0; b < nb; b++)
+        for (int t = 0; t < VNNI_TILES; t++) {
+            int32_t *o = wq + b * 16 * VNNI_COLS + t * TILE;
+            float *d = dm + b * 2 * VNNI_COLS + t * TILE;
+            if (t >= ntiles) {  // past the last tile: zeros (its lanes are never stored)
+                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * VNNI_COLS), _mm256_setzero_si256());
+                _mm256_storeu_ps(d, _mm256_setzero_ps());
+                _mm256_storeu_ps(d + VNNI_COLS, _mm256_setzero_ps());
+                continue;
+            }
+            const uint8_t *rec = w + (t * nb + b) * INT4_RECORD;
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 32 * c));
+                for (int j = 0; j < 4; j++) {
+                    const __m256i byte = _mm256_srli_epi32(v, 8 * j);
+                    const __m256i pair = _mm256_or_si256(_mm256_and_si256(byte, low),
+                                                         _mm256_and_si256(_mm256_slli_epi32(byte, 12), high));
+                    _mm256_storeu_si256((__m256i *)(o + (4 * c + j) * VNNI_COLS), pair);
+                }
+            }
+            _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 128))));
+            _mm256_storeu_ps(d + VNNI_COLS, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 144))));
+        }
+}
+
+// Rows [0, nrows) (q2 pairs, row stride kp int16) against a widened group; columns outside
+// `mask` are not stored.
+static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
+        const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp, const float *da,
+        const float *sa, float *out, int64_t ldo, __mmask16 mask0, __mmask16 mask1, const int nrows) {
+    __m512 acc[VNNI_ROWS][2];
+    for (int r = 0; r < nrows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i dot[VNNI_ROWS][2];
+        for (int r = 0; r < nrows; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        const int32_t *wb = wq + b * 16 * VNNI_COLS;
+#pragma GCC unroll 4
+        for (int p = 0; p < 16; p++) {
+            const __m512i w0 = _mm512_loadu_si512(wb + p * VNNI_COLS), w1 = _mm512_loadu_si512(wb + p * VNNI_COLS + 16);
+            for (int r = 0; r < nrows; r++) {
+                int32_t pair;
+                memcpy(&pair, q2 + r * kp + b * QBLOCK + 2 * p, 4);
+                const __m512i x = _mm512_set1_epi32(pair);
+                dot[r][0] = _mm512_dpwssd_epi32(dot[r][0], w0, x);
+                dot[r][1] = _mm512_dpwssd_epi32(dot[r][1], w1, x);
+            }
+        }
+        const float *db = dm + b * 2 * VNNI_COLS;
+        const __m512 d0 = _mm512_loadu_ps(db), d1 = _mm512_loadu_ps(db + 16);
+        const __m512 m0 = _mm512_loadu_ps(db + VNNI_COLS), m1 = _mm512_loadu_ps(db + VNNI_COLS + 16);
+        for (int r = 0; r < nrows; r++) {
+            const __m512 s1 = _mm512_set1_ps(da[r * nb + b]), s2 = _mm512_set1_ps(sa[r * nb + b]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_mul_ps(d0, s1), acc[r][0]);
+            acc[r][0] = _mm512_fmadd_ps(m0, s2, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_mul_ps(d1, s1), acc[r][1]);
+            acc[r][1] = _mm512_fmadd_ps(m1, s2, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nrows; r++) {
+        _mm512_mask_storeu_ps(out + r * ldo, mask0, acc[r][0]);
+        _mm512_mask_storeu_ps(out + r * ldo + 16, mask1, acc[r][1]);
+    }
+}
+
+static VNNI_TARGET void vnni_rows(const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp,
+                                  const float *da, const float *sa, float *out, int64_t ldo, __mmask16 mask0,
+                                  __mmask16 mask1, int nrows) {
+    switch (nrows) {  // constant shapes: registers, unrolled loops
+    case 4: vnni_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, mask0, mask1, 4); break;
+    case 3: vnni_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, mask0, mask1, 3); break;
+    case 2: vnni_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, mask0, mask1, 2); break;
+    default: vnni_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, mask0, mask1, 1); break;
+    }
+}
+
+// Few rows: no widening (below 12 rows it cost more than it saved: 1B-shape linears, Zen 4).
+// Two tiles side by side fill a register straight from the packed bytes (lane = column, four k
+// per lane, as vpdpbusd takes them), and the AVX2 path's split runs on vpdpbusd:
+// 256 sum(w hi) + sum(lo (w - 8)) + 8 sum(lo), summed in int32 (no int16 sums to saturate).
+#define VNNI_NARROW_ROWS 4
+
+static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
+        const uint8_t *w0, const uint8_t *w1, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo,
+        __mmask16 mask, const int nrows) {
+    const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    __m512 acc[VNNI_NARROW_ROWS];
+    for (int r = 0; r < nrows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *r0 = w0 + b * INT4_RECORD, *r1 = w1 ? w1 + b * INT4_RECORD : NULL;
+        for (int i = 0; i < INT4_RECORD; i += 64) {
+            _mm_prefetch((const char *)(r0 + PREFETCH + i), _MM_HINT_T0);
+            if (r1) _mm_prefetch((const char *)(r1 + PREFETCH + i), _MM_HINT_T0);
+        }
+        __m512i hsum[VNNI_NARROW_ROWS], lsum[VNNI_NARROW_ROWS];
+        for (int r = 0; r < nrows; r++) hsum[r] = lsum[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(r0 + 32 * c));
+            const __m256i v1 = r1 ? _mm256_loadu_si256((const __m256i *)(r1 + 32 * c)) : _mm256_setzero_si256();
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
+            const __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            const __m512i s0 = _mm512_sub_epi8(q0, eight), s1 = _mm512_sub_epi8(q1, eight);
+            for (int r = 0; r < nrows; r++) {
+                const int64_t at = r * kp + b * QBLOCK + 8 * c;
+                int32_t h0, h1, l0, l1;
+                memcpy(&h0, a.hi + at, 4), memcpy(&h1, a.hi + at + 4, 4);
+                memcpy(&l0, a.lo + at, 4), memcpy(&l1, a.lo + at + 4, 4);
+                hsum[r] = _mm512_dpbusd_epi32(hsum[r], q0, _mm512_set1_epi32(h0));
+                hsum[r] = _mm512_dpbusd_epi32(hsum[r], q1, _mm512_set1_epi32(h1));
+                lsum[r] = _mm512_dpbusd_epi32(lsum[r], _mm512_set1_epi32(l0), s0);
+                lsum[r] = _mm512_dpbusd_epi32(lsum[r], _mm512_set1_epi32(l1), s1);
+            }
+        }
+        const __m256i dh1 = r1 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r1 + 128))) : _mm256_setzero_si256();
+        const __m256i mh1 = r1 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r1 + 144))) : _mm256_setzero_si256();
+        const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r0 + 128))), _mm256_castsi256_si128(dh1), 1));
+        const __m512 m = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r0 + 144))), _mm256_castsi256_si128(mh1), 1));
+        for (int r = 0; r < nrows; r++) {
+            const int64_t rb = r * nb + b;
+            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hsum[r], 8), lsum[r]),
+                                                 _mm512_set1_epi32(a.l8[rb]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.da[rb])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sa[rb]), acc[r]);
+        }
+    }
+    for (int r = 0; r < nrows; r++) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+static VNNI_TARGET void vnni_narrow_linear(const uint8_t *w, int64_t n, int64_t kp, act16 all, int64_t m,
+                                           float *out, int64_t ldo, int num_threads) {
+    const int64_t nb = kp / QBLOCK, tiles = n / TILE, pairs = (tiles + 1) / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (pairs * m >= 32)
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint8_t *w0 = w + 2 * p * nb * INT4_RECORD;
+        const uint8_t *w1 = 2 * p + 1 < tiles ? w0 + nb * INT4_RECORD : NULL;
+        const __mmask16 mask = w1 ? 0xffff : 0x00ff;
+        for (int64_t r = 0; r < m; r += VNNI_NARROW_ROWS) {
+            const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
+                             all.l8 + r * nb, NULL, NULL};
+            float *o = out + r * ldo + 2 * p * TILE;
+            switch (m - r < VNNI_NARROW_ROWS ? m - r : VNNI_NARROW_ROWS) {  // constant shapes: registers
+            case 4: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 4); break;
+            case 3: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 3); break;
+            case 2: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 2); break;
+            default: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 1); break;
+            }
+        }
+    }
+}
+
+// out [m, ldo] columns [0, n) for int4 W, as int4_linear: each thread widens a tile group, then
+// runs every row against it. Returns 0, or -1 without the memory (nothing written).
+static int vnni_linear(const uint8_t *w, int64_t n, int64_t kp, act16 a, int64_t m, float *out, int64_t ldo,
+                       int num_threads) {
+    const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + VNNI_TILES - 1) / VNNI_TILES;
+    const int64_t per_thread = nb * 18 * VNNI_COLS;  // 16 pair rows and d, m per block, 4 bytes each
+    int32_t *widened = aligned_alloc(64, sizeof(int32_t) * per_thread * num_threads);
+    if (!widened) return -1;
+    // Rows in chunks whose activations stay in L2 while all of a thread's tile groups pass them.
+    int64_t chunk = (256 << 10) / (kp * 2);
+    chunk = chunk < 16 ? 16 : chunk / VNNI_ROWS * VNNI_ROWS;
+#pragma omp parallel num_threads(num_threads) if (groups > 1)
+    {
+        int32_t *wq = widened + omp_get_thread_num() * per_thread;
+        float *dm = (float *)(wq + nb * 16 * VNNI_COLS);
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            // static: each thread gets the same groups in every chunk, so no chunk waits for another
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const int ntiles = tiles - g * VNNI_TILES < VNNI_TILES ? (int)(tiles - g * VNNI_TILES) : VNNI_TILES;
+                const int cols = ntiles * TILE;
+                const __mmask16 mask0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+                const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+                vnni_widen(w + g * VNNI_TILES * nb * INT4_RECORD, nb, ntiles, wq, dm);
+                for (int64_t r = m0; r < m1; r += VNNI_ROWS) {
+                    const int nr = m1 - r < VNNI_ROWS ? (int)(m1 - r) : VNNI_ROWS;
+                    vnni_rows(wq, dm, nb, a.q2 + r * kp, kp, a.da + r * nb, a.sa + r * nb,
+                              out + r * ldo + g * VNNI_COLS, ldo, mask0, mask1, nr);
+                }
+            }
+        }
+    }
+    free(widened);
+    return 0;
+}
+#endif
+
 // ---- int8 -------------------------------------------------------------------------------------
 //
 // The weights widened to float, times float32 activations, each block's sum (one FMA chain,
@@ -483,8 +752,17 @@ void int4_linear(const uint8_t *w, int64_t n, int64_t kp, void *act, int64_t m, 
                  int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE;
     const act16 all = act16_at(act, m, kp);
+    const int path = quant_kernel_path();
+    (void)path;  // (a build without AVX2 has one path)
+#ifdef QL_VNNI
+    if (path == QL_PATH_VNNI) {
+        if (m < VNNI_MIN_ROWS || vnni_linear(w, n, kp, all, m, out, ldo, num_threads) != 0)
+            vnni_narrow_linear(w, n, kp, all, m, out, ldo, num_threads);
+        return;
+    }
+#endif
 #ifdef QL_AVX2
-    if (m >= INT4_FMA_MIN_ROWS &&
+    if (path == QL_PATH_AVX2 && m >= INT4_FMA_MIN_ROWS &&
         fma_linear(4, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
         return;  // (without the memory for it, the maddubs path below gives the same numbers)
 #endif
@@ -495,7 +773,7 @@ void int4_linear(const uint8_t *w, int64_t n, int64_t kp, void *act, int64_t m, 
             const uint8_t *wt = w + t * nb * INT4_RECORD;
             for (int64_t r = m0; r < m1; r += INT4_ROWS) {
                 const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
-                                 all.l8 + r * nb, NULL};
+                                 all.l8 + r * nb, NULL, NULL};
                 float *o = out + r * ldo + t * TILE;
                 if (m1 - r >= 2)
                     int4_tile(wt, nb, a, kp, o, ldo, 2);
