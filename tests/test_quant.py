@@ -107,7 +107,7 @@ def test_int4_paths_are_bit_identical_on_random_shapes(path: str):
     g = torch.Generator().manual_seed(3)
     for _ in range(12):
         k, n = int(rng.choice([32, 96, 160, 480, 800, 2080])), int(rng.choice([40, 96, 224, 288, 1056]))
-        parts = [quant.quantize(torch.randn(n, k, generator=g), 4), quant.quantize(torch.randn(24, k, generator=g), 4)]
+        parts = [quant.quantize(torch.randn(rows, k, generator=g), 4) for rows in (n, 24)]
         plan = cpu_kernels.QuantPlan(parts)
         for m in {1, 2, 3, 4, 5, 11, 12, 13, 16, 37, int(rng.integers(1, 601))}:
             x = torch.randn(m, k, generator=g) * float(rng.choice([0.01, 1.0, 40.0]))
