@@ -278,11 +278,22 @@ def tok(model_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)
 
 
+BF16_UNITS = torch.cpu._is_avx512_bf16_supported()  # else oneDNN emulates bf16: slow, not tested
+
+
 @pytest.fixture(scope="module")
 def runners() -> dict[str, ModelRunner]:
     out = {q: ModelRunner(None, quantization=q, num_blocks=256) for q in ("none", "int8", "int4")}
     assert {q: r.quantization for q, r in out.items()} == {"none": "none", "int8": "int8", "int4": "int4"}
+    if BF16_UNITS:  # vLLM's CPU dtype: float checkpoints' linears in bf16, the rest float32
+        out["bfloat16"] = ModelRunner(None, quantization="none", dtype="bfloat16", num_blocks=256)
     return out
+
+
+def _kind(runners: dict[str, ModelRunner], kind: str) -> ModelRunner:
+    if kind not in runners:
+        pytest.skip("this CPU has no bf16 units (AVX512-BF16 or AMX-BF16)")
+    return runners[kind]
 
 
 @pytest.fixture(scope="module")
@@ -296,16 +307,16 @@ def fp32_greedy(runners, prompts):
     return greedy(runners["none"], prompts, 32)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bfloat16"])
 def test_greedy_matches_fp32_up_to_a_near_tie(runners, prompts, fp32_greedy, kind: str):
-    got = greedy(runners[kind], prompts, 32)
+    got = greedy(_kind(runners, kind), prompts, 32)
     for i, ((ref_ids, ref_top), (ids, tops)) in enumerate(zip(fp32_greedy, got)):
         assert_greedy_close(ref_ids, ref_top, ids, tops, name=f"{kind} prompt {i}", max_gap=QUALITY_GAP)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bfloat16"])
 def test_first_step_logprobs_near_fp32(runners, prompts, fp32_greedy, kind: str):
-    runner = runners[kind]
+    runner = _kind(runners, kind)
     blocks = Blocks(runner)
     worst = 0.0
     for prompt, (_, ref_top) in zip(prompts, fp32_greedy):
@@ -336,11 +347,11 @@ def _loglikelihoods(runner: ModelRunner, tok: Tokenizer, items: list[dict]) -> l
     return out
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bfloat16"])
 def test_multiple_choice_answers_match_fp32(runners, tok, kind: str):
     items = json.loads((Path(__file__).parent / "data" / "multiple_choice.json").read_text())
     assert len(items) == 40
-    ref, got = _loglikelihoods(runners["none"], tok, items), _loglikelihoods(runners[kind], tok, items)
+    ref, got = _loglikelihoods(runners["none"], tok, items), _loglikelihoods(_kind(runners, kind), tok, items)
     per_token = [abs(a - b) / n for (a, n), (b, _) in zip(ref, got)]
     same = sum(int(np.argmax([ll for ll, _ in ref[4 * i: 4 * i + 4]]) ==
                    np.argmax([ll for ll, _ in got[4 * i: 4 * i + 4]])) for i in range(40))
@@ -405,6 +416,20 @@ def test_core_memory_is_the_weights_as_executed(model: str, request: pytest.Fixt
     assert peak - base <= 1.3 * info["weights_bytes"]
     # Q4_* and Q8_0 run at their own size; Gemma's Q5_0 / Q6_K tensors run as int8 (8.5 bits).
     assert info["weights_bytes"] < (1.1 if model == "embedded" else 1.25) * size
+
+
+@pytest.mark.skipif(not BF16_UNITS, reason="this CPU has no bf16 units (AVX512-BF16 or AMX-BF16)")
+def test_bfloat16_on_cpu_runs_the_linears_in_bf16(runners):
+    """dtype=bfloat16 on CPU: linears as bf16 (half the bytes), everything else float32 on the C
+    kernels, a bf16 KV cache; a quantized checkpoint cannot be combined with it."""
+    bf16, fp32 = runners["bfloat16"], runners["none"]
+    kinds = bf16.model.linear_kinds()
+    assert kinds["layers.0.qkv"] == kinds["lm_head"] == "bfloat16" and kinds["embed_tokens"] == "float32"
+    assert bf16.model.dtype == torch.float32 and bf16.kv_dtype == torch.bfloat16
+    assert isinstance(bf16.model.ops, cpu_kernels.CpuKernels)
+    assert bf16.model.weights_bytes() < 0.75 * fp32.model.weights_bytes()
+    with pytest.raises(ValueError, match="quantization='int4' computes in float32 on CPU"):
+        ModelRunner(None, quantization="int4", dtype="bfloat16", num_blocks=16)
 
 
 def test_quantization_on_cuda_is_a_clear_error():

@@ -102,7 +102,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model_dir = Path(model_dir) if model_dir else resolve_model_dir(model_path)
         self.config = ModelConfig.from_dir(self.model_dir)
-        self.dtype = _resolve_dtype(dtype, self.device, self.config)
+        # What the model computes in, and what its float linears run as (bf16 on CPU: see below).
+        self.dtype, self.linear_dtype = _resolve_dtype(dtype, self.device, self.config)
         self._quantization_mode = quantization  # as asked: a reload resolves it for its checkpoint
         total_memory = _total_memory(self.device)  # before the weights, as SGLang measures it
         if load_format == "dummy":  # the real vocabulary, a near-free forward (frontend benchmarks)
@@ -111,7 +112,7 @@ class ModelRunner:
         else:
             self.quantization, self.model = self._load(model_path, self.model_dir, self.config)
         log.info("linears run as %s", ", ".join(sorted(set(self.model.linear_kinds().values()))))
-        self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.dtype, self.quantization)
+        self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
         if num_blocks is None:
@@ -143,10 +144,11 @@ class ModelRunner:
         weights, from_gguf = open_weights(model_path, model_dir)
         quantization = resolve_quantization(self._quantization_mode, self.device, from_gguf,
                                             cpu_kernels.load() is not None)
-        if quantization != "none" and self.dtype != torch.float32:
-            raise ValueError(f"quantization={quantization!r} computes in float32 on CPU; "
-                             f"dtype={str(self.dtype).removeprefix('torch.')!r} cannot be combined with it")
-        return quantization, DecoderModel(config, weights, self.device, self.dtype, quantization, from_gguf)
+        if quantization != "none" and self.linear_dtype != torch.float32:
+            raise ValueError(f"quantization={quantization!r} computes in float32 on CPU; dtype="
+                             f"{str(self.linear_dtype).removeprefix('torch.')!r} cannot be combined with it")
+        return quantization, DecoderModel(config, weights, self.device, self.dtype, quantization, from_gguf,
+                                          linear_dtype=self.linear_dtype)
 
     def _bind_model(self) -> None:
         ops = self.model.ops
@@ -195,7 +197,8 @@ class ModelRunner:
                 raise ValueError(f"weight {name!r} is {tensor.dtype}: a floating-point tensor is needed")
             tensors[name] = tensor.clone()  # not the mapped file: removed once we answer
         source = overlay(self.model.source, tensors)
-        self.model = DecoderModel(self.config, source, self.device, self.dtype, "none", self.model.from_gguf)
+        self.model = DecoderModel(self.config, source, self.device, self.dtype, "none", self.model.from_gguf,
+                                  linear_dtype=self.linear_dtype)
         self._bind_model()
         return len(tensors)
 
@@ -526,11 +529,23 @@ def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) ->
     return _DTYPES[name]
 
 
-def _resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+def _resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> tuple[torch.dtype, torch.dtype]:
+    """(what the model computes in, what its float linears run as).
+
+    bfloat16 on CPU is vLLM's CPU dtype: the linears' weights in bf16, run by oneDNN on the CPU's
+    bf16 units (AVX512-BF16, AMX-BF16), twice fp32's speed here and half its bytes; norms,
+    rotary, attention and the residual stay float32 on the C kernels (bf16 there would only lose
+    precision: they are not where the time goes)."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.float32  # the parity reference, and fastest on CPUs without bf16 units
-        return torch.float16 if cfg.torch_dtype == "float16" else torch.bfloat16
+            return torch.float32, torch.float32  # the parity reference
+        dtype = torch.float16 if cfg.torch_dtype == "float16" else torch.bfloat16
+        return dtype, dtype
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use 'auto' or one of {list(_DTYPES)}")
-    return _DTYPES[name]
+    if device.type == "cpu" and name == "bfloat16":
+        if not torch.cpu._is_avx512_bf16_supported():
+            log.warning("dtype='bfloat16': this CPU has no bf16 units (AVX512-BF16 / AMX), so oneDNN "
+                        "emulates them; float32 is faster here")
+        return torch.float32, torch.bfloat16
+    return _DTYPES[name], _DTYPES[name]
