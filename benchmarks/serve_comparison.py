@@ -92,10 +92,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-path", default=None, help="a GGUF file (default: the embedded model)")
     p.add_argument("--unison-args", default="", help="more `unison serve` flags, e.g. '--quantization none'")
+    p.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '-nr' where its weight "
+                                                    "repacking crashes")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     gguf = args.model_path or str(default_gguf_path())
-    llama = [args.llama_server, "-m", gguf, "-t", str(args.threads), "--host", "127.0.0.1"]
+    llama = [args.llama_server, "-m", gguf, "-t", str(args.threads), "--host", "127.0.0.1",
+             *args.llama_args.split()]
     unison = [*UNISON, "serve", "--port", "30100", "--model-path", gguf, *args.unison_args.split()]
     setups = {
         "unison": (unison, 30100, levels),

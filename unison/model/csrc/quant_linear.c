@@ -587,8 +587,11 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
             _mm_prefetch((const char *)(r0 + PREFETCH + i), _MM_HINT_T0);
             if (r1) _mm_prefetch((const char *)(r1 + PREFETCH + i), _MM_HINT_T0);
         }
-        __m512i hsum[VNNI_NARROW_ROWS], lsum[VNNI_NARROW_ROWS];
-        for (int r = 0; r < nrows; r++) hsum[r] = lsum[r] = _mm512_setzero_si512();
+        // Two sums of each kind per row (even and odd c): at one row a single chain of eight
+        // dependent vpdpbusd per block, not the memory, set the pace.
+        __m512i hsum[VNNI_NARROW_ROWS][2], lsum[VNNI_NARROW_ROWS][2];
+        for (int r = 0; r < nrows; r++) hsum[r][0] = hsum[r][1] = lsum[r][0] = lsum[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(r0 + 32 * c));
             const __m256i v1 = r1 ? _mm256_loadu_si256((const __m256i *)(r1 + 32 * c)) : _mm256_setzero_si256();
@@ -600,10 +603,10 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
                 int32_t h0, h1, l0, l1;
                 memcpy(&h0, a.hi + at, 4), memcpy(&h1, a.hi + at + 4, 4);
                 memcpy(&l0, a.lo + at, 4), memcpy(&l1, a.lo + at + 4, 4);
-                hsum[r] = _mm512_dpbusd_epi32(hsum[r], q0, _mm512_set1_epi32(h0));
-                hsum[r] = _mm512_dpbusd_epi32(hsum[r], q1, _mm512_set1_epi32(h1));
-                lsum[r] = _mm512_dpbusd_epi32(lsum[r], _mm512_set1_epi32(l0), s0);
-                lsum[r] = _mm512_dpbusd_epi32(lsum[r], _mm512_set1_epi32(l1), s1);
+                hsum[r][c & 1] = _mm512_dpbusd_epi32(hsum[r][c & 1], q0, _mm512_set1_epi32(h0));
+                hsum[r][c & 1] = _mm512_dpbusd_epi32(hsum[r][c & 1], q1, _mm512_set1_epi32(h1));
+                lsum[r][c & 1] = _mm512_dpbusd_epi32(lsum[r][c & 1], _mm512_set1_epi32(l0), s0);
+                lsum[r][c & 1] = _mm512_dpbusd_epi32(lsum[r][c & 1], _mm512_set1_epi32(l1), s1);
             }
         }
         const __m256i dh1 = r1 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r1 + 128))) : _mm256_setzero_si256();
@@ -614,7 +617,8 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r0 + 144))), _mm256_castsi256_si128(mh1), 1));
         for (int r = 0; r < nrows; r++) {
             const int64_t rb = r * nb + b;
-            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hsum[r], 8), lsum[r]),
+            const __m512i h = _mm512_add_epi32(hsum[r][0], hsum[r][1]), l = _mm512_add_epi32(lsum[r][0], lsum[r][1]);
+            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l),
                                                  _mm512_set1_epi32(a.l8[rb]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.da[rb])), acc[r]);
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sa[rb]), acc[r]);
