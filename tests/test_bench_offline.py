@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from unison import Engine
 from unison.bench import ceiling
 from unison.bench.offline import random_requests
 
@@ -96,3 +97,23 @@ def test_latency_run():
     proc = _bench("latency", "--prompt-len", "48", "--output-len", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "prefill_tok_s" in proc.stdout and "decode_tok_s" in proc.stdout
+
+
+def test_make_model_writes_a_llama_gguf_both_kinds_of_reader_load(tmp_path):
+    """`bench make-model`'s writer, at a tiny shape: Unison serves it (int4 linears, the
+    embedded tokenizer), and `bench kernels` times its linears on every path beside fp32."""
+    from unison.bench.model import write_model
+
+    shape = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
+    path = write_model(shape, tmp_path / "m.gguf")
+    with Engine(model_path=str(path), max_total_tokens=512) as engine:
+        info = engine.get_server_info()
+        assert info["weights"]["layers.1.down"].startswith("int4/")
+        assert info["weights"]["lm_head"] == "int8"
+        out = engine.generate("Hello", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 4
+    proc = subprocess.run([sys.executable, "-m", "unison.cli", "bench", "kernels", "--model-path", str(path),
+                           "--m", "1,16", "--reps", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = proc.stdout.splitlines()[1:]
+    assert "int4/" in header and "fp32" in header and [r.split()[0] for r in rows] == ["1", "16"]

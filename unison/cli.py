@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 
-    from unison.bench import frontend, model, offline, prefix, serve, soak
+    from unison.bench import frontend, kernels, model, offline, prefix, serve, soak
 
     bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(bench_sub)
     soak.add_parser(bench_sub)
     model.add_parser(bench_sub)
+    kernels.add_parser(bench_sub)
     return parser
 
 

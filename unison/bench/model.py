@@ -44,17 +44,17 @@ def _copy_tokenizer(writer: Any, source: Path) -> None:
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)
 
 
-def write_model(size: str, out: Path, seed: int = 0) -> Path:
-    """Writes the `size` model (a SHAPES key) to `out`; returns `out`."""
+def write_model(shape: dict[str, int], out: Path, seed: int = 0) -> Path:
+    """Writes a model of `shape` (as SHAPES holds them) to `out`; returns `out`."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
     from unison.model.loader import default_gguf_path
 
-    s, rng, tokenizer = SHAPES[size], np.random.default_rng(seed), default_gguf_path()
+    s, rng, tokenizer = shape, np.random.default_rng(seed), default_gguf_path()
     vocab = len(GGUFReader(tokenizer).fields["tokenizer.ggml.tokens"].data)
     head_dim = s["hidden"] // s["heads"]
     w = GGUFWriter(out, "llama")
-    w.add_name(f"unison-bench-llama-{size}-random")
+    w.add_name(f"unison-bench-llama-{s['layers']}x{s['hidden']}-random")
     w.add_block_count(s["layers"])
     w.add_context_length(8192)
     w.add_embedding_length(s["hidden"])
@@ -88,7 +88,7 @@ def write_model(size: str, out: Path, seed: int = 0) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = write_model(args.size, Path(args.out), args.seed)
+    out = write_model(SHAPES[args.size], Path(args.out), args.seed)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB): Llama {args.size} shape, random Q4_0 "
           f"weights; serve it with: unison serve --model-path {out}")
     return 0
