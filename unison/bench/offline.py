@@ -226,7 +226,7 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a benchmark was given (the rest keep the engine's defaults)."""
-    names = ("num_threads", "quantization", "kv_cache_dtype")
+    names = ("num_threads", "quantization", "dtype", "kv_cache_dtype")
     return {"model_path": args.model_path,
             **{n: getattr(args, n) for n in names if getattr(args, n, None) is not None}}
 
@@ -236,6 +236,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads in the core")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
                    help="linear weights (default: auto, a GGUF at its own size)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                   help="float weights (default: auto; bfloat16 on CPU: bf16 linears)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="KV cache elements (default: auto)")
 
