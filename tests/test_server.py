@@ -435,8 +435,8 @@ def test_control_routes_in_sglangs_shapes_act_engine_wide(server2):
     assert server2.server_info()["pause_mode"] == "abort"
     assert server2.post("/continue_generation").status_code == 200
     model = server2.get("/get_model_info").json()
-    assert model["is_generation"] and model["model_path"] is None
     gguf = str(default_gguf_path())
+    assert model["is_generation"] and model["model_path"] == gguf  # the embedded file: what is served
     ok = server2.post("/update_weights_from_disk", {"model_path": gguf})
     assert ok.status_code == 200 and ok.json()["success"], ok.text
     assert server2.get("/get_model_info").json()["model_path"] == gguf

@@ -160,6 +160,14 @@ class Engine:
         The returned Engine runs generate() here while prefill and decode stay on that engine's
         core; shutdown() detaches only this frontend.
         """
+        _expect("parent_pid", parent_pid, int, "a process id", optional=True)
+        strings = {"registry_file": registry_file, "address": address, "server_key": server_key,
+                   "client_key": client_key}
+        for name, value in strings.items():
+            _expect(name, value, str, "a string", optional=True)
+        _expect("heartbeat_timeout_s", heartbeat_timeout_s, (int, float), "a number of seconds")
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s!r}")
         if address is not None:
             if not server_key or not client_key:
                 raise ValueError("attaching by address needs server_key (the core's public key) and "
@@ -200,6 +208,7 @@ class Engine:
                           RuntimeWarning, stacklevel=2)
         _refuse_unsupported(image_data=image_data, lora_path=lora_path,
                             custom_logit_processor=custom_logit_processor, **sglang_args)
+        _expect("stream", stream, bool, "True or False")
         worker = self._worker()
         req = worker.make_request(prompt, sampling_params, input_ids, return_logprob=return_logprob,
                                   logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
@@ -225,6 +234,7 @@ class Engine:
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
         _refuse_unsupported(image_data=image_data, lora_path=lora_path,
                             custom_logit_processor=custom_logit_processor, **sglang_args)
+        _expect("stream", stream, bool, "True or False")
         worker = self._worker()
         # Tokenizing (a long prompt, a JSON schema's grammar) must not stall the caller's loop.
         req = await asyncio.to_thread(
@@ -246,6 +256,8 @@ class Engine:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort one of this frontend's requests, or all of them (another frontend's requests
         are never touched here; the HTTP route /abort_request is the engine-wide one)."""
+        _expect("rid", rid, str, "a request id string")
+        _expect("abort_all", abort_all, bool, "True or False")
         worker = self._worker()
         rids = list(worker.states) if abort_all else [rid]
         for r in rids:
@@ -288,6 +300,9 @@ class Engine:
         are aborted, with `abort_all_requests`; at once when paused), new ones wait, the prefix
         cache is emptied, and attached frontends stay attached. Returns (success, message,
         num_paused_requests); a refused checkpoint leaves the old weights serving."""
+        _expect("model_path", model_path, (str, os.PathLike), "a path (an HF directory or a GGUF file)")
+        _expect("load_format", load_format, str, "a string", optional=True)
+        _expect("abort_all_requests", abort_all_requests, bool, "True or False")
         path = str(Path(model_path).expanduser().resolve())
         r = self._control(ControlOp.UPDATE_WEIGHTS,
                           UpdateWeights(path, load_format, bool(abort_all_requests)), timeout=None)
@@ -302,6 +317,10 @@ class Engine:
         flushes. The tensors reach the core as a file in shared memory (on disk when that is
         full), removed on return.
         Returns (success, message); a refused update changes nothing."""
+        _expect("flush_cache", flush_cache, bool, "True or False")
+        if not isinstance(named_tensors, (dict, list, tuple)):
+            raise TypeError(f"named_tensors must be a list of (name, tensor) pairs or a dict, got "
+                            f"{type(named_tensors).__name__}")
         if load_format is not None:
             raise InvalidParam("load_format", f"load_format={load_format!r} is not supported: tensors "
                                "are taken by their checkpoint names (load_format=None)")
@@ -447,7 +466,17 @@ def _named_tensors(given: Any) -> dict[str, Any]:
     return tensors
 
 
+def _expect(name: str, value: Any, kinds: type | tuple[type, ...], what: str, optional: bool = False) -> None:
+    """TypeError naming the argument, before anything is sent (bool is no int here)."""
+    if optional and value is None:
+        return
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r:.80}")
+
+
 def _pause_mode(mode: str) -> PauseMode:
+    _expect("mode", mode, str, f"one of {[m.value for m in PauseMode]}")
     try:
         return PauseMode(mode)
     except ValueError:

@@ -19,6 +19,7 @@ from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 from unison.core.sampler import Sampler, top_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
+from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import CoreInfo, EngineStats, Generate, ReqOutput
 
@@ -38,6 +39,9 @@ class EngineCore:
             load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
             mem_fraction_static=config.mem_fraction_static,
         )
+        if config.model_path is None:  # what is served, so that SGLang's idiom
+            # update_weights_from_disk(get_server_info()["model_path"]) works on the embedded model
+            config.model_path = str(default_gguf_path())
         model_limit = self.runner.context_length
         self.context_length = min(config.context_length or model_limit, model_limit)
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)

@@ -2,6 +2,11 @@
 llguidance's grammar text, checked here so that a bad one is a ValueError before anything is
 queued. The core compiles the text against the vocabulary (unison/core/grammar.py).
 
+JSON schemas are strict by default, as xgrammar compiles them: an object schema that does not set
+additionalProperties gets false, and whitespace between tokens is bounded. A schema sets
+additionalProperties (or llguidance's top-level "x-guidance") itself to have it otherwise; the
+OpenAI routes do so for `strict: false`.
+
 llguidance rather than xgrammar, measured here (SmolLM2's 49k vocabulary, a nested test schema):
 it installs as one wheel with no dependencies (xgrammar 0.2.8 declares triton, torch and
 transformers, so it needs a --no-deps install and a hand-pinned apache-tvm-ffi); it compiles the
@@ -16,7 +21,43 @@ import json
 from typing import Any
 
 KINDS = ("json_schema", "regex", "ebnf")
-JSON_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}: any JSON object
+JSON_OBJECT = {"type": "object", "additionalProperties": True}  # response_format json_object: any
+# Between JSON tokens: at most one line break and some indentation, not a run that fills
+# max_tokens (llguidance's default allows any amount, and small models take it).
+WHITESPACE = r"[\x20\x09]{0,16}(\x0A[\x20\x09]{0,16})?"
+
+# Where a JSON schema holds subschemas: one, a map of them, or a list of them.
+_SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else",
+              "contains", "propertyNames", "additionalItems", "unevaluatedItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: see with_additional_properties
+
+
+def with_additional_properties(schema: Any, allowed: bool) -> Any:
+    """A copy of `schema` where every object schema that does not say whether it allows
+    properties it does not name says `allowed`. Strict (False) is what xgrammar, the default of
+    vLLM and SGLang, compiles by default, and what OpenAI's `strict: true` requires: without it a
+    small model goes on inventing keys until max_tokens cuts the JSON. allOf members are left as
+    they are: each would forbid the others' properties."""
+    if isinstance(schema, list):
+        return [with_additional_properties(s, allowed) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict | list):
+            out[key] = with_additional_properties(out[key], allowed)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: with_additional_properties(v, allowed) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = with_additional_properties(out[key], allowed)
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = allowed
+    return out
 
 
 def grammar_text(json_schema: str | dict[str, Any] | None = None, regex: str | None = None,
@@ -67,4 +108,6 @@ def _schema(spec: str) -> str:
         raise ValueError(f"not valid JSON: {e}") from None
     if not isinstance(spec, dict):
         raise ValueError("a JSON schema must be an object")
+    spec = with_additional_properties(spec, False)
+    spec.setdefault("x-guidance", {"whitespace_pattern": WHITESPACE})  # unless the schema sets its own
     return json.dumps(spec)

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from unison.errors import InvalidParam
 from unison.frontend.sampling_params import SamplingParams
-from unison.frontend.structured import JSON_OBJECT
+from unison.frontend.structured import JSON_OBJECT, with_additional_properties
 
 # generation_config.json keys that are request defaults (vLLM applies the same ones).
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -106,6 +106,8 @@ class _Base(BaseModel):
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise InvalidParam("response_format",
                                    "response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
+            if spec.get("strict") is False:  # OpenAI's field: JSON Schema's own defaults, not strict
+                return with_additional_properties(spec["schema"], True)
             return spec["schema"]
         raise InvalidParam("response_format", "response_format: type must be text, json_object or "
                                               f"json_schema, got {rf.get('type')!r}")

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from unison.frontend.structured import grammar_text, with_additional_properties
 from unison.frontend.tool_parsers import (
     StreamDelta,
     ToolCall,
@@ -26,7 +27,7 @@ from unison.frontend.tool_parsers import (
 )
 from unison.server.openai_format import HTTPError
 
-ANY_OBJECT = {"type": "object"}
+ANY_OBJECT = {"type": "object", "properties": {}}
 
 
 @dataclass
@@ -50,6 +51,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
             raise HTTPError(400, "tool_choice needs tools", param="tool_choice")
         return None
     by_name = {_function(t, i)["name"]: t for i, t in enumerate(tools)}
+    schemas = {_function(t, i)["name"]: _parameters(t, i) for i, t in enumerate(tools)}
     parallel = parallel is not False
     if tool_choice in (None, "auto"):
         if parser_name is None:
@@ -60,7 +62,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
     if tool_choice == "none":
         return ToolPlan("none", tools, parallel)
     if tool_choice == "required":
-        return ToolPlan("required", tools, parallel, json_schema=_required_schema(tools, parallel))
+        return ToolPlan("required", tools, parallel, json_schema=_required_schema(schemas, parallel))
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str):
         raise HTTPError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
@@ -68,8 +70,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
     if name not in by_name:
         raise HTTPError(400, f"tool_choice names {name!r}, which is not among the tools "
                              f"{sorted(by_name)}", param="tool_choice")
-    params = by_name[name]["function"].get("parameters") or ANY_OBJECT
-    return ToolPlan("named", tools, parallel, name=name, json_schema=params)
+    return ToolPlan("named", tools, parallel, name=name, json_schema=schemas[name])
 
 
 def _function(tool: Any, i: int) -> dict[str, Any]:
@@ -83,12 +84,27 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
     return fn
 
 
-def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+def _parameters(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """The function's parameters schema as the output is held to it: strict unless the function
+    says `strict: false` (OpenAI's field), and checked here, so that a bad one is named as the
+    field the client sent."""
+    fn = tool["function"]
+    schema = fn.get("parameters") or ANY_OBJECT
+    if fn.get("strict") is False:
+        schema = with_additional_properties(schema, True)
+    try:
+        grammar_text(json_schema=schema)
+    except ValueError as e:
+        field = f"tools[{i}].function.parameters"
+        raise HTTPError(400, f"{field}: {e}", param=field) from None
+    return schema
+
+
+def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """vLLM's: a non-empty list of calls, each one of the tools with its own parameters."""
-    calls = [{"type": "object", "properties": {
-                "name": {"type": "string", "enum": [t["function"]["name"]]},
-                "parameters": t["function"].get("parameters") or ANY_OBJECT},
-              "required": ["name", "parameters"]} for t in tools]
+    calls = [{"type": "object", "required": ["name", "parameters"],
+              "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params}}
+             for name, params in schemas.items()]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     return schema | ({"maxItems": 1} if not parallel else {})
 

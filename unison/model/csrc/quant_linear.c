@@ -570,80 +570,68 @@ static VNNI_TARGET void vnni_rows(const int32_t *wq, const float *dm, int64_t nb
 }
 
 // Few rows: no widening (below 12 rows it cost more than it saved: 1B-shape linears, Zen 4).
-// Two tiles side by side fill a register straight from the packed bytes (lane = column, four k
-// per lane, as vpdpbusd takes them), and the AVX2 path's split runs on vpdpbusd:
-// 256 sum(w hi) + sum(lo (w - 8)) + 8 sum(lo), summed in int32 (no int16 sums to saturate).
+// The AVX2 path's tile loop, with its split on 256-bit vpdpbusd: 256 sum(w hi) + sum(lo (w - 8))
+// + 8 sum(lo), summed in int32 (no int16 sums to saturate). One tile at a time, as the AVX2
+// path reads them: at one row the weights stream from memory, and two tiles read side by side
+// (two short streams per thread) ran at a third of the speed.
 #define VNNI_NARROW_ROWS 4
 
 static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
-        const uint8_t *w0, const uint8_t *w1, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo,
-        __mmask16 mask, const int nrows) {
-    const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
-    __m512 acc[VNNI_NARROW_ROWS];
-    for (int r = 0; r < nrows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *r0 = w0 + b * INT4_RECORD, *r1 = w1 ? w1 + b * INT4_RECORD : NULL;
-        for (int i = 0; i < INT4_RECORD; i += 64) {
-            _mm_prefetch((const char *)(r0 + PREFETCH + i), _MM_HINT_T0);
-            if (r1) _mm_prefetch((const char *)(r1 + PREFETCH + i), _MM_HINT_T0);
-        }
-        // Two sums of each kind per row (even and odd c): at one row a single chain of eight
-        // dependent vpdpbusd per block, not the memory, set the pace.
-        __m512i hsum[VNNI_NARROW_ROWS][2], lsum[VNNI_NARROW_ROWS][2];
-        for (int r = 0; r < nrows; r++) hsum[r][0] = hsum[r][1] = lsum[r][0] = lsum[r][1] = _mm512_setzero_si512();
+        const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo, const int nrows) {
+    const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
+    __m256 acc[VNNI_NARROW_ROWS];
+    for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += INT4_RECORD) {
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 128), _MM_HINT_T0);
+        // Two sums of each kind per row (even and odd c): one chain of eight dependent vpdpbusd
+        // per block would set the pace at one row.
+        __m256i hsum[VNNI_NARROW_ROWS][2], lsum[VNNI_NARROW_ROWS][2];
+        for (int r = 0; r < nrows; r++) hsum[r][0] = hsum[r][1] = lsum[r][0] = lsum[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(r0 + 32 * c));
-            const __m256i v1 = r1 ? _mm256_loadu_si256((const __m256i *)(r1 + 32 * c)) : _mm256_setzero_si256();
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
-            const __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            const __m512i s0 = _mm512_sub_epi8(q0, eight), s1 = _mm512_sub_epi8(q1, eight);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+            const __m256i q0 = _mm256_and_si256(v, low), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i s0 = _mm256_sub_epi8(q0, eight), s1 = _mm256_sub_epi8(q1, eight);
             for (int r = 0; r < nrows; r++) {
                 const int64_t at = r * kp + b * QBLOCK + 8 * c;
-                int32_t h0, h1, l0, l1;
-                memcpy(&h0, a.hi + at, 4), memcpy(&h1, a.hi + at + 4, 4);
-                memcpy(&l0, a.lo + at, 4), memcpy(&l1, a.lo + at + 4, 4);
-                hsum[r][c & 1] = _mm512_dpbusd_epi32(hsum[r][c & 1], q0, _mm512_set1_epi32(h0));
-                hsum[r][c & 1] = _mm512_dpbusd_epi32(hsum[r][c & 1], q1, _mm512_set1_epi32(h1));
-                lsum[r][c & 1] = _mm512_dpbusd_epi32(lsum[r][c & 1], _mm512_set1_epi32(l0), s0);
-                lsum[r][c & 1] = _mm512_dpbusd_epi32(lsum[r][c & 1], _mm512_set1_epi32(l1), s1);
+                __m256i *h = &hsum[r][c & 1], *l = &lsum[r][c & 1];
+                *h = _mm256_dpbusd_epi32(*h, q0, bcast4(a.hi + at));
+                *h = _mm256_dpbusd_epi32(*h, q1, bcast4(a.hi + at + 4));
+                *l = _mm256_dpbusd_epi32(*l, bcast4(a.lo + at), s0);
+                *l = _mm256_dpbusd_epi32(*l, bcast4(a.lo + at + 4), s1);
             }
         }
-        const __m256i dh1 = r1 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r1 + 128))) : _mm256_setzero_si256();
-        const __m256i mh1 = r1 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r1 + 144))) : _mm256_setzero_si256();
-        const __m512 d = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r0 + 128))), _mm256_castsi256_si128(dh1), 1));
-        const __m512 m = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(r0 + 144))), _mm256_castsi256_si128(mh1), 1));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 128)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 144)));
         for (int r = 0; r < nrows; r++) {
             const int64_t rb = r * nb + b;
-            const __m512i h = _mm512_add_epi32(hsum[r][0], hsum[r][1]), l = _mm512_add_epi32(lsum[r][0], lsum[r][1]);
-            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l),
-                                                 _mm512_set1_epi32(a.l8[rb]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.da[rb])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sa[rb]), acc[r]);
+            const __m256i h = _mm256_add_epi32(hsum[r][0], hsum[r][1]), l = _mm256_add_epi32(lsum[r][0], lsum[r][1]);
+            const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h, 8), l),
+                                                 _mm256_set1_epi32(a.l8[rb]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.da[rb])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sa[rb]), acc[r]);
         }
     }
-    for (int r = 0; r < nrows; r++) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+    for (int r = 0; r < nrows; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
 static VNNI_TARGET void vnni_narrow_linear(const uint8_t *w, int64_t n, int64_t kp, act16 all, int64_t m,
                                            float *out, int64_t ldo, int num_threads) {
-    const int64_t nb = kp / QBLOCK, tiles = n / TILE, pairs = (tiles + 1) / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (pairs * m >= 32)
-    for (int64_t p = 0; p < pairs; p++) {
-        const uint8_t *w0 = w + 2 * p * nb * INT4_RECORD;
-        const uint8_t *w1 = 2 * p + 1 < tiles ? w0 + nb * INT4_RECORD : NULL;
-        const __mmask16 mask = w1 ? 0xffff : 0x00ff;
+    const int64_t nb = kp / QBLOCK, tiles = n / TILE;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tiles * m >= 64)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *wt = w + t * nb * INT4_RECORD;
         for (int64_t r = 0; r < m; r += VNNI_NARROW_ROWS) {
             const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
                              all.l8 + r * nb, NULL, NULL};
-            float *o = out + r * ldo + 2 * p * TILE;
+            float *o = out + r * ldo + t * TILE;
             switch (m - r < VNNI_NARROW_ROWS ? m - r : VNNI_NARROW_ROWS) {  // constant shapes: registers
-            case 4: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 4); break;
-            case 3: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 3); break;
-            case 2: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 2); break;
-            default: vnni_narrow_tile(w0, w1, nb, a, kp, o, ldo, mask, 1); break;
+            case 4: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 4); break;
+            case 3: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 3); break;
+            case 2: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 2); break;
+            default: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 1); break;
             }
         }
     }
