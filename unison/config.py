@@ -50,6 +50,9 @@ class EngineConfig:
     listen: str | None = None
     trusted_client_keys: tuple[str, ...] = ()
     heartbeat_timeout_s: float = 3.0  # over TCP: a side silent this long is dead (no pidfds there)
+    # A thinking model's <think> section returned apart (the OpenAI routes' reasoning_content):
+    # qwen3 | deepseek_r1 (aliases deepseek-r1, qwq); see frontend/reasoning.py.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
@@ -101,6 +104,8 @@ class EngineConfig:
         _check(self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "must be > 0")
         _check(self.device == "cpu" or self.device.startswith("cuda"), "device",
                "must be 'cpu' or 'cuda[:N]'")
+        _check(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
+               f"must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -137,6 +142,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 NO_EFFECT = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "disable_cuda_graph": (True, False),
              "trust_remote_code": (True, False)}  # no model code is ever run from a checkpoint
 # sglang.Engine options Unison does not have: named in the refusal, so a port knows what to drop.
+# --reasoning-parser's names, the peers' spellings, onto the two behaviours frontend/reasoning.py has.
+REASONING_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "deepseek-r1": "deepseek_r1",
+                     "qwq": "deepseek_r1"}
+
 SGLANG_OPTIONS = frozenset("""
 tokenizer_path tokenizer_mode skip_server_warmup revision served_model_name chat_template
 completion_template is_embedding enable_multimodal host port api_key ep_size nnodes node_rank
@@ -147,7 +156,7 @@ speculative_num_steps speculative_eagle_topk speculative_num_draft_tokens lora_p
 max_loras_per_batch enable_lora lora_backend max_lora_rank max_prefill_tokens page_size
 stream_interval watchdog_timeout download_dir base_gpu_id gpu_id_step enable_metrics
 show_time_cost decode_log_interval enable_memory_saver allow_auto_truncate tool_call_parser
-reasoning_parser json_model_override_args preferred_sampling_params enable_deterministic_inference
+json_model_override_args preferred_sampling_params enable_deterministic_inference
 num_continuous_decode_steps torchao_config enable_p2p_check disaggregation_mode
 enable_hierarchical_cache schedule_conservativeness cpu_offload_gb kv_cache_dtype_override
 constrained_json_whitespace_pattern model_loader_extra_config enable_custom_logit_processor
@@ -191,6 +200,8 @@ HELP = {
     "listen": "tcp://HOST:PORT: also accept frontends over TCP, authenticated with ZMQ CURVE",
     "trusted_client_keys": "the CURVE public keys (Z85) of the remote frontends allowed to attach",
     "heartbeat_timeout_s": "over TCP, a frontend or core silent this long is dead",
+    "reasoning_parser": "return a thinking model's <think> section apart as reasoning_content: qwen3, "
+                        "deepseek_r1 (deepseek-r1, qwq)",
 }
 
 

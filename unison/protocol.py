@@ -37,6 +37,9 @@ class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     grammar: str | None = None  # llguidance grammar text (from a JSON schema, regex or EBNF)
+    # With a reasoning parser: the tokens that close the reasoning section (</think>). The grammar
+    # holds the output only after them, as SGLang constrains reasoning models.
+    grammar_after: list[int] = []
 
     @property
     def greedy(self) -> bool:

@@ -372,8 +372,11 @@ class EngineCore:
                 if req.token_ids_logprob and result.token_ids_logprobs is not None:
                     out.token_ids_logprobs.append(result.token_ids_logprobs[i])
             self._check_finish(req, tok)
-            if req.grammar is not None:
+            if req.constrained:
                 self._advance_grammar(req, tok)
+            elif req.grammar is not None:  # reasoning: the grammar starts after its closing tokens
+                after = req.params.grammar_after
+                req.grammar_started = req.token_ids[-len(after):] == after
         self._stats.generation_tokens += len(sampled)
 
     def _advance_grammar(self, req: Request, tok: int) -> None:

@@ -36,6 +36,7 @@ class Request:
     finish: str | None = None
     matched: int | None = None
     grammar: Future | None = None  # the request's matcher, once compiled (see core/grammar.py)
+    grammar_started: bool = True  # False until params.grammar_after appeared in the output
 
     @property
     def ready(self) -> bool:
@@ -46,7 +47,13 @@ class Request:
     def matcher(self) -> Any:
         return None if self.grammar is None else self.grammar.result()
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the grammar holds the next token (it may start only after a reasoning section)."""
+        return self.grammar is not None and self.grammar_started
+
     def __post_init__(self) -> None:
+        self.grammar_started = not self.params.grammar_after
         start = self.logprob_start_len
         self.next_prompt_logprob = start if 0 <= start < self.num_prompt_tokens else self.num_prompt_tokens
 

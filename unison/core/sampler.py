@@ -42,7 +42,7 @@ class Sampler:
         if any(r.return_logprob for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties_and_bias(logits, reqs)
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(reqs) if r.constrained]
         if constrained:
             apply_masks(logits, constrained, [reqs[i].matcher for i in constrained])
         tokens = logits.argmax(dim=-1)

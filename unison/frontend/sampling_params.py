@@ -44,6 +44,9 @@ class SamplingParams:
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Token ids after which the constraint holds (a reasoning model's "</think>"): the output is
+    # free until they appear. The OpenAI routes set it with a reasoning parser.
+    structured_after: list[int] | None = None
 
     @classmethod
     def from_any(cls, params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -60,6 +63,11 @@ class SamplingParams:
             raise InvalidParam(unknown[0], f"unknown sampling parameter(s) {unknown}; "
                                f"allowed: {sorted(known)}")
         return cls(**params)
+
+    @property
+    def grammar_kind(self) -> str | None:
+        """Which constraint is given (json_schema, regex or ebnf), if any."""
+        return next((k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None), None)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -100,6 +108,14 @@ class SamplingParams:
         self._grammar()
         for tid in self.stop_token_ids or []:
             _int("stop_token_ids", tid, lo=0, hi=vocab_size - 1)
+        if self.structured_after is not None:
+            if not isinstance(self.structured_after, list) or not self.structured_after:
+                raise InvalidParam("structured_after", "structured_after must be a non-empty list of "
+                                                       "token ids")
+            if self._grammar() is None:
+                raise InvalidParam("structured_after", "structured_after needs json_schema, regex or ebnf")
+            for tid in self.structured_after:
+                _int("structured_after", tid, lo=0, hi=vocab_size - 1)
         self._bias_items(vocab_size)
         if prompt_len > context_length:
             raise InvalidParam("prompt", f"prompt ({prompt_len} tokens) exceeds the context length "
@@ -182,7 +198,7 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
             logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            grammar=self._grammar(),
+            grammar=self._grammar(), grammar_after=list(self.structured_after or []),
         )
 
 

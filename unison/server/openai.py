@@ -10,6 +10,8 @@ from fastapi import APIRouter, Request
 
 from unison.errors import check_encodable
 from unison.frontend.collector import Collector
+from unison.frontend.reasoning import END as REASONING_END
+from unison.frontend.reasoning import starts_in_reasoning
 from unison.frontend.worker import TokenizerWorker
 from unison.server.openai_format import Formatter, HTTPError
 from unison.server.openai_protocol import (
@@ -134,12 +136,17 @@ async def chat(body: ChatCompletionRequest, request: Request):
             raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "
                                  "it cannot be combined with response_format", param="tool_choice")
         params.json_schema = tools.json_schema
+    parser = worker.config.reasoning_parser
+    if parser and starts_in_reasoning(parser, text) and params.grammar_kind is not None:
+        # the constraint holds the answer, after the reasoning section (as SGLang's)
+        params.structured_after = worker.tokenizer.encode(REASONING_END, add_special_tokens=False)
     collector = await _submit(request, worker, text, input_ids=prompt_ids, sampling_params=params,
                               return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                               priority=body.priority)
     fmt = Formatter(worker.tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     model=model, logprobs=body.logprobs, top_n=body.top_logprobs or 0,
-                    tokens_as_ids=body.return_tokens_as_token_ids, tools=tools)
+                    tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
+                    reasoning=(parser, text) if parser else None)
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
 
 

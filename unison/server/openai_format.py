@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from unison.errors import EngineDeadError, InvalidParam
 from unison.frontend.collector import Collector
+from unison.frontend.reasoning import ReasoningSplitter, split_whole
 from unison.frontend.request import ReqState
 from unison.frontend.tokenizer import Tokenizer
 
@@ -84,6 +85,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     role: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # with a reasoning parser (vLLM's and SGLang's field)
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -119,7 +121,8 @@ class Formatter:
 
     def __init__(self, tokenizer: Tokenizer, collector: Collector, *, chat: bool, rid: str, model: str,
                  logprobs: bool, top_n: int, echo: bool = False, tokens_as_ids: bool = False,
-                 tools: ToolPlan | None = None) -> None:
+                 tools: ToolPlan | None = None, reasoning: tuple[str, str] | None = None) -> None:
+        """`reasoning`: (parser, the rendered prompt): the output's reasoning section apart."""
         self.tokenizer, self.collector, self.chat = tokenizer, collector, chat
         self.rid, self.model = rid, model
         self.logprobs, self.top_n, self.echo = logprobs, top_n, echo
@@ -133,6 +136,8 @@ class Formatter:
         self.text_offset = [0] * n  # completions: text offset of the next logprob token
         self.started = [False] * n
         self.tools = [tools.output() for _ in range(n)] if tools is not None else None
+        self.reasoning = reasoning
+        self.splitters = [ReasoningSplitter(*reasoning) for _ in range(n)] if reasoning else None
 
     def _tok(self, tid: int) -> str:
         if self.tokens_as_ids:
@@ -184,15 +189,22 @@ class Formatter:
             first, self.started[i] = not self.started[i], True
             if self.chat:
                 logprobs = {"content": self._lp_content(i, lp_start)} if self.logprobs else None
-                content, calls, finish = new_text, None, finish_reason(state)
-                if self.tools is not None:
-                    content, calls, finish = self.tools[i].delta(new_text, state.finished, finish)
-                    if not (content or calls or first or finish or (logprobs and logprobs["content"])):
-                        continue  # held back (a tool call's JSON still being decided)
-                    if calls and not content:
+                content, calls, finish, reasoning = new_text, None, finish_reason(state), None
+                if self.splitters is not None:
+                    split = self.splitters[i].feed(new_text)
+                    if state.finished:
+                        split = split + self.splitters[i].finish()
+                    content, reasoning = split.content, split.reasoning or None
+                if self.tools is not None:  # calls are read from the answer, never the reasoning
+                    content, calls, finish = self.tools[i].delta(content, state.finished, finish)
+                if self.tools is not None or self.splitters is not None:
+                    news = content or calls or reasoning or (logprobs and logprobs["content"])
+                    if not (news or first or finish):
+                        continue  # held back (a tag or a tool call's JSON still being decided)
+                    if (calls or reasoning) and not content:
                         content = None  # as OpenAI's tool-call deltas: no content key
                 choice: Any = ChatChunkChoice(i, ChatDelta(content, "assistant" if first else None,
-                                                           calls or None), finish, logprobs)
+                                                           calls or None, reasoning), finish, logprobs)
             else:
                 text = (self._echo_prefix(i) if first else "") + new_text
                 logprobs = self._lp_content(i, lp_start) if self.logprobs else None
@@ -217,9 +229,15 @@ class Formatter:
         choices = []
         for i, state in enumerate(self.collector.states):
             if self.chat:
-                message, finish = {"role": "assistant", "content": state.text}, finish_reason(state)
-                if self.tools is not None:
-                    message, finish = self.tools[i].final(state.text, finish)
+                text, reasoning = state.text, None
+                if self.reasoning is not None:
+                    split = split_whole(*self.reasoning, text)
+                    text, reasoning = split.content, split.reasoning
+                message, finish = {"role": "assistant", "content": text}, finish_reason(state)
+                if self.tools is not None:  # calls are read from the answer, never the reasoning
+                    message, finish = self.tools[i].final(text, finish)
+                if self.reasoning is not None:
+                    message["reasoning_content"] = reasoning or None
                 choice = {"index": i, "message": message, "finish_reason": finish,
                           "logprobs": {"content": self._lp_content(i, 0)} if self.logprobs else None}
             else:
