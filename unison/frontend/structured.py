@@ -22,9 +22,10 @@ from typing import Any
 
 KINDS = ("json_schema", "regex", "ebnf")
 JSON_OBJECT = {"type": "object", "additionalProperties": True}  # response_format json_object: any
-# Between JSON tokens: at most one line break and some indentation, not a run that fills
-# max_tokens (llguidance's default allows any amount, and small models take it).
-WHITESPACE = r"[\x20\x09]{0,16}(\x0A[\x20\x09]{0,16})?"
+# Between JSON tokens: at most one space, as in `{"a": 1, "b": 2}`. llguidance's default allows
+# any whitespace, and small models take it: pretty-printed calls spend a third of max_tokens on
+# indentation, and a run of newlines can fill it.
+WHITESPACE = r"[\x20]?"
 
 # Where a JSON schema holds subschemas: one, a map of them, or a list of them.
 _SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else",

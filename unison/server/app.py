@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
-from unison.server import native, openai
+from unison.server import native, openai, responses
 from unison.server.openai_format import HTTPError, error_kind, error_response, invalid_param
 from unison.server.openai_protocol import generation_defaults
 from unison.server.replicas import Replicas
@@ -66,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(_Gate, api_key=settings.api_key, max_body=max_body)
     _add_error_handlers(app)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(native.router)
     return app
 

@@ -110,6 +110,13 @@ async def completions(body: CompletionRequest, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request):
+    collector, fmt = await start_chat(body, request)
+    return await _respond(request, collector, fmt, body.stream, body.include_usage)
+
+
+async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Collector, Formatter]:
+    """Check a chat request, queue it, and return its outputs' collector and formatter (the
+    Responses API runs on this too)."""
     check_encodable(body.model_dump(exclude_none=True), "")
     worker, model = worker_of(request), _check_model(request, body.model)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
@@ -147,7 +154,7 @@ async def chat(body: ChatCompletionRequest, request: Request):
                     model=model, logprobs=body.logprobs, top_n=body.top_logprobs or 0,
                     tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
                     reasoning=(parser, text) if parser else None)
-    return await _respond(request, collector, fmt, body.stream, body.include_usage)
+    return collector, fmt
 
 
 async def _submit(request: Request, worker: TokenizerWorker, text: str | None, **call) -> Collector:

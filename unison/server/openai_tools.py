@@ -135,6 +135,25 @@ def _with_dict_arguments(call: Any, i: int, j: int) -> dict[str, Any]:
     return call
 
 
+def _complete_items(text: str) -> list[Any]:
+    """The items of a JSON array, or of as much of it as is whole: max_tokens may cut the last
+    call, and the ones before it are still valid calls."""
+    decoder, at = json.JSONDecoder(), text.find("[") + 1
+    if at == 0:
+        return []
+    items = []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return items
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+
+
 def _call_dict(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
@@ -155,12 +174,11 @@ class ToolOutput:
             return None, [ToolCall(self.named_id, plan.name, text)]
         if plan.mode == "required":
             try:
-                items = json.loads(text)
                 calls = [ToolCall(new_call_id(), c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                         for c in items]
-            except (ValueError, TypeError, KeyError):  # cut short (max_tokens): it stays content
-                return text, []
-            return None, calls
+                         for c in _complete_items(text)]
+            except (TypeError, KeyError):
+                calls = []
+            return (None, calls) if calls else (text, [])  # nothing whole (max_tokens): content
         if plan.mode == "auto":
             parsed = plan.parser.parse(text)
             return parsed.content, parsed.tool_calls

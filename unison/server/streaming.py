@@ -51,19 +51,22 @@ def route(request: Request, text: str | None) -> TokenizerWorker:
 
 
 def stream(collector: Collector, items: Callable[[list[int]], Iterable[object]],
-           tail: Callable[[], Iterable[object]] = tuple) -> StreamingResponse:
-    """Server-sent events: `items(changed)` per wake-up, then `tail()`, then [DONE]. A client that
-    goes away closes the generator, and following's end aborts what is unfinished."""
+           tail: Callable[[], Iterable[object]] = tuple, encode: Callable[[object], bytes] = sse,
+           done: bool = True) -> StreamingResponse:
+    """Server-sent events: `items(changed)` per wake-up, then `tail()`, then [DONE] (unless not
+    `done`: the Responses API ends with its response.completed event). A client that goes away
+    closes the generator, and following's end aborts what is unfinished."""
     async def events() -> AsyncIterator[bytes]:
         try:
             async for changed in collector.follow():
                 for item in items(changed):
-                    yield sse(item)
+                    yield encode(item)
             for item in tail():
-                yield sse(item)
+                yield encode(item)
         except Exception as e:  # after the 200: said in the stream, which still ends with [DONE]
             yield stream_error(e)
-        yield b"data: [DONE]\n\n"
+        if done:
+            yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
 

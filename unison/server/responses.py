@@ -1,0 +1,334 @@
+"""OpenAI's Responses API, `/v1/responses`, stateless: what the OpenAI Agents SDK and Codex-style
+clients call. A request becomes a chat completion (its input items as chat messages, its text
+format as response_format, its function tools as chat tools) and runs through the chat route's
+pipeline; the answer comes back as output items: `reasoning` (with a reasoning parser),
+`message`, `function_call`.
+
+Nothing is stored: `store` is accepted and ignored, and `previous_response_id` is refused (send
+the conversation's items again instead, as stateless clients do).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from unison.errors import InvalidParam
+from unison.frontend.collector import Collector
+from unison.server.openai import start_chat
+from unison.server.openai_format import Formatter, HTTPError, invalid_param
+from unison.server.openai_protocol import ChatCompletionRequest
+from unison.server.streaming import stream, wait
+
+router = APIRouter()
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    # Accepted, with no effect here: nothing is stored, reasoning effort is the model's own.
+    store: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+
+    def to_chat(self) -> ChatCompletionRequest:
+        if self.previous_response_id is not None:
+            raise HTTPError(400, "previous_response_id: this server stores no responses; send the "
+                                 "conversation's items in input", param="previous_response_id")
+        if self.truncation not in (None, "disabled"):
+            raise HTTPError(400, f"truncation must be 'disabled', got {self.truncation!r}",
+                            param="truncation")
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages += _messages(self.input)
+        tools = [_chat_tool(t, i) for i, t in enumerate(self.tools or [])] or None
+        return ChatCompletionRequest(
+            model=self.model, messages=messages, max_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, tools=tools,
+            tool_choice=_chat_tool_choice(self.tool_choice), parallel_tool_calls=self.parallel_tool_calls,
+            response_format=_response_format(self.text))
+
+
+def _messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages: messages, function calls (one assistant turn for a run of
+    them) and their outputs (tool turns); reasoning items are the model's own and dropped."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise HTTPError(400, f"input[{i}].role must be user, assistant, system or developer, got "
+                                     f"{item.get('role')!r}", param=f"input[{i}].role")
+            role = "system" if item["role"] == "developer" else item["role"]
+            out.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            last = out[-1] if out else {}
+            if last.get("role") == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": _text(item.get("output"), f"input[{i}].output")})
+        elif kind != "reasoning":
+            raise HTTPError(400, f"input[{i}].type {kind!r} is not supported: message, function_call, "
+                                 "function_call_output or reasoning", param=f"input[{i}].type")
+    return out
+
+
+def _text(content: Any, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else None
+    if parts is not None and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in parts):
+        return "".join(str(p.get("text", "")) for p in parts)
+    raise HTTPError(400, f"{field} must be text or a list of input_text parts (this server reads text only)",
+                    param=field)
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise HTTPError(400, f"tools[{i}] must be {{\"type\": \"function\", \"name\": ..., \"parameters\": "
+                             "{...}}: this server runs function tools only", param=f"tools[{i}]")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return fmt  # json_object, or a type the chat route names as invalid
+
+
+# Chat fields as this API spells them, for the errors the chat pipeline raises.
+RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def _renamed(e: HTTPError) -> HTTPError:
+    if not e.param:
+        return e
+    param = e.param
+    for old, new in RENAMED.items():
+        if param == old or param.startswith((old + ".", old + "[")):
+            param = new + param[len(old):]
+            break
+    param = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", param)
+    return HTTPError(e.status, e.message.replace(e.param, param), param=param, kind=e.kind)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request):
+    try:
+        collector, fmt = await start_chat(body.to_chat(), request)
+    except HTTPError as e:
+        raise _renamed(e) from None
+    except InvalidParam as e:  # a sampling field, in the chat route's names first
+        raise _renamed(invalid_param(e, openai=True, chat=True)) from None
+    out = ResponseBuilder(body, fmt, collector)
+    if body.stream:
+        return stream(collector, out.events, out.tail, encode=_event, done=False)
+    await wait(request, collector)
+    return out.response("completed")
+
+
+class ResponseBuilder:
+    """One response's object and, when streamed, its events, from the chat formatter's output."""
+
+    def __init__(self, body: ResponsesRequest, fmt: Formatter, collector: Collector) -> None:
+        self.body, self.fmt, self.collector = body, fmt, collector
+        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # output items so far (streaming: as they were added)
+        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
+
+    # ---- the response object ------------------------------------------------------------------
+
+    def response(self, status: str) -> dict[str, Any]:
+        if status == "completed" and not self.body.stream:
+            self.items = self._final_items()
+        state = self.collector.states[0]
+        finish = state.finish_reason or {}
+        incomplete = finish.get("type") == "length" and status != "in_progress"
+        usage = self.fmt.usage() if state.finished else None
+        b = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.fmt.model,
+            "status": "incomplete" if incomplete else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None, "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+            "temperature": b.temperature, "top_p": b.top_p,
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "tool_choice": b.tool_choice or ("auto" if b.tools else "none"), "tools": b.tools or [],
+            "text": b.text or {"format": {"type": "text"}}, "metadata": b.metadata or {}, "store": False,
+            "previous_response_id": None, "reasoning": b.reasoning, "truncation": "disabled",
+            "output": list(self.items) if status != "in_progress" else [],
+            "usage": None if usage is None else {
+                "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                "total_tokens": usage["total_tokens"],
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens_details": {"reasoning_tokens": 0}},
+        }
+
+    def _final_items(self) -> list[dict[str, Any]]:
+        message = self.fmt.final()["choices"][0]["message"]
+        items = []
+        if message.get("reasoning_content"):
+            items.append(_reasoning_item(_new_id("rs"), message["reasoning_content"]))
+        if message.get("content"):
+            items.append(_message_item(_new_id("msg"), message["content"]))
+        for call in message.get("tool_calls") or []:
+            items.append(_call_item(_new_id("fc"), call["id"], call["function"]["name"],
+                                    call["function"]["arguments"]))
+        return items
+
+    # ---- streaming: chat chunks become Responses events -----------------------------------------
+
+    def events(self, changed: list[int]) -> list[dict[str, Any]]:
+        out = [] if self.seq else [self._event("response.created", response=self.response("in_progress")),
+                                   self._event("response.in_progress", response=self.response("in_progress"))]
+        for chunk in self.fmt.chunks(changed):
+            for choice in chunk.choices:
+                delta = choice.delta
+                if delta.reasoning_content:
+                    out += self._text_delta("reasoning", delta.reasoning_content)
+                if delta.content:
+                    out += self._text_delta("message", delta.content)
+                for call in delta.tool_calls or []:
+                    out += self._call_delta(call)
+        return out
+
+    def tail(self) -> list[dict[str, Any]]:
+        out = self.events([]) if not self.seq else []  # a response that produced nothing at all
+        out += self._close()
+        return out + [self._event("response.completed", response=self.response("completed"))]
+
+    def _text_delta(self, kind: str, text: str) -> list[dict[str, Any]]:
+        out = []
+        if self.open is None or self.open["type"] != kind:
+            out += self._close()
+            new = _reasoning_item if kind == "reasoning" else _message_item
+            item = self.open = new(_new_id("rs" if kind == "reasoning" else "msg"), "")
+            item["status"] = "in_progress"
+            at = len(self.items)
+            out.append(self._event("response.output_item.added", output_index=at, item=_empty(item)))
+            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=at,
+                                   content_index=0, part=dict(item["content"][0])))
+        item = self.open
+        item["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return out + [self._event(name, item_id=item["id"], output_index=len(self.items), content_index=0,
+                                  delta=text, **extra)]
+
+    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        index = call["index"]
+        if index not in self.calls:
+            out += self._close()
+            item = _call_item(_new_id("fc"), call.get("id"), call["function"].get("name"), "")
+            item["status"] = "in_progress"
+            self.calls[index] = self.open = item
+            out.append(self._event("response.output_item.added", output_index=len(self.items),
+                                   item=dict(item)))
+        item = self.calls[index]
+        piece = call["function"].get("arguments") or ""
+        if piece:
+            item["arguments"] += piece
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=len(self.items), delta=piece))
+        return out
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The open item's done events; it joins the output."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        at, out = len(self.items), []
+        item["status"] = "completed"
+        if item["type"] == "function_call":
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                   output_index=at, arguments=item["arguments"]))
+        else:
+            part, reasoning = item["content"][0], item["type"] == "reasoning"
+            name = "response.reasoning_text.done" if reasoning else "response.output_text.done"
+            extra = {} if reasoning else {"logprobs": []}
+            out.append(self._event(name, item_id=item["id"], output_index=at, content_index=0,
+                                   text=part["text"], **extra))
+            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=at,
+                                   content_index=0, part=dict(part)))
+        out.append(self._event("response.output_item.done", output_index=at, item=dict(item)))
+        self.items.append(item)
+        return out
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": "completed", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(item_id: str, call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": "completed"}
+
+
+def _empty(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as output_item.added shows it: no content yet (content_part.added brings it)."""
+    return {**item, "content": []}
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _event(event: object) -> bytes:
+    """A Responses stream event: named, as OpenAI sends them."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n"  # type: ignore[index]
