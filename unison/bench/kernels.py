@@ -9,10 +9,6 @@ import argparse
 from collections import Counter
 from typing import Any
 
-import torch
-
-from unison.bench.ceiling import linears_time
-
 
 def _runner(model_path: str | None, **kw: Any):
     from unison.model.runner import ModelRunner
@@ -21,6 +17,9 @@ def _runner(model_path: str | None, **kw: Any):
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch  # here, not at import: the CLI builds every command's parser, `serve`'s too
+
+    from unison.bench.ceiling import linears_time
     from unison.model import cpu_kernels
 
     if args.num_threads:
