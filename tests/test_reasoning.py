@@ -57,8 +57,12 @@ def test_token_by_token_deltas_never_hold_back_more_than_a_tag():
     assert (sent + splitter.finish()) == Split("word " * 20, "answer")
 
 
+# As Qwen3's: thinking opened in the prompt, or an empty section written there with
+# enable_thinking false.
 THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+                     "{% else %}<think>\n{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,12 @@ def test_structured_output_starts_after_the_reasoning_section(thinking_server: S
         "name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}})
     message = r.json()["choices"][0]["message"]
     assert message["reasoning_content"] and not message["reasoning_content"].lstrip().startswith("{")
+
+
+def test_enable_thinking_false_gives_plain_content(thinking_server: Server):
+    r = _chat(thinking_server, chat_template_kwargs={"enable_thinking": False})
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] and message["reasoning_content"] is None
 
 
 def test_without_a_closing_tag_in_the_prompt_nothing_changes(thinking_server: Server):

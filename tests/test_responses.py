@@ -94,6 +94,12 @@ def test_a_bad_tool_schema_is_named_as_sent(server):
     assert r.json()["error"]["param"] == "tools[1].function.parameters"
 
 
+def test_max_completion_tokens_is_named_as_sent(server):
+    r = server.post("/v1/chat/completions", {"messages": ASK, "max_completion_tokens": -1})
+    assert_openai_error(r, 400, "max_completion_tokens")
+    assert r.json()["error"]["param"] == "max_completion_tokens"
+
+
 # ---- /v1/responses ------------------------------------------------------------------------------
 
 def test_responses_create(client):

@@ -8,7 +8,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from unison.errors import check_encodable
+from unison.errors import InvalidParam, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
@@ -147,9 +147,15 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     if parser and starts_in_reasoning(parser, text) and params.grammar_kind is not None:
         # the constraint holds the answer, after the reasoning section (as SGLang's)
         params.structured_after = worker.tokenizer.encode(REASONING_END, add_special_tokens=False)
-    collector = await _submit(request, worker, text, input_ids=prompt_ids, sampling_params=params,
-                              return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                              priority=body.priority)
+    try:
+        collector = await _submit(request, worker, text, input_ids=prompt_ids, sampling_params=params,
+                                  return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
+                                  priority=body.priority)
+    except InvalidParam as e:  # the limit came as max_completion_tokens: name that
+        if e.field != "max_new_tokens" or body.max_completion_tokens is None:
+            raise
+        raise HTTPError(400, str(e).replace("max_new_tokens", "max_completion_tokens", 1),
+                        param="max_completion_tokens") from None
     fmt = Formatter(worker.tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     model=model, logprobs=body.logprobs, top_n=body.top_logprobs or 0,
                     tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
