@@ -141,11 +141,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # sglang.Engine options accepted for compatibility, with the only values that mean something here.
 NO_EFFECT = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "disable_cuda_graph": (True, False),
              "trust_remote_code": (True, False)}  # no model code is ever run from a checkpoint
-# sglang.Engine options Unison does not have: named in the refusal, so a port knows what to drop.
 # --reasoning-parser's names, the peers' spellings, onto the two behaviours frontend/reasoning.py has.
 REASONING_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "deepseek-r1": "deepseek_r1",
                      "qwq": "deepseek_r1"}
-
+# sglang.Engine options Unison does not have: named in the refusal, so a port knows what to drop.
 SGLANG_OPTIONS = frozenset("""
 tokenizer_path tokenizer_mode skip_server_warmup revision served_model_name chat_template
 completion_template is_embedding enable_multimodal host port api_key ep_size nnodes node_rank

@@ -149,7 +149,8 @@ class Engine:
         return self._h.worker.info.server_key
 
     @classmethod
-    def attach_tokenizer_worker(cls, parent_pid: int | None = None, *, registry_file: str | None = None,
+    def attach_tokenizer_worker(cls, parent_pid: int | None = None, *,
+                                registry_file: str | os.PathLike | None = None,
                                 address: str | None = None, server_key: str | None = None,
                                 client_key: str | None = None, heartbeat_timeout_s: float = 3.0) -> Engine:
         """Attach a frontend to the engine owned by `parent_pid` (default: this process's parent),
@@ -161,9 +162,8 @@ class Engine:
         core; shutdown() detaches only this frontend.
         """
         _expect("parent_pid", parent_pid, int, "a process id", optional=True)
-        strings = {"registry_file": registry_file, "address": address, "server_key": server_key,
-                   "client_key": client_key}
-        for name, value in strings.items():
+        _expect("registry_file", registry_file, (str, os.PathLike), "a path", optional=True)
+        for name, value in {"address": address, "server_key": server_key, "client_key": client_key}.items():
             _expect(name, value, str, "a string", optional=True)
         _expect("heartbeat_timeout_s", heartbeat_timeout_s, (int, float), "a number of seconds")
         if heartbeat_timeout_s <= 0:
