@@ -174,3 +174,37 @@ def test_responses_bad_input_names_the_field(server, body: dict, param: str):
     r = server.post("/v1/responses", body)
     assert_openai_error(r, 400)
     assert r.json()["error"]["param"] == param, r.json()
+
+
+# ---- the schema and call handling behind them, without a server ---------------------------------
+
+def test_schemas_are_strict_unless_they_say_otherwise():
+    from unison.frontend.structured import WHITESPACE, grammar_text
+    from unison.server.openai_protocol import ChatCompletionRequest
+
+    inner, open_ = {"type": "object", "properties": {"b": {"type": "string"}}}, {"additionalProperties": True}
+    schema = {"type": "object", "properties": {"a": inner, "c": {"type": "object", **open_}},
+              "allOf": [{"properties": {"d": {"type": "integer"}}}]}
+    [held] = json.loads(grammar_text(schema))["grammars"]
+    held = held["json_schema"]
+    assert held["additionalProperties"] is False and held["properties"]["a"]["additionalProperties"] is False
+    assert held["properties"]["c"]["additionalProperties"] is True  # what the schema says stays
+    assert "additionalProperties" not in held["allOf"][0]  # each member would forbid the others'
+    assert held["x-guidance"] == {"whitespace_pattern": WHITESPACE}
+    own = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    assert json.loads(grammar_text(own))["grammars"][0]["json_schema"]["x-guidance"] == own["x-guidance"]
+    spec = {"name": "n", "schema": schema, "strict": False}
+    loose = ChatCompletionRequest(messages=ASK, response_format={"type": "json_schema", "json_schema": spec})
+    loose = loose._json_schema()
+    assert loose["additionalProperties"] is True and loose["properties"]["a"]["additionalProperties"] is True
+
+
+def test_required_calls_cut_by_max_tokens_keep_the_whole_ones():
+    from unison.server.openai_tools import plan_tools
+
+    plan = plan_tools([WEATHER, TIME], "required", None, None)
+    whole = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    message, finish = plan.output().final(f'[{whole}, {{"name": "get_ti', "length")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"] and finish == "length"
+    message, _ = plan.output().final('[{"name": "get_wea', "length")
+    assert message["content"] == '[{"name": "get_wea' and "tool_calls" not in message  # nothing whole

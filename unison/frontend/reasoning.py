@@ -35,10 +35,7 @@ class Split:
 
 def starts_in_reasoning(parser: str, prompt: str) -> bool:
     """Whether the output begins inside the reasoning section, given the rendered prompt."""
-    if REASONING_PARSERS[parser] == "deepseek_r1":
-        return True
-    tail = prompt.rstrip()
-    return tail.endswith(START)
+    return REASONING_PARSERS[parser] == "deepseek_r1" or prompt.rstrip().endswith(START)
 
 
 class ReasoningSplitter:

@@ -112,7 +112,7 @@ class SamplingParams:
             if not isinstance(self.structured_after, list) or not self.structured_after:
                 raise InvalidParam("structured_after", "structured_after must be a non-empty list of "
                                                        "token ids")
-            if self._grammar() is None:
+            if self.grammar_kind is None:
                 raise InvalidParam("structured_after", "structured_after needs json_schema, regex or ebnf")
             for tid in self.structured_after:
                 _int("structured_after", tid, lo=0, hi=vocab_size - 1)
@@ -164,8 +164,7 @@ class SamplingParams:
         try:
             return grammar_text(self.json_schema, self.regex, self.ebnf)
         except ValueError as e:
-            given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
-            raise InvalidParam(given[0], str(e)) from None
+            raise InvalidParam(self.grammar_kind, str(e)) from None  # (only a given one is converted)
 
     def _bias_items(self, vocab_size: int) -> dict[int, float]:
         if self.logit_bias is None:

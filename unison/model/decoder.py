@@ -314,9 +314,8 @@ class _WeightGetter:
 
     def __init__(self, weights: WeightSource, device: torch.device, dtype: torch.dtype,
                  quantization: str, from_gguf: bool, kernels: cpu_kernels.CpuKernels | None,
-                 norm_plus_one: bool = False, linear_dtype: torch.dtype | None = None):
-        self.weights, self.device, self.dtype = weights, device, dtype
-        self.linear_dtype = linear_dtype or dtype
+                 norm_plus_one: bool, linear_dtype: torch.dtype):
+        self.weights, self.device, self.dtype, self.linear_dtype = weights, device, dtype, linear_dtype
         self.quantization, self.from_gguf, self.kernels = quantization, from_gguf, kernels
         self.norm_plus_one = norm_plus_one
         self.shapes: dict[str, tuple[int, ...]] = {}  # every tensor fetched, by name

@@ -139,7 +139,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     context = worker.info.context_length
     params = body.sampling_params(max(context - len(prompt_ids), 1), request.app.state.sampling_defaults)
     if tools is not None and tools.json_schema is not None:  # required / named: valid calls only
-        if params.json_schema is not None or params.regex or params.ebnf:
+        if params.grammar_kind is not None:
             raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "
                                  "it cannot be combined with response_format", param="tool_choice")
         params.json_schema = tools.json_schema

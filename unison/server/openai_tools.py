@@ -50,8 +50,8 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
         if tool_choice not in (None, "none"):
             raise HTTPError(400, "tool_choice needs tools", param="tool_choice")
         return None
-    by_name = {_function(t, i)["name"]: t for i, t in enumerate(tools)}
-    schemas = {_function(t, i)["name"]: _parameters(t, i) for i, t in enumerate(tools)}
+    functions = [_function(t, i) for i, t in enumerate(tools)]
+    schemas = {fn["name"]: _parameters(fn, i) for i, fn in enumerate(functions)}  # by name
     parallel = parallel is not False
     if tool_choice in (None, "auto"):
         if parser_name is None:
@@ -67,9 +67,9 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
     if not isinstance(name, str):
         raise HTTPError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
                              f'"function": {{"name": ...}}}}, got {tool_choice!r:.80}', param="tool_choice")
-    if name not in by_name:
+    if name not in schemas:
         raise HTTPError(400, f"tool_choice names {name!r}, which is not among the tools "
-                             f"{sorted(by_name)}", param="tool_choice")
+                             f"{sorted(schemas)}", param="tool_choice")
     return ToolPlan("named", tools, parallel, name=name, json_schema=schemas[name])
 
 
@@ -84,11 +84,10 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
     return fn
 
 
-def _parameters(tool: dict[str, Any], i: int) -> dict[str, Any]:
+def _parameters(fn: dict[str, Any], i: int) -> dict[str, Any]:
     """The function's parameters schema as the output is held to it: strict unless the function
     says `strict: false` (OpenAI's field), and checked here, so that a bad one is named as the
     field the client sent."""
-    fn = tool["function"]
     schema = fn.get("parameters") or ANY_OBJECT
     if fn.get("strict") is False:
         schema = with_additional_properties(schema, True)

@@ -164,6 +164,7 @@ async def responses(body: ResponsesRequest, request: Request):
     if body.stream:
         return stream(collector, out.events, out.tail, encode=_event, done=False)
     await wait(request, collector)
+    out.items = out.final_items()
     return out.response("completed")
 
 
@@ -181,8 +182,6 @@ class ResponseBuilder:
     # ---- the response object ------------------------------------------------------------------
 
     def response(self, status: str) -> dict[str, Any]:
-        if status == "completed" and not self.body.stream:
-            self.items = self._final_items()
         state = self.collector.states[0]
         finish = state.finish_reason or {}
         incomplete = finish.get("type") == "length" and status != "in_progress"
@@ -206,7 +205,8 @@ class ResponseBuilder:
                 "output_tokens_details": {"reasoning_tokens": 0}},
         }
 
-    def _final_items(self) -> list[dict[str, Any]]:
+    def final_items(self) -> list[dict[str, Any]]:
+        """The output items of a whole (not streamed) response."""
         message = self.fmt.final()["choices"][0]["message"]
         items = []
         if message.get("reasoning_content"):

@@ -257,6 +257,13 @@ void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, i
 // |15 * 128 * 2| <= 3840 and |255 * 8 * 2| <= 4080, so eight of them add up within int16.
 
 #ifdef QL_AVX2
+// The record PREFETCH bytes ahead (a record spans three cache lines at most).
+static inline void prefetch_record(const uint8_t *w) {
+    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w + PREFETCH + 128), _MM_HINT_T0);
+}
+
 static inline __m256i bcast4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -270,9 +277,7 @@ static inline __attribute__((always_inline)) void int4_tile(
     __m256 acc[INT4_ROWS];
     for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += INT4_RECORD) {
-        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PREFETCH + 128), _MM_HINT_T0);
+        prefetch_record(w);
         __m256i hsum[INT4_ROWS], lsum[INT4_ROWS];
         for (int r = 0; r < nrows; r++) hsum[r] = lsum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
@@ -582,9 +587,7 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
     __m256 acc[VNNI_NARROW_ROWS];
     for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += INT4_RECORD) {
-        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + PREFETCH + 128), _MM_HINT_T0);
+        prefetch_record(w);
         // Two sums of each kind per row (even and odd c): one chain of eight dependent vpdpbusd
         // per block would set the pace at one row.
         __m256i hsum[VNNI_NARROW_ROWS][2], lsum[VNNI_NARROW_ROWS][2];
