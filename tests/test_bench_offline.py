@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from unison import Engine
+from unison import Engine, cli
 from unison.bench import ceiling
 from unison.bench.offline import random_requests
 
@@ -99,7 +99,7 @@ def test_latency_run():
     assert "prefill_tok_s" in proc.stdout and "decode_tok_s" in proc.stdout
 
 
-def test_make_model_writes_a_llama_gguf_both_kinds_of_reader_load(tmp_path):
+def test_make_model_writes_a_llama_gguf_both_kinds_of_reader_load(tmp_path, capsys):
     """`bench make-model`'s writer, at a tiny shape: Unison serves it (int4 linears, the
     embedded tokenizer), and `bench kernels` times its linears on every path beside fp32."""
     from unison.bench.model import write_model
@@ -112,8 +112,7 @@ def test_make_model_writes_a_llama_gguf_both_kinds_of_reader_load(tmp_path):
         assert info["weights"]["lm_head"] == "int8"
         out = engine.generate("Hello", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert out["meta_info"]["completion_tokens"] == 4
-    proc = subprocess.run([sys.executable, "-m", "unison.cli", "bench", "kernels", "--model-path", str(path),
-                           "--m", "1,16", "--reps", "1"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    header, *rows = proc.stdout.splitlines()[1:]
+    capsys.readouterr()
+    assert cli.main(["bench", "kernels", "--model-path", str(path), "--m", "1,16", "--reps", "1"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[1:]
     assert "int4/" in header and "fp32" in header and [r.split()[0] for r in rows] == ["1", "16"]

@@ -33,10 +33,11 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.nda
     return np.concatenate([d.view(np.uint8), q], axis=2).reshape(rows, -1)
 
 
-def _copy_tokenizer(writer: Any, source: Path) -> None:
-    from gguf import GGUFReader, GGUFValueType
+def _copy_tokenizer(writer: Any, source: Any) -> None:
+    """Every tokenizer.* field of `source` (a GGUFReader) into `writer`."""
+    from gguf import GGUFValueType
 
-    for name, field in GGUFReader(source).fields.items():
+    for name, field in source.fields.items():
         if not name.startswith("tokenizer."):
             continue
         kind = field.types[0]
@@ -50,8 +51,8 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0) -> Path:
 
     from unison.model.loader import default_gguf_path
 
-    s, rng, tokenizer = shape, np.random.default_rng(seed), default_gguf_path()
-    vocab = len(GGUFReader(tokenizer).fields["tokenizer.ggml.tokens"].data)
+    s, rng, tokenizer = shape, np.random.default_rng(seed), GGUFReader(default_gguf_path())
+    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     head_dim = s["hidden"] // s["heads"]
     w = GGUFWriter(out, "llama")
     w.add_name(f"unison-bench-llama-{s['layers']}x{s['hidden']}-random")
