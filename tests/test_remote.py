@@ -59,7 +59,8 @@ def test_curve_key_attaches_and_generates(engine):
     try:
         want = engine.generate(PROMPTS[0], GREEDY)
         assert remote.generate(PROMPTS[0], GREEDY)["output_ids"] == want["output_ids"]
-        assert len(engine.get_server_info()["frontends"]) == 2
+        frontends = engine.get_server_info()["frontends"]
+        assert [f["remote"] for f in frontends] == [False, True], frontends  # IPC, then over TCP
         # Tensors travel as a file on the core's host: refused over TCP, by the Engine and the core.
         with pytest.raises(InvalidParam, match="core's host only"):
             remote.update_weights_from_tensor([("model.norm.weight", torch.ones(576))])

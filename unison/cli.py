@@ -70,6 +70,11 @@ def _serve(args: argparse.Namespace) -> int:
         get_parser(args.tool_call_parser)  # an unknown name fails here, not at the first request
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.extra_frontends < 0:
+        raise ValueError(f"--extra-frontends must be >= 0, got {args.extra_frontends}")
+    if args.extra_frontends and (args.data_parallel_size > 1 or args.ray_address):
+        raise ValueError("--extra-frontends is for one engine: data-parallel cores take frontends over "
+                         "TCP only")
     if args.data_parallel_size > 1 or args.ray_address:
         from unison.server.data_parallel import import_ray
 
@@ -89,7 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
                  served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                  tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
                  chat_template=args.chat_template, data_parallel_size=args.data_parallel_size,
-                 ray_address=args.ray_address, routing=args.routing)
+                 ray_address=args.ray_address, routing=args.routing, ui=not args.disable_ui,
+                 extra_frontends=args.extra_frontends)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="vLLM's flag, accepted: tool_choice \"auto\" works whenever a parser is set")
     srv.add_argument("--max-request-bytes", type=int, default=None,
                      help="largest request body (default: 32 MiB); past it: 413")
+    srv.add_argument("--disable-ui", "--no-webui", dest="disable_ui", action="store_true",
+                     help="no web page at / (chat, and the engine with its frontends)")
+    srv.add_argument("--extra-frontends", type=int, default=0,
+                     help="frontends that may attach beside the HTTP workers, e.g. an Engine in another "
+                          "process: Engine.attach_tokenizer_worker(<server pid>) (default: 0)")
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 

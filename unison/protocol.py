@@ -224,6 +224,7 @@ class FrontendInfo(msgspec.Struct):
     pid: int
     worker_id: int
     requests_in_flight: int
+    remote: bool = False  # attached over TCP (CURVE keys, heartbeats), not the local IPC socket
 
 
 class ServerInfo(msgspec.Struct, tag=True):

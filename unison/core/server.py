@@ -522,7 +522,7 @@ class CoreServer:
             kv_blocks_cached=core.cached_blocks, num_evicted_blocks=core.num_evicted_blocks,
             stats=core.stats(), histograms=core.latency.data(),
             admissions=[(self.worker_ids.get(f, -1), rid) for f, rid in core.admissions()],
-            frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident])
+            frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident], fe.remote)
                        for fe in self.frontends.values()],
         )
 

@@ -2,7 +2,9 @@
 
 Every uvicorn worker process runs this app; its frontend lives on the server's own event loop,
 so requests never cross threads. The routes are in openai.py (the OpenAI API) and native.py
-(SGLang's); this file holds the app, its errors and its gate (API key, body size).
+(SGLang's); this file holds the app, its errors, its gate (API key, body size) and the web page
+(static files in ui/, no build step: `/` and `/ui/*`, open like /health since they hold no data;
+every API call the page makes sends the key).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,6 +39,9 @@ log = logging.getLogger("unison.server")
 ENV = "UNISON_SERVER"  # JSON: the Settings of every worker
 MAX_REQUEST_BYTES = 32 << 20  # the default of --max-request-bytes
 OPEN_ROUTES = ("/health", "/metrics")  # no API key, as in vLLM: for probes and scrapers
+UI_DIR = Path(__file__).with_name("ui")
+# The page's scripts and styles are its own files: nothing inline, nothing from elsewhere.
+UI_POLICY = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'"
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 
 
@@ -63,12 +69,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Unison", lifespan=lifespan)
     app.state.settings = settings
     max_body = MAX_REQUEST_BYTES if settings.max_request_bytes is None else settings.max_request_bytes
-    app.add_middleware(_Gate, api_key=settings.api_key, max_body=max_body)
+    app.add_middleware(_Gate, api_key=settings.api_key, max_body=max_body, ui=settings.ui)
     _add_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(native.router)
+    if settings.ui:
+        _add_ui(app)
     return app
+
+
+def _add_ui(app: FastAPI) -> None:
+    """The web page: chat, and the engine with its frontends, from the routes above."""
+    app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(UI_DIR / "index.html", headers={"Content-Security-Policy": UI_POLICY})
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -132,9 +149,13 @@ class _Gate:
     would run on to its last token.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int, ui: bool = False) -> None:
+        self.app, self.api_key, self.max_body, self.ui = app, api_key, max_body, ui
         self.pid = str(os.getpid()).encode()
+
+    def is_open(self, path: str) -> bool:
+        """Needs no key: the probes' routes, and the page's static files (the page asks for the key)."""
+        return path in OPEN_ROUTES or (self.ui and (path == "/" or path.startswith("/ui/")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -147,7 +168,7 @@ class _Gate:
             await send(message)
 
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"] not in OPEN_ROUTES:
+        if self.api_key and not self.is_open(scope["path"]):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 response = error_response(401, "missing or invalid API key; send 'Authorization: "

@@ -35,15 +35,20 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
           served_model_name: str | None, tool_call_parser: str | None = None,
           generation_config: str = "auto", chat_template: str | None = None,
           max_request_bytes: int | None = None, data_parallel_size: int = 1,
-          ray_address: str | None = None, routing: str = "least_loaded") -> int:
+          ray_address: str | None = None, routing: str = "least_loaded", ui: bool = True,
+          extra_frontends: int = 0) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     if data_parallel_size > 1 or ray_address:
         return _serve_data_parallel(config, data_parallel_size, ray_address, routing, host=host, port=port,
                                     api_key=api_key, served_model_name=served_model_name,
                                     tool_call_parser=tool_call_parser, generation_config=generation_config,
-                                    chat_template=chat_template, max_request_bytes=max_request_bytes)
-    core = CoreProcess(config, publish=True)
+                                    chat_template=chat_template, max_request_bytes=max_request_bytes,
+                                    ui=ui)
+    workers = config.tokenizer_worker_num
+    # The core admits the HTTP workers and `extra_frontends` Engines attached from elsewhere.
+    core = CoreProcess(dataclasses.replace(config, tokenizer_worker_num=workers + extra_frontends),
+                       publish=True)
     failure: list[str] = []  # why the server stopped on its own, when it did
     stopping = threading.Event()
     try:
@@ -55,11 +60,10 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
             registry_path=str(core.registry_path), owner_pid=os.getpid(), api_key=api_key,
             served_model_name=served_model_name or _default_name(config.model_path),
             max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser,
-            generation_config=generation_config, chat_template=chat_template,
+            generation_config=generation_config, chat_template=chat_template, ui=ui,
         )
-        workers = config.tokenizer_worker_num
         threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
-                         args=(host, port, workers, api_key, config.startup_timeout, core.proc.poll,
+                         args=(host, port, workers, api_key, ui, config.startup_timeout, core.proc.poll,
                                failure)).start()
         threading.Thread(target=_stop_when_core_exits, daemon=True, name="unison-core-watch",
                          args=(core, stopping, failure)).start()
@@ -93,8 +97,8 @@ def _serve_data_parallel(config: EngineConfig, size: int, ray_address: str | Non
         settings = Settings(registry_path="", owner_pid=os.getpid(), api_key=api_key,
                             replicas_path=str(cores.path), routing=routing, **settings_args)
         threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
-                         args=(host, port, workers * size, api_key, config.startup_timeout, lambda: None,
-                               failure)).start()
+                         args=(host, port, workers * size, api_key, settings.ui, config.startup_timeout,
+                               lambda: None, failure)).start()
         _run_uvicorn(settings, host, port, workers, config.log_level)
     finally:
         if cores is not None:
@@ -135,9 +139,10 @@ def _stop_when_core_exits(core: CoreProcess, stopping: threading.Event, failure:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None, timeout: float,
+def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None, ui: bool, timeout: float,
                          exited: Any, failure: list[str]) -> None:
-    """Log the URL once every worker has attached; stop the launch if that does not happen."""
+    """Log the URL (the page's, and a curl line) once every worker has attached; stop the launch if
+    that does not happen."""
     url = f"http://{host}:{port}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout
@@ -150,9 +155,10 @@ def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None
                     auth = " -H \"Authorization: Bearer $API_KEY\"" if api_key else ""
                     body = '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
                     kinds = ", ".join(sorted(set(info.get("weights", {}).values()))) or "n/a"
-                    log.warning("Unison ready at %s with %d frontend worker(s), linears as %s. Try:\n  curl "
+                    page = f"\n  Chat and watch the engine at {url}/, or try:" if ui else " Try:"
+                    log.warning("Unison ready at %s with %d frontend worker(s), linears as %s.%s\n  curl "
                                 "%s/v1/completions -H 'Content-Type: application/json'%s -d '%s'",
-                                url, workers, kinds, url, auth, body)
+                                url, workers, kinds, page, url, auth, body)
                     return
         except OSError:
             pass

@@ -32,6 +32,7 @@ class Settings:
     # Data parallel: the launcher's replicas file (replicas.ReplicaSet) instead of the registry.
     replicas_path: str | None = None
     routing: str = "least_loaded"  # or "prefix" (see replicas.py)
+    ui: bool = True  # the web page at / (--disable-ui turns it off)
 
 
 def worker_of(request: Request) -> TokenizerWorker:
