@@ -87,12 +87,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("ignore_eos", bool, False, openai="ignore_eos", core=True),
     Option("no_stop_trim", bool, False, openai="include_stop_str_in_output",
            doc="keep the matched stop string in the text"),
-    # What to sample: temperature, then top_k, top_p, min_p on the probabilities.
+    # What to sample: temperature, then top_k, top_p, min_p, typical_p on the probabilities.
     Option("temperature", float, 1.0, lo=0.0, openai="temperature", core=True, model_default=True),
     Option("top_p", float, 1.0, lo=0.0, hi=1.0, lo_open=True, openai="top_p", core=True, model_default=True),
     Option("top_k", int, -1, lo=-1, forbid=(0,), openai="top_k", core=True, model_default=True,
            doc="-1: all tokens"),
     Option("min_p", float, 0.0, lo=0.0, hi=1.0, openai="min_p", core=True, model_default=True),
+    Option("typical_p", float, 1.0, lo=0.0, hi=1.0, lo_open=True, openai="typical_p", core=True,
+           model_default=True, doc="locally typical sampling (Meister et al.), as transformers and llama.cpp"),
     Option("frequency_penalty", float, 0.0, lo=-2.0, hi=2.0, openai="frequency_penalty", core=True),
     Option("presence_penalty", float, 0.0, lo=-2.0, hi=2.0, openai="presence_penalty", core=True),
     Option("repetition_penalty", float, 1.0, lo=0.0, hi=2.0, lo_open=True, openai="repetition_penalty",
