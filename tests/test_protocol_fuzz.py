@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import unison
 from tests.test_engine import wait_idle
 from unison import Engine, protocol, registry
+from unison.sampling import BY_NAME, CORE_OPTIONS, Option
 
 FUZZ = settings(max_examples=60, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -99,15 +100,21 @@ def test_truncated_messages(engine, raw, msg, cut):
     raw.send(data[: max(1, len(data) - cut)])
 
 
-finite = st.floats(allow_nan=True, allow_infinity=True, width=32)
+def hostile(o: Option) -> st.SearchStrategy:
+    """Any value of the option's wire type, in range or not: the core must refuse, not crash."""
+    if o.type is float:
+        return st.floats(allow_nan=True, allow_infinity=True, width=32)
+    if o.type is int:
+        return st.integers(-5 if o.lo is None else int(o.lo) - 5, 10**6)
+    return st.from_type(o.type)
+
+
 params = st.builds(
     protocol.CoreSamplingParams,
-    max_new_tokens=st.integers(-5, 6), min_new_tokens=st.integers(-5, 8),
-    temperature=finite, top_p=finite, top_k=st.integers(-5, 10**6), min_p=finite,
-    repetition_penalty=finite, frequency_penalty=finite, presence_penalty=finite,
-    logit_bias=st.dictionaries(st.integers(-10, 10**6), finite, max_size=3),
+    max_new_tokens=st.integers(-5, 6),
+    logit_bias=st.dictionaries(st.integers(-10, 10**6), hostile(BY_NAME["temperature"]), max_size=3),
     seed=st.integers(0, 2**64 - 1), stop_token_ids=st.lists(st.integers(-10, 10**6), max_size=3),
-    ignore_eos=st.booleans(),
+    **{o.name: hostile(o) for o in CORE_OPTIONS},
 )
 
 

@@ -16,34 +16,9 @@ from typing import Union
 import msgspec
 
 from unison.config import EngineConfig
+from unison.sampling import CoreSamplingParams
 
 PROTOCOL_VERSION = "4"
-
-
-class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The part of SamplingParams the core acts on (validated by the frontend)."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] = {}
-    seed: int = 0  # always set: the frontend draws one when the user gives none
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    grammar: str | None = None  # llguidance grammar text (from a JSON schema, regex or EBNF)
-    # With a reasoning parser: the tokens that close the reasoning section (</think>). The grammar
-    # holds the output only after them, as SGLang constrains reasoning models.
-    grammar_after: list[int] = []
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.top_k == 1
 
 
 # ---- frontend -> core -------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import CoreInfo, EngineStats, Generate, ReqOutput
+from unison.sampling import MAX_TOP_LOGPROBS, core_problem
 
 log = logging.getLogger(__name__)
 
@@ -216,15 +216,10 @@ class EngineCore:
         ids = [*msg.input_ids, *p.stop_token_ids, *p.logit_bias, *msg.token_ids_logprob]
         if min(ids) < 0 or max(ids) >= vocab:
             return f"token ids must be in [0, {vocab - 1}]"
-        numbers = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
-                   p.presence_penalty, *p.logit_bias.values())
-        if not all(math.isfinite(x) for x in numbers):
-            return "sampling parameters must be finite numbers"
-        if not (p.temperature >= 0 and 0 < p.top_p <= 1 and 0 <= p.min_p <= 1 and p.top_k >= -1
-                and p.repetition_penalty > 0 and 0 <= p.min_new_tokens and p.seed >= 0):
-            return "sampling parameters out of range"
-        if not 0 <= msg.top_logprobs_num <= 20 or msg.logprob_start_len < -1:
-            return "top_logprobs_num must be in [0, 20] and logprob_start_len >= -1"
+        if (problem := core_problem(p)) is not None:
+            return problem
+        if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS or msg.logprob_start_len < -1:
+            return f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}] and logprob_start_len >= -1"
         return None
 
     def _compile(self, req: Request, grammar: str) -> None:

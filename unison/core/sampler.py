@@ -114,9 +114,28 @@ class Sampler:
         if (min_p > 0).any():
             floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
+        typical_p = torch.tensor([r.params.typical_p for r in reqs], device=logits.device)
+        if (typical_p < 1).any():
+            probs = _typical(probs, typical_p)
         noise = torch.empty_like(probs)
         for i, r in enumerate(reqs):
             gen = torch.Generator(device=probs.device)
             gen.manual_seed((r.params.seed * _MIX + r.num_output_tokens) % 2**63)
             noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022), as transformers' TypicalLogitsWarper: keep
+    the tokens whose surprise is closest to the distribution's entropy, fewest first, until they
+    hold `mass` of the probability; rows with mass 1 are kept whole."""
+    p = probs / probs.sum(-1, keepdim=True)  # what earlier filters left, renormalized
+    logp = p.log()
+    entropy = -(p * logp).nansum(-1, keepdim=True)
+    distance = (-logp - entropy).abs()  # inf for tokens already filtered out: sorted last
+    sorted_distance, order = distance.sort(dim=-1)
+    cumulative = p.gather(-1, order).cumsum(-1)
+    last = (cumulative < mass.unsqueeze(1)).sum(-1, keepdim=True).clamp(max=p.shape[-1] - 1)
+    drop_sorted = sorted_distance > sorted_distance.gather(-1, last)
+    drop = drop_sorted.scatter(-1, order, drop_sorted) & (mass < 1).unsqueeze(1)
+    return probs.masked_fill(drop, 0.0)

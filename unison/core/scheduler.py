@@ -21,11 +21,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from unison.config import POLICIES
 from unison.core.block_pool import BlockPool
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
-
-POLICIES = ("fcfs", "lpm", "fair", "random")
 
 
 @dataclass(slots=True)

@@ -1,73 +1,46 @@
-"""SamplingParams: what a user may ask of one request, named and bounded as in SGLang."""
+"""SamplingParams: what a user may ask of one request, named and bounded as in SGLang.
+
+Its fields are the options of unison/sampling.py (declared there once, with their bounds); this
+file holds the checks that are more than a range, and the mapping onto the core's wire struct.
+"""
 
 from __future__ import annotations
 
-import math
 import random
 import re
-from dataclasses import dataclass, fields
+from dataclasses import field, fields, make_dataclass
 from typing import Any
 
 from unison.errors import InvalidParam
 from unison.frontend.structured import grammar_text
-from unison.protocol import CoreSamplingParams
+from unison.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, OPTIONS, CoreSamplingParams
 
-MAX_N = 128
-MAX_STOP_STRINGS = 32
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
-@dataclass
-class SamplingParams:
-    max_new_tokens: int | None = 128  # None: as many as the context (and the KV cache) allow
-    min_new_tokens: int = 0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    # Regular expressions searched in the output text; the first match ends the request, the
-    # text kept up to the match's end (finish_reason "matched": the pattern, as SGLang's).
-    stop_regex: str | list[str] | None = None
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[Any, float] | None = None
-    sampling_seed: int | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    # Structured output, at most one (SGLang's names): a JSON Schema (dict or string), a regex the
-    # whole output must match, or an EBNF grammar (GBNF or Lark syntax).
-    json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    # Token ids after which the constraint holds (a reasoning model's "</think>"): the output is
-    # free until they appear. The OpenAI routes set it with a reasoning parser.
-    structured_after: list[int] | None = None
+class _Checks:
+    """SamplingParams' behaviour; the fields come from OPTIONS (see make_dataclass below)."""
 
     @classmethod
-    def from_any(cls, params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    def from_any(cls, params: Any) -> SamplingParams:
         if params is None:
-            return cls()
+            return SamplingParams()
         if isinstance(params, SamplingParams):
             return params
         if not isinstance(params, dict):
             raise InvalidParam("sampling_params", "sampling_params must be a dict or SamplingParams, "
                                f"got {type(params).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(SamplingParams)}
         unknown = sorted(set(params) - known)
         if unknown:
             raise InvalidParam(unknown[0], f"unknown sampling parameter(s) {unknown}; "
                                f"allowed: {sorted(known)}")
-        return cls(**params)
+        return SamplingParams(**params)
 
     @property
     def grammar_kind(self) -> str | None:
         """Which constraint is given (json_schema, regex or ebnf), if any."""
-        return next((k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None), None)
+        return next((k for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -85,37 +58,16 @@ class SamplingParams:
                  room: int | None = None) -> None:
         """Raise InvalidParam naming the field and the allowed range; nothing is queued before this.
         `room`: the tokens one request may reach (context and KV cache), for max_new_tokens=None."""
-        if self.max_new_tokens is not None:
-            _int("max_new_tokens", self.max_new_tokens, lo=0)
+        self._check_declared()
         max_new = self.max_tokens(prompt_len, context_length if room is None else room)
-        _int("min_new_tokens", self.min_new_tokens, lo=0, hi=max(max_new, 0))
-        _int("n", self.n, lo=1, hi=MAX_N)
-        _float("temperature", self.temperature, lo=0.0)
-        _float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        _int("top_k", self.top_k, lo=-1)
-        if self.top_k == 0:
-            raise InvalidParam("top_k", "top_k must be -1 (all tokens) or >= 1, got 0")
-        _float("min_p", self.min_p, lo=0.0, hi=1.0)
-        _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=2.0, lo_open=True)
-        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidParam(name, f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.sampling_seed is not None:
-            _int("sampling_seed", self.sampling_seed, lo=0, hi=2**63 - 1)
+        if self.min_new_tokens > max(max_new, 0):
+            raise InvalidParam("min_new_tokens", f"min_new_tokens must be in [0, {max(max_new, 0)}], "
+                                                 f"got {self.min_new_tokens}")
         self._validate_stop()
         self._grammar()
         for tid in self.stop_token_ids or []:
-            _int("stop_token_ids", tid, lo=0, hi=vocab_size - 1)
-        if self.structured_after is not None:
-            if not isinstance(self.structured_after, list) or not self.structured_after:
-                raise InvalidParam("structured_after", "structured_after must be a non-empty list of "
-                                                       "token ids")
-            if self.grammar_kind is None:
-                raise InvalidParam("structured_after", "structured_after needs json_schema, regex or ebnf")
-            for tid in self.structured_after:
-                _int("structured_after", tid, lo=0, hi=vocab_size - 1)
+            _token_id("stop_token_ids", tid, vocab_size)
+        self._validate_structured_after(vocab_size)
         self._bias_items(vocab_size)
         if prompt_len > context_length:
             raise InvalidParam("prompt", f"prompt ({prompt_len} tokens) exceeds the context length "
@@ -131,33 +83,46 @@ class SamplingParams:
                 f"{context_length - prompt_len} or shorten the prompt"
             )
 
+    def _check_declared(self) -> None:
+        """Every option's declared rule: numbers in range, flags bools."""
+        for o in OPTIONS:
+            value = getattr(self, o.name)
+            if o.numeric and value is not None and (problem := o.problem(value)) is not None:
+                raise InvalidParam(o.name, f"{o.name} {problem}")
+            if o.type is bool and not isinstance(value, bool):
+                raise InvalidParam(o.name, f"{o.name} must be a bool, got {value!r}")
+
     def _validate_stop(self) -> None:
         if self.stop is not None and not isinstance(self.stop, (str, list)):
             raise InvalidParam("stop", "stop must be a string or a list of strings, "
                                        f"got {type(self.stop).__name__}")
-        stops = self.stop_strings
-        if len(stops) > MAX_STOP_STRINGS:
-            raise InvalidParam("stop", f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} "
-                                       "are allowed")
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise InvalidParam("stop", f"stop strings must be non-empty strings, got {s!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list):
             raise InvalidParam("stop_token_ids", "stop_token_ids must be a list of token ids")
         if self.stop_regex is not None and not isinstance(self.stop_regex, (str, list)):
             raise InvalidParam("stop_regex", "stop_regex must be a string or a list of strings")
-        if len(self.stop_regexes) > MAX_STOP_STRINGS:
-            raise InvalidParam("stop_regex", f"stop_regex has {len(self.stop_regexes)} patterns; at most "
-                                             f"{MAX_STOP_STRINGS} are allowed")
+        for name, values in (("stop", self.stop_strings), ("stop_regex", self.stop_regexes)):
+            if len(values) > MAX_STOP_STRINGS:
+                raise InvalidParam(name, f"{name} has {len(values)} entries; at most {MAX_STOP_STRINGS} "
+                                         "are allowed")
+            for s in values:
+                if not isinstance(s, str) or not s:
+                    raise InvalidParam(name, f"{name} entries must be non-empty strings, got {s!r}")
         for pattern in self.stop_regexes:
-            if not isinstance(pattern, str) or not pattern:
-                raise InvalidParam("stop_regex", f"stop_regex patterns must be non-empty strings, "
-                                                 f"got {pattern!r}")
             try:
                 re.compile(pattern)
             except re.error as e:
                 raise InvalidParam("stop_regex", f"stop_regex {pattern!r} is not a valid regular "
                                                  f"expression: {e}") from None
+
+    def _validate_structured_after(self, vocab_size: int) -> None:
+        if self.structured_after is None:
+            return
+        if not isinstance(self.structured_after, list) or not self.structured_after:
+            raise InvalidParam("structured_after", "structured_after must be a non-empty list of token ids")
+        if self.grammar_kind is None:
+            raise InvalidParam("structured_after", "structured_after needs json_schema, regex or ebnf")
+        for tid in self.structured_after:
+            _token_id("structured_after", tid, vocab_size)
 
     def _grammar(self) -> str | None:
         """The constraint as llguidance grammar text (converted once per distinct spec)."""
@@ -177,8 +142,11 @@ class SamplingParams:
                 tid = int(key)
             except (TypeError, ValueError):
                 raise InvalidParam("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
-            _int("logit_bias", tid, lo=0, hi=vocab_size - 1, what="logit_bias token id")
-            _float("logit_bias", bias, lo=-100.0, hi=100.0, what=f"logit_bias[{tid}]")
+            _token_id("logit_bias", tid, vocab_size)
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not \
+                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidParam("logit_bias", f"logit_bias[{tid}] must be a number in "
+                                                 f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias!r}")
             out[tid] = float(bias)
         return out
 
@@ -191,30 +159,23 @@ class SamplingParams:
         else:
             seed = self.sampling_seed + index
         return CoreSamplingParams(
-            max_new_tokens=max_new_tokens, min_new_tokens=self.min_new_tokens,
-            temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k,
-            min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty),
-            frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
-            logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            grammar=self._grammar(), grammar_after=list(self.structured_after or []),
+            max_new_tokens=max_new_tokens, logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
+            stop_token_ids=list(self.stop_token_ids or []), grammar=self._grammar(),
+            grammar_after=list(self.structured_after or []),
+            **{o.name: _plain(getattr(self, o.name), o.type) for o in OPTIONS if o.core},
         )
 
 
-def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None, what: str = "") -> None:
-    what = what or name
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParam(name, f"{what} must be an integer, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise InvalidParam(name, f"{what} must be in [{lo}, {'inf' if hi is None else hi}], got {value}")
+def _plain(value: Any, kind: Any) -> Any:
+    return float(value) if kind is float else value  # an int given for a float travels as one
 
 
-def _float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False,
-           what: str = "") -> None:
-    what = what or name
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidParam(name, f"{what} must be a number, got {value!r}")
-    bad_lo = value <= lo if lo_open else value < lo
-    if math.isnan(value) or bad_lo or value > hi:
-        left = "(" if lo_open else "["
-        raise InvalidParam(name, f"{what} must be in {left}{lo}, {hi}], got {value}")
+def _token_id(name: str, tid: Any, vocab_size: int) -> None:
+    if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
+        raise InvalidParam(name, f"{name}: token ids must be integers in [0, {vocab_size - 1}], "
+                                 f"got {tid!r}")
+
+
+SamplingParams = make_dataclass(
+    "SamplingParams", [(o.name, o.type, field(default=o.default)) for o in OPTIONS],
+    bases=(_Checks,), namespace={"__module__": __name__, "__doc__": __doc__})

@@ -51,9 +51,10 @@ from unison.protocol import (
     encode,
 )
 from unison.registry import pid_alive
+from unison.sampling import MAX_TOP_LOGPROBS
 
 ATTACH_TIMEOUT = 5.0  # an attaching frontend talks to a core that is up already
-MAX_TOP_LOGPROBS = 20
+
 MAX_TOKEN_IDS_LOGPROB = 256  # logprobs of given ids, per position
 MAX_MESSAGES_PER_WAKE = 64  # messages taken in one pass when they queue up
 RETRY_SEND_S = 0.001  # while the pipe to the core is full

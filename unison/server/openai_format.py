@@ -19,12 +19,13 @@ from unison.frontend.collector import Collector
 from unison.frontend.reasoning import ReasoningSplitter, split_whole
 from unison.frontend.request import ReqState
 from unison.frontend.tokenizer import Tokenizer
+from unison.sampling import OPTIONS
 
 if TYPE_CHECKING:
     from unison.server.openai_tools import ToolPlan
 
 # The engine's field names as an OpenAI request spells them (an InvalidParam's `param`).
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+OPENAI_NAMES = {**{o.name: o.openai for o in OPTIONS if o.openai not in (None, o.name)},
                 "input_ids": "prompt", "json_schema": "response_format"}
 
 

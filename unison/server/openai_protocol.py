@@ -6,14 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from unison.errors import InvalidParam
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.structured import JSON_OBJECT, with_additional_properties
+from unison.sampling import MAX_TOP_LOGPROBS, OPTIONS
 
 # generation_config.json keys that are request defaults (vLLM applies the same ones).
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+MODEL_DEFAULTS = tuple(o.name for o in OPTIONS if o.model_default)
+# The sampling options an OpenAI request may set, under their OpenAI / vLLM names.
+OPENAI_OPTIONS = tuple(o for o in OPTIONS if o.openai is not None)
 
 
 def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
@@ -27,24 +30,25 @@ def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
             raise FileNotFoundError(f"--generation-config {setting}: no generation_config.json there")
         return {}
     config = json.loads(path.read_text())
-    return {k: config[k] for k in (*SAMPLING_DEFAULTS, "max_new_tokens") if k in config}
+    return {k: config[k] for k in (*MODEL_DEFAULTS, "max_new_tokens") if k in config}
 
 
-class _Base(BaseModel):
+class _Strict(BaseModel):
     # An unknown field is a 400 naming it, as OpenAI answers: a misspelt option silently ignored
     # would change the output unnoticed.
     model_config = ConfigDict(extra="forbid")
 
+
+# One field per OpenAI sampling option; null or absent means the option's default (or the model's,
+# from generation_config.json).
+_SamplingFields = create_model(
+    "_SamplingFields", __base__=_Strict,
+    **{o.openai: (o.type | None, Field(default=None, description=f"{o.doc} (default: {o.default})".lstrip()))
+       for o in OPENAI_OPTIONS})
+
+
+class _Base(_SamplingFields):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     # Standard fields that do not change the output: accepted and ignored.
@@ -52,47 +56,23 @@ class _Base(BaseModel):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # Extra sampling fields, as vLLM and SGLang accept them.
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
     priority: int = 0  # higher is admitted first (SGLang's convention)
-    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     add_special_tokens: bool | None = None  # vLLM's defaults: true for completions, false for chat
-    # Structured output: OpenAI's response_format, or SGLang's regex / ebnf.
+    # Structured output: OpenAI's response_format (or SGLang's regex / ebnf, sampling options).
     response_format: dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
 
     def sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
                         ) -> SamplingParams:
         """`defaults`: the model's generation_config.json sampling values, for the fields this
         request left unset; its max_new_tokens caps every request (vLLM's --generation-config)."""
         defaults = defaults or {}
-        unset = {k: v for k, v in defaults.items()
-                 if k in SAMPLING_DEFAULTS and k not in self.model_fields_set}
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        if isinstance(defaults.get("max_new_tokens"), int):
+        given = {o.name: value for o in OPENAI_OPTIONS if (value := getattr(self, o.openai)) is not None}
+        values = {k: v for k, v in defaults.items() if k in MODEL_DEFAULTS} | given
+        max_tokens = given.get("max_new_tokens", default_max_tokens)
+        if isinstance(defaults.get("max_new_tokens"), int) and isinstance(max_tokens, int):
             max_tokens = min(max_tokens, defaults["max_new_tokens"])
-        params = SamplingParams(
-            json_schema=self._json_schema(), regex=self.regex, ebnf=self.ebnf,
-            max_new_tokens=max_tokens, min_new_tokens=self.min_tokens, n=self.n, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-            sampling_seed=self.seed, skip_special_tokens=self.skip_special_tokens,
-            no_stop_trim=self.include_stop_str_in_output,
-        )
-        for name, value in unset.items():
-            setattr(params, name, value)
-        return params
+        return SamplingParams(**values | {"max_new_tokens": max_tokens, "json_schema": self._json_schema()})
 
     def _json_schema(self) -> dict[str, Any] | str | None:
         """OpenAI's response_format as a JSON schema (None: plain text)."""
@@ -119,7 +99,7 @@ class _Base(BaseModel):
 
 class CompletionRequest(_Base):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -135,7 +115,7 @@ class ChatCompletionRequest(_Base):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
