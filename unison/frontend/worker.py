@@ -28,7 +28,7 @@ import zmq
 from unison import registry
 from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam, check_encodable
-from unison.frontend.collector import Collector
+from unison.frontend.collector import Collector, running_loop
 from unison.frontend.request import GenerateRequest, PromptRequest, ReqState
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
@@ -417,7 +417,7 @@ class TokenizerWorker:
         for rid in rids:
             coro = self.abort(rid)
             try:
-                if _running_loop() is self.loop:
+                if running_loop() is self.loop:
                     self.loop.create_task(coro)
                 else:
                     asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -589,10 +589,3 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
             or (hi is not None and value > hi):
         bounds = f" in [{lo}, {'inf' if hi is None else hi}]" if lo is not None else ""
         raise InvalidParam(name, f"{name} must be an integer{bounds}, got {value!r}")
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
