@@ -22,7 +22,7 @@ from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.errors import EngineDeadError, InvalidParam
-from unison.frontend.collector import Collector
+from unison.frontend.collector import Collector, running_loop
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.worker import TokenizerWorker
 from unison.protocol import ControlOp, OpResult, Pause, PauseMode, UpdateTensors, UpdateWeights
@@ -203,7 +203,7 @@ class Engine:
                  rid: str | list[str] | None = None, priority: int | None = None,
                  **sglang_args: Any) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict) or a list (a flat list of P * n dicts)."""
-        if _running_loop() is not None:
+        if running_loop() is not None:
             warnings.warn("Engine.generate blocks the running event loop; use async_generate there",
                           RuntimeWarning, stacklevel=2)
         _refuse_unsupported(image_data=image_data, lora_path=lora_path,
@@ -481,11 +481,3 @@ def _pause_mode(mode: str) -> PauseMode:
         return PauseMode(mode)
     except ValueError:
         raise ValueError(f"mode must be one of {[m.value for m in PauseMode]}, got {mode!r}") from None
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-

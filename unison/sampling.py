@@ -94,7 +94,7 @@ OPTIONS: tuple[Option, ...] = (
            doc="-1: all tokens"),
     Option("min_p", float, 0.0, lo=0.0, hi=1.0, openai="min_p", core=True, model_default=True),
     Option("typical_p", float, 1.0, lo=0.0, hi=1.0, lo_open=True, openai="typical_p", core=True,
-           model_default=True, doc="locally typical sampling (Meister et al.), as transformers and llama.cpp"),
+           model_default=True, doc="locally typical sampling, as transformers and llama.cpp"),
     Option("frequency_penalty", float, 0.0, lo=-2.0, hi=2.0, openai="frequency_penalty", core=True),
     Option("presence_penalty", float, 0.0, lo=-2.0, hi=2.0, openai="presence_penalty", core=True),
     Option("repetition_penalty", float, 1.0, lo=0.0, hi=2.0, lo_open=True, openai="repetition_penalty",

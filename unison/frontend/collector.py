@@ -60,6 +60,14 @@ def _waker_for(event: asyncio.Event, loop: asyncio.AbstractEventLoop,
     return lambda: waker.wake(event)
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop running in this thread, if any (a consumer may be on none)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class Collector:
     """The requests of one call (prompts x n), in order, and what each consumer has seen."""
 
