@@ -90,7 +90,9 @@ def test_random_frames(engine, raw, frame):
 @FUZZ
 @given(st.sampled_from([
     protocol.Generate("x", [1, 2, 3], protocol.CoreSamplingParams()),
-    protocol.Control(1, protocol.ControlOp.SERVER_INFO),
+    protocol.Control(1, protocol.GetServerInfo()),
+    protocol.Control(2, protocol.CheckIntegrity()),
+    protocol.Control(3, protocol.AbortRequests("x")),
     protocol.Abort("x"),
     protocol.Abort("x", finished=True),
 ]), st.integers(1, 40))
@@ -126,7 +128,7 @@ def test_hostile_generate_values(engine, raw, ids, p, return_logprob, top_n, sta
 def test_messages_before_hello_are_dropped(engine):
     with dealer() as (sock, _):
         sock.send(protocol.encode(protocol.Generate("intruder", [1, 2, 3], protocol.CoreSamplingParams())))
-        sock.send(protocol.encode(protocol.Control(1, protocol.ControlOp.SERVER_INFO)))
+        sock.send(protocol.encode(protocol.Control(1, protocol.GetServerInfo())))
         assert not sock.poll(500), "a frontend that has not said Hello must get nothing"
         sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token="guessed")))
         assert sock.poll(5000)
