@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -160,6 +161,32 @@ def test_hostile_values_are_refused(raw, msg):
             break
     [out] = [o for o in reply.outputs if o.rid == msg.rid]
     assert out.finish == "abort" and out.error and out.refused, out
+
+
+def control_reply(raw: zmq.Socket, cid: int) -> protocol.ControlReply:
+    while True:  # skip outputs of earlier tests' requests
+        assert raw.poll(5000), "the core did not answer"
+        reply = protocol.decode_to_frontend(raw.recv())
+        if isinstance(reply, protocol.ControlReply) and reply.cid == cid:
+            return reply
+
+
+@pytest.mark.parametrize("request_, where", [
+    ({"type": "pause", "mode": "sideways"}, "$.request.mode"),  # a value of the wrong kind
+    ({"type": "reboot"}, "$.request.type"),  # no such control
+    ({"type": "update_weights"}, "model_path"),  # a required field left out
+])
+def test_unreadable_controls_are_answered_with_the_field(raw, request_, where):
+    """The frontend waiting on the cid hears why at once, rather than at its timeout."""
+    raw.send(msgspec.msgpack.encode({"type": "Control", "cid": 900, "request": request_}))
+    reply = control_reply(raw, 900)
+    assert reply.result is None and where in reply.error, reply
+
+
+def test_a_control_its_handler_refuses_is_answered_with_the_error(raw):
+    raw.send(protocol.encode(protocol.Control(901, protocol.AbortRequests())))
+    reply = control_reply(raw, 901)
+    assert reply.result is None and "abort_requests needs a rid" in reply.error, reply
 
 
 def test_the_core_kept_serving(engine, raw):

@@ -351,12 +351,20 @@ class ControlReply(msgspec.Struct, tag=True):
     error: str | None = None
 
 
+class ControlHead(msgspec.Struct, tag="Control"):
+    """A Control read for its cid alone: a Control whose request the core cannot decode is
+    still answered, with the decoder's reason (it names the field)."""
+
+    cid: int
+
+
 ToCore = Union[Hello, Generate, Abort, Control, Ack, Goodbye, Heartbeat]
 ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply]
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode
 decode_to_frontend = msgspec.msgpack.Decoder(ToFrontend).decode
+decode_control_head = msgspec.msgpack.Decoder(ControlHead).decode
 
 
 # ---- owner -> core, once, on the core's stdin -------------------------------------------------

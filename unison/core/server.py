@@ -31,6 +31,7 @@ from unison.protocol import (
     Abort,
     Ack,
     Control,
+    ControlReply,
     CoreArgs,
     CoreInfo,
     EngineInfo,
@@ -42,6 +43,7 @@ from unison.protocol import (
     ReqOutput,
     ToCore,
     Welcome,
+    decode_control_head,
     decode_to_core,
     encode,
 )
@@ -207,9 +209,24 @@ class CoreServer:
             try:
                 msg = decode_to_core(frames[1])
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                log.warning("dropped an undecodable message: %s", e)
+                if not self.refuse_control(peer, frames[1], e):
+                    log.warning("dropped an undecodable message: %s", e)
                 continue
             self.handle(peer, msg)
+
+    def refuse_control(self, peer: Peer, data: bytes, error: Exception) -> bool:
+        """Answer a Control whose request cannot be read (an unknown op, a field of the wrong
+        type) with the decoder's reason, which names the field, rather than leave its caller
+        waiting for a timeout. False if `data` is no attached frontend's Control."""
+        fe = self.frontends.get(peer.key)
+        if fe is None:
+            return False
+        try:
+            cid = decode_control_head(data).cid
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        self.frontends.send(fe, ControlReply(cid, error=f"the control could not be read: {error}"))
+        return True
 
     def handle(self, peer: Peer, msg: ToCore) -> None:
         ident = peer.key
