@@ -252,8 +252,8 @@ class ControlRequest(msgspec.Struct, Generic[ReplyT], frozen=True, tag=True):
 
     reply: ClassVar[type]
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
+    def __init_subclass__(cls) -> None:  # msgspec has taken the class options (tag=...) already
+        super().__init_subclass__()
         bases = cls.__dict__.get("__orig_bases__", ())  # its own: ControlRequest's would be inherited
         replies = [get_args(base)[0] for base in bases if get_args(base)]
         if len(replies) != 1 or not isinstance(replies[0], type):
@@ -263,7 +263,7 @@ class ControlRequest(msgspec.Struct, Generic[ReplyT], frozen=True, tag=True):
 
     @property
     def op(self) -> str:
-        return type(self).__struct_config__.tag
+        return str(type(self).__struct_config__.tag)
 
     def check_reply(self, result: ControlResult | None) -> ReplyT:
         """The core's result, if it has this request's reply type (else the two sides disagree
@@ -274,11 +274,11 @@ class ControlRequest(msgspec.Struct, Generic[ReplyT], frozen=True, tag=True):
         return cast(ReplyT, result)
 
 
-class GetServerInfo(ControlRequest[ServerInfo], tag="server_info"):
+class GetServerInfo(ControlRequest[ServerInfo], tag="server_info", frozen=True):
     """The engine's state (get_server_info, get_model_info, /metrics)."""
 
 
-class FlushCache(ControlRequest[OpResult], tag="flush_cache"):
+class FlushCache(ControlRequest[OpResult], tag="flush_cache", frozen=True):
     """Empty the prefix cache; refused (a falsy OpResult) while requests hold KV."""
 
 
@@ -290,32 +290,32 @@ class PauseMode(enum.Enum):
     IN_PLACE = "in_place"  # they keep their KV and resume where they were
 
 
-class Pause(ControlRequest[OpResult], tag="pause"):
+class Pause(ControlRequest[OpResult], tag="pause", frozen=True):
     """Stop stepping; requests that arrive meanwhile queue (held, not refused)."""
 
     mode: PauseMode = PauseMode.ABORT
 
 
-class Continue(ControlRequest[OpResult], tag="continue"):
+class Continue(ControlRequest[OpResult], tag="continue", frozen=True):
     """Step again after a pause."""
 
 
-class CheckIntegrity(ControlRequest[OpResult], tag="check_integrity"):
+class CheckIntegrity(ControlRequest[OpResult], tag="check_integrity", frozen=True):
     """Answered with an error if the KV block pool has a leaked or double-owned block."""
 
 
-class GetStepShapes(ControlRequest[StepShapeCounts], tag="step_shapes"):
+class GetStepShapes(ControlRequest[StepShapeCounts], tag="step_shapes", frozen=True):
     """Benchmarks: needs UNISON_RECORD_STEP_SHAPES=1 in the core's environment."""
 
 
-class AbortRequests(ControlRequest[OpResult], tag="abort_requests"):
+class AbortRequests(ControlRequest[OpResult], tag="abort_requests", frozen=True):
     """Abort requests of any frontend (the operator's control, not a client's Abort)."""
 
     rid: str = ""  # a request id (its n samples too), or
     abort_all: bool = False  # every request in flight, whichever frontend sent it
 
 
-class UpdateWeights(ControlRequest[OpResult], tag="update_weights"):
+class UpdateWeights(ControlRequest[OpResult], tag="update_weights", frozen=True):
     """Load a whole checkpoint (update_weights_from_disk)."""
 
     model_path: str  # an HF directory or a GGUF file of the same architecture and shapes
@@ -323,7 +323,7 @@ class UpdateWeights(ControlRequest[OpResult], tag="update_weights"):
     abort_all_requests: bool = False  # abort what is in flight instead of letting it finish
 
 
-class UpdateTensors(ControlRequest[OpResult], tag="update_tensors"):
+class UpdateTensors(ControlRequest[OpResult], tag="update_tensors", frozen=True):
     """Replace some of the running model's tensors (update_weights_from_tensor). They travel
     as a file, not in the message: a model's worth of bytes through the control socket would
     stall every other frontend's outputs behind it."""

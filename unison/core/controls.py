@@ -67,6 +67,7 @@ class Controls:
         """Run a waiting weight update once it may, and answer whoever asked for it."""
         if self.update.ready(self.paused is not None):
             by = self.update.caller
+            assert by is not None  # set while WAITING
             result = self.finish_update()
             fe = by.frontend
             if self.server.frontends.get(fe.ident) is fe:

@@ -93,10 +93,9 @@ class CoreServer:
         self.poller.register(self.sock, zmq.POLLIN)
         self.tcp, self.auth, self.tcp_address, self.server_key = None, None, None, None
         if args.config.listen:
-            self.tcp, self.auth = _curve_router(self.ctx, args.config.listen, args.curve_secret_key,
-                                                args.config.trusted_client_keys)
+            self.tcp, self.auth, self.server_key = _curve_router(
+                self.ctx, args.config.listen, args.curve_secret_key, args.config.trusted_client_keys)
             self.tcp_address = self.tcp.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.server_key = zmq.curve_public(args.curve_secret_key.encode()).decode()
             self.poller.register(self.tcp, zmq.POLLIN)
             log.info("listening for remote frontends on %s", self.tcp_address)
         self.owner_pidfd = _pidfd(args.owner_pid)
@@ -253,9 +252,9 @@ class CoreServer:
             if out is not None:
                 self.replies.setdefault(ident, []).append(out)
         elif isinstance(msg, Control):
-            reply = self.controls.handle(fe, msg)
-            if reply is not None:  # else it comes once the control is done (a weight update)
-                self.frontends.send(fe, reply)
+            answer = self.controls.handle(fe, msg)
+            if answer is not None:  # else it comes once the control is done (a weight update)
+                self.frontends.send(fe, answer)
         elif isinstance(msg, Goodbye):
             self.frontends.drop(fe, "it said goodbye")
 
@@ -326,10 +325,10 @@ def _router(ctx: zmq.Context) -> zmq.Socket:
 
 
 def _curve_router(ctx: zmq.Context, address: str, secret_key: str | None,
-                  trusted_keys: tuple[str, ...]) -> tuple[zmq.Socket, ThreadAuthenticator]:
+                  trusted_keys: tuple[str, ...]) -> tuple[zmq.Socket, ThreadAuthenticator, str]:
     """A second ROUTER, on TCP, CURVE-encrypted (CURVE is set per socket: IPC stays as it
-    is). The ZAP authenticator admits only the trusted client keys: without it CURVE takes
-    any client that knows the server's public key."""
+    is), its authenticator and its public key. The ZAP authenticator admits only the trusted
+    client keys: without it CURVE takes any client that knows the server's public key."""
     from zmq.auth.thread import ThreadAuthenticator
 
     if not zmq.has("curve") or not secret_key:
@@ -342,7 +341,7 @@ def _curve_router(ctx: zmq.Context, address: str, secret_key: str | None,
     tcp.curve_secretkey = secret_key.encode()
     tcp.zap_domain = ZAP_DOMAIN.encode()
     tcp.bind(address)
-    return tcp, auth
+    return tcp, auth, zmq.curve_public(secret_key.encode()).decode()
 
 
 def _pidfd(pid: int) -> int | None:
