@@ -185,7 +185,7 @@ def send_foreign_abort(registry_file: str | Path, rid: str) -> None:
         sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token=info.token)))
         assert isinstance(receive(), protocol.Welcome), "Hello was not welcomed"
         sock.send(protocol.encode(protocol.Abort(rid)))
-        sock.send(protocol.encode(protocol.Control(cid=7, op=protocol.ControlOp.SERVER_INFO)))
+        sock.send(protocol.encode(protocol.Control(cid=7, request=protocol.GetServerInfo())))
         while not isinstance(reply := receive(), protocol.ControlReply):
             pass  # a StepOutputs would mean the Abort was acted on: the owner's check sees it
         assert reply.cid == 7 and reply.error is None, reply

@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -91,7 +92,9 @@ def test_random_frames(engine, raw, frame):
 @FUZZ
 @given(st.sampled_from([
     protocol.Generate("x", [1, 2, 3], protocol.CoreSamplingParams()),
-    protocol.Control(1, protocol.ControlOp.SERVER_INFO),
+    protocol.Control(1, protocol.GetServerInfo()),
+    protocol.Control(2, protocol.CheckIntegrity()),
+    protocol.Control(3, protocol.AbortRequests("x")),
     protocol.Abort("x"),
     protocol.Abort("x", finished=True),
 ]), st.integers(1, 40))
@@ -133,7 +136,7 @@ def test_hostile_generate_values(engine, raw, ids, p, return_logprob, top_n, sta
 def test_messages_before_hello_are_dropped(engine):
     with dealer() as (sock, _):
         sock.send(protocol.encode(protocol.Generate("intruder", [1, 2, 3], protocol.CoreSamplingParams())))
-        sock.send(protocol.encode(protocol.Control(1, protocol.ControlOp.SERVER_INFO)))
+        sock.send(protocol.encode(protocol.Control(1, protocol.GetServerInfo())))
         assert not sock.poll(500), "a frontend that has not said Hello must get nothing"
         sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token="guessed")))
         assert sock.poll(5000)
@@ -165,6 +168,32 @@ def test_hostile_values_are_refused(raw, msg):
             break
     [out] = [o for o in reply.outputs if o.rid == msg.rid]
     assert out.finish == "abort" and out.error and out.refused, out
+
+
+def control_reply(raw: zmq.Socket, cid: int) -> protocol.ControlReply:
+    while True:  # skip outputs of earlier tests' requests
+        assert raw.poll(5000), "the core did not answer"
+        reply = protocol.decode_to_frontend(raw.recv())
+        if isinstance(reply, protocol.ControlReply) and reply.cid == cid:
+            return reply
+
+
+@pytest.mark.parametrize("request_, where", [
+    ({"type": "pause", "mode": "sideways"}, "$.request.mode"),  # a value of the wrong kind
+    ({"type": "reboot"}, "$.request.type"),  # no such control
+    ({"type": "update_weights"}, "model_path"),  # a required field left out
+])
+def test_unreadable_controls_are_answered_with_the_field(raw, request_, where):
+    """The frontend waiting on the cid hears why at once, rather than at its timeout."""
+    raw.send(msgspec.msgpack.encode({"type": "Control", "cid": 900, "request": request_}))
+    reply = control_reply(raw, 900)
+    assert reply.result is None and where in reply.error, reply
+
+
+def test_a_control_its_handler_refuses_is_answered_with_the_error(raw):
+    raw.send(protocol.encode(protocol.Control(901, protocol.AbortRequests())))
+    reply = control_reply(raw, 901)
+    assert reply.result is None and "abort_requests needs a rid" in reply.error, reply
 
 
 def test_the_core_kept_serving(engine, raw):

@@ -19,7 +19,7 @@ from tests.test_engine import PROMPTS
 from tests.utils import wait_until
 from unison import Engine, EngineDeadError, curve_keypair
 from unison.errors import InvalidParam
-from unison.protocol import ControlOp, Hello, UpdateTensors, encode
+from unison.protocol import Hello, UpdateTensors, encode
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 ENDLESS = {"max_new_tokens": 2000, "ignore_eos": True}
@@ -64,7 +64,7 @@ def test_curve_key_attaches_and_generates(engine):
         # Tensors travel as a file on the core's host: refused over TCP, by the Engine and the core.
         with pytest.raises(InvalidParam, match="core's host only"):
             remote.update_weights_from_tensor([("model.norm.weight", torch.ones(576))])
-        refused = remote._control(ControlOp.UPDATE_WEIGHTS, UpdateTensors("/dev/shm/none.safetensors"))
+        refused = remote._control(UpdateTensors("/dev/shm/none.safetensors"))
         assert not refused and "core's host only" in refused.message
     finally:
         remote.shutdown()

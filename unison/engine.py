@@ -25,7 +25,19 @@ from unison.errors import EngineDeadError, InvalidParam
 from unison.frontend.collector import Collector, running_loop
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.worker import TokenizerWorker
-from unison.protocol import ControlOp, OpResult, Pause, PauseMode, UpdateTensors, UpdateWeights
+from unison.protocol import (
+    CheckIntegrity,
+    Continue,
+    ControlRequest,
+    FlushCache,
+    GetServerInfo,
+    OpResult,
+    Pause,
+    PauseMode,
+    ReplyT,
+    UpdateTensors,
+    UpdateWeights,
+)
 
 
 class _LoopThread:
@@ -265,33 +277,33 @@ class Engine:
 
     # ---- engine-wide controls, acted on in the core ------------------------------------------
 
-    def _control(self, op: ControlOp, arg: Any = None, timeout: float | None = 30.0) -> Any:
-        return self._h.loop.run(self._worker().control(op, arg, timeout))
+    def _control(self, req: ControlRequest[ReplyT], timeout: float | None = 30.0) -> ReplyT:
+        return self._h.loop.run(self._worker().control(req, timeout))
 
     def get_server_info(self) -> dict[str, Any]:
         """The engine's state, every frontend seeing the same: SGLang's keys (its options, then
         status, max_total_num_tokens, max_req_input_len, internal_states, version), and ours."""
-        info = self._control(ControlOp.SERVER_INFO).to_dict()
+        info = self._control(GetServerInfo()).to_dict()
         info["worker_id"] = self._h.worker.worker_id
         return info
 
     def get_model_info(self) -> dict[str, Any]:
         """What is served now (a weight update changes model_path), in SGLang's keys."""
-        return self._control(ControlOp.SERVER_INFO).model_info()
+        return self._control(GetServerInfo()).model_info()
 
     def flush_cache(self) -> OpResult:
         """Empty the prefix cache. The result is falsy, with the reason in `.message`, while
         requests hold KV (SGLang's: not an exception)."""
-        return self._control(ControlOp.FLUSH_CACHE)
+        return self._control(FlushCache())
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop generating, engine-wide: `abort` ends what is in flight (as aborted), `retract`
         frees its KV to recompute it after continue_generation(), `in_place` keeps it as it is.
         New requests meanwhile are queued, not refused."""
-        self._control(ControlOp.PAUSE, Pause(_pause_mode(mode)))
+        self._control(Pause(_pause_mode(mode)))
 
     def continue_generation(self) -> None:
-        self._control(ControlOp.CONTINUE)
+        self._control(Continue())
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  abort_all_requests: bool = False) -> tuple[bool, str, int]:
@@ -304,8 +316,7 @@ class Engine:
         _expect("load_format", load_format, str, "a string", optional=True)
         _expect("abort_all_requests", abort_all_requests, bool, "True or False")
         path = str(Path(model_path).expanduser().resolve())
-        r = self._control(ControlOp.UPDATE_WEIGHTS,
-                          UpdateWeights(path, load_format, bool(abort_all_requests)), timeout=None)
+        r = self._control(UpdateWeights(path, load_format, bool(abort_all_requests)), timeout=None)
         return r.success, r.message, r.num_paused_requests
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
@@ -335,15 +346,14 @@ class Engine:
 
         path = save_tensors(tensors, TENSOR_FILE_DIRS)
         try:
-            r = self._control(ControlOp.UPDATE_WEIGHTS, UpdateTensors(str(path), bool(flush_cache)),
-                              timeout=None)
+            r = self._control(UpdateTensors(str(path), bool(flush_cache)), timeout=None)
         finally:
             path.unlink(missing_ok=True)
         return r.success, r.message
 
     def check_integrity(self) -> None:
         """Raise if the core's KV block pool has a leaked or double-owned block."""
-        self._control(ControlOp.CHECK_INTEGRITY)
+        self._control(CheckIntegrity())
 
     def get_all_child_pids(self) -> list[int]:
         """The processes this Engine started: its core (none when attached)."""

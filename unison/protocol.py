@@ -4,21 +4,22 @@ frontend -> core: Hello, Generate, Abort, Control, Ack, Goodbye, Heartbeat
 core -> frontend: Welcome, Reject, StepOutputs, ControlReply
 
 Nothing is pickled and nothing is a dict of strings: what the core reports (CoreInfo, ServerInfo)
-is typed here too. The core sees token ids, never text: stop strings, detokenizing and chat
-templates stay in the frontend.
+is typed here too, and each engine-wide control is one request type that names its reply type.
+The core sees token ids, never text: stop strings, detokenizing and chat templates stay in the
+frontend.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Union
+from typing import ClassVar, Generic, TypeVar, Union, cast, get_args
 
 import msgspec
 
 from unison.config import EngineConfig
 from unison.sampling import CoreSamplingParams
 
-PROTOCOL_VERSION = "4"
+PROTOCOL_VERSION = "5"
 
 
 # ---- frontend -> core -------------------------------------------------------------------------
@@ -51,57 +52,6 @@ class Generate(msgspec.Struct, tag=True):
 class Abort(msgspec.Struct, tag=True):
     rid: str
     finished: bool = False  # a stop string ended it in the frontend: counted as finished, not aborted
-
-
-class ControlOp(enum.Enum):
-    """Engine-wide operations, acted on in the core so every frontend sees one state."""
-
-    SERVER_INFO = "server_info"
-    FLUSH_CACHE = "flush_cache"
-    PAUSE = "pause"
-    CONTINUE = "continue"
-    CHECK_INTEGRITY = "check_integrity"
-    STEP_SHAPES = "step_shapes"  # benchmarks: needs UNISON_RECORD_STEP_SHAPES=1 in the core's env
-    ABORT_REQUESTS = "abort_requests"  # engine-wide, any frontend's requests (arg: AbortRequests)
-    UPDATE_WEIGHTS = "update_weights"  # arg: UpdateWeights
-
-
-class PauseMode(enum.Enum):
-    """What a pause does to the requests in flight (SGLang's modes)."""
-
-    ABORT = "abort"  # they end as aborted, their KV freed
-    RETRACT = "retract"  # their KV is freed; they are recomputed after continue_generation
-    IN_PLACE = "in_place"  # they keep their KV and resume where they were
-
-
-class Pause(msgspec.Struct, tag=True, frozen=True):
-    mode: PauseMode = PauseMode.ABORT
-
-
-class AbortRequests(msgspec.Struct, tag=True, frozen=True):
-    rid: str = ""  # a request id (its n samples too), or
-    abort_all: bool = False  # every request in flight, whichever frontend sent it
-
-
-class UpdateWeights(msgspec.Struct, tag=True, frozen=True):
-    model_path: str  # an HF directory or a GGUF file of the same architecture and shapes
-    load_format: str | None = None  # None / auto: from the path
-    abort_all_requests: bool = False  # abort what is in flight instead of letting it finish
-
-
-class UpdateTensors(msgspec.Struct, tag=True, frozen=True):
-    """Replace some of the running model's tensors (update_weights_from_tensor). They travel
-    as a file, not in the message: a model's worth of bytes through the control socket would
-    stall every other frontend's outputs behind it."""
-
-    path: str  # a safetensors file on the core's host, named as the checkpoint names them
-    flush_cache: bool = True  # empty the prefix cache afterwards (False: more updates follow)
-
-
-class Control(msgspec.Struct, tag=True):
-    cid: int  # echoed in the reply
-    op: ControlOp
-    arg: Pause | AbortRequests | UpdateWeights | UpdateTensors | None = None
 
 
 class Ack(msgspec.Struct, tag=True):
@@ -258,10 +208,130 @@ class OpResult(msgspec.Struct, tag=True):
         return self.success
 
 
+class StepShapeCounts(msgspec.Struct, tag=True):
+    """How many forwards ran with each shape, as (tokens, logits rows, count) rows."""
+
+    rows: list[tuple[int, int, int]]
+
+
+# ---- engine-wide controls: frontend -> core (Control), core -> frontend (ControlReply) ---------
+
+ReplyT = TypeVar("ReplyT")
+
+
+class ControlRequest(msgspec.Struct, Generic[ReplyT], frozen=True, tag=True):
+    """An engine-wide operation, acted on in the core so every frontend sees one state.
+
+    Each subclass is one op: its tag (`op`) names it on the wire, and the type it subclasses
+    ControlRequest with is what the core answers (`reply`), so `TokenizerWorker.control(req)`
+    returns exactly that type. The core has one handler per subclass (core/controls.py)."""
+
+    reply: ClassVar[type]
+
+    def __init_subclass__(cls) -> None:  # msgspec has taken the class options (tag=...) already
+        super().__init_subclass__()
+        bases = cls.__dict__.get("__orig_bases__", ())  # its own: ControlRequest's would be inherited
+        replies = [get_args(base)[0] for base in bases if get_args(base)]
+        if len(replies) != 1 or not isinstance(replies[0], type):
+            raise TypeError(f"{cls.__name__} must name its reply type: class {cls.__name__}"
+                            "(ControlRequest[Reply], tag=...)")
+        cls.reply = replies[0]
+
+    @property
+    def op(self) -> str:
+        return str(type(self).__struct_config__.tag)
+
+    def check_reply(self, result: ControlResult | None) -> ReplyT:
+        """The core's result, if it has this request's reply type (else the two sides disagree
+        on the protocol: an error, not a wrongly typed value)."""
+        if not isinstance(result, self.reply):
+            raise RuntimeError(f"{self.op}: the engine core answered with {type(result).__name__}, "
+                               f"not {self.reply.__name__}")
+        return cast(ReplyT, result)
+
+
+class GetServerInfo(ControlRequest[ServerInfo], tag="server_info", frozen=True):
+    """The engine's state (get_server_info, get_model_info, /metrics)."""
+
+
+class FlushCache(ControlRequest[OpResult], tag="flush_cache", frozen=True):
+    """Empty the prefix cache; refused (a falsy OpResult) while requests hold KV."""
+
+
+class PauseMode(enum.Enum):
+    """What a pause does to the requests in flight (SGLang's modes)."""
+
+    ABORT = "abort"  # they end as aborted, their KV freed
+    RETRACT = "retract"  # their KV is freed; they are recomputed after continue_generation
+    IN_PLACE = "in_place"  # they keep their KV and resume where they were
+
+
+class Pause(ControlRequest[OpResult], tag="pause", frozen=True):
+    """Stop stepping; requests that arrive meanwhile queue (held, not refused)."""
+
+    mode: PauseMode = PauseMode.ABORT
+
+
+class Continue(ControlRequest[OpResult], tag="continue", frozen=True):
+    """Step again after a pause."""
+
+
+class CheckIntegrity(ControlRequest[OpResult], tag="check_integrity", frozen=True):
+    """Answered with an error if the KV block pool has a leaked or double-owned block."""
+
+
+class GetStepShapes(ControlRequest[StepShapeCounts], tag="step_shapes", frozen=True):
+    """Benchmarks: needs UNISON_RECORD_STEP_SHAPES=1 in the core's environment."""
+
+
+class AbortRequests(ControlRequest[OpResult], tag="abort_requests", frozen=True):
+    """Abort requests of any frontend (the operator's control, not a client's Abort)."""
+
+    rid: str = ""  # a request id (its n samples too), or
+    abort_all: bool = False  # every request in flight, whichever frontend sent it
+
+
+class UpdateWeights(ControlRequest[OpResult], tag="update_weights", frozen=True):
+    """Load a whole checkpoint (update_weights_from_disk)."""
+
+    model_path: str  # an HF directory or a GGUF file of the same architecture and shapes
+    load_format: str | None = None  # None / auto: from the path
+    abort_all_requests: bool = False  # abort what is in flight instead of letting it finish
+
+
+class UpdateTensors(ControlRequest[OpResult], tag="update_tensors", frozen=True):
+    """Replace some of the running model's tensors (update_weights_from_tensor). They travel
+    as a file, not in the message: a model's worth of bytes through the control socket would
+    stall every other frontend's outputs behind it."""
+
+    path: str  # a safetensors file on the core's host, named as the checkpoint names them
+    flush_cache: bool = True  # empty the prefix cache afterwards (False: more updates follow)
+
+
+ControlRequests = Union[GetServerInfo, FlushCache, Pause, Continue, CheckIntegrity, GetStepShapes,
+                        AbortRequests, UpdateWeights, UpdateTensors]
+ControlResult = Union[ServerInfo, OpResult, StepShapeCounts]  # every request's reply type
+CONTROL_REQUESTS: tuple[type[ControlRequest], ...] = get_args(ControlRequests)
+
+
+class Control(msgspec.Struct, tag=True):
+    """One engine-wide control; the core answers it with a ControlReply of the same cid."""
+
+    cid: int  # echoed in the reply
+    request: ControlRequests
+
+
 class ControlReply(msgspec.Struct, tag=True):
     cid: int
-    result: ServerInfo | OpResult | list[tuple[int, int, int]] | bool | None = None
+    result: ControlResult | None = None  # of the request's reply type; None with an error
     error: str | None = None
+
+
+class ControlHead(msgspec.Struct, tag="Control"):
+    """A Control read for its cid alone: a Control whose request the core cannot decode is
+    still answered, with the decoder's reason (it names the field)."""
+
+    cid: int
 
 
 ToCore = Union[Hello, Generate, Abort, Control, Ack, Goodbye, Heartbeat]
@@ -270,6 +340,7 @@ ToFrontend = Union[Welcome, Reject, StepOutputs, ControlReply]
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode
 decode_to_frontend = msgspec.msgpack.Decoder(ToFrontend).decode
+decode_control_head = msgspec.msgpack.Decoder(ControlHead).decode
 
 
 # ---- owner -> core, once, on the core's stdin -------------------------------------------------

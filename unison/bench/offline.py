@@ -20,7 +20,7 @@ from typing import Any
 from unison import Engine
 from unison.bench.datasets import sample_lengths, sharegpt_requests
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
-from unison.protocol import ControlOp
+from unison.protocol import GetStepShapes
 
 
 @dataclass
@@ -112,11 +112,11 @@ def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = 
     engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params=_greedy(2))
     from unison.bench import ceiling  # torch: imported only by the runs that need it
 
-    before = engine._control(ControlOp.STEP_SHAPES)  # recorded: main() sets RECORD_STEP_SHAPES_ENV
+    before = engine._control(GetStepShapes()).rows  # recorded: main() sets RECORD_STEP_SHAPES_ENV
     t0 = time.perf_counter()
     outs = asyncio.run(_generate_all(engine, reqs, quiet, ignore_eos))
     dt = time.perf_counter() - t0
-    shapes = ceiling.subtract(engine._control(ControlOp.STEP_SHAPES), before)
+    shapes = ceiling.subtract(engine._control(GetStepShapes()).rows, before)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     return {**_rates(len(reqs), sum(len(r.input_ids) for r in reqs), out_tokens, dt),
             "step_shapes": shapes}

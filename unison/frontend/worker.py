@@ -31,10 +31,11 @@ from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import (
     Abort,
     Control,
-    ControlOp,
     ControlReply,
+    ControlRequest,
     CoreInfo,
     Generate,
+    ReplyT,
     ReqOutput,
     StepOutputs,
 )
@@ -262,21 +263,22 @@ class TokenizerWorker:
             state.wake()
             self._send(Abort(rid))
 
-    async def control(self, op: ControlOp, arg: Any = None, timeout: float | None = 30.0) -> Any:
-        """An engine-wide operation, done in the core; None timeout: as long as it takes (a
-        weight update waits for the requests in flight), unless the core dies."""
+    async def control(self, req: ControlRequest[ReplyT], timeout: float | None = 30.0) -> ReplyT:
+        """An engine-wide operation, done in the core, answered with the request's reply type;
+        None timeout: as long as it takes (a weight update waits for the requests in flight),
+        unless the core dies."""
         self.check_alive()
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self._controls[cid] = fut
-        self._send(Control(cid, op, arg))
+        self._send(Control(cid, req))
         try:
             reply: ControlReply = await asyncio.wait_for(fut, timeout)
         finally:
             self._controls.pop(cid, None)
         if reply.error:
-            raise RuntimeError(f"{op.value} failed in the engine core: {reply.error}")
-        return reply.result
+            raise RuntimeError(f"{req.op} failed in the engine core: {reply.error}")
+        return req.check_reply(reply.result)
 
     # ---- core -> frontend --------------------------------------------------------------------
 

@@ -14,7 +14,18 @@ from fastapi.responses import JSONResponse, Response
 
 from unison import registry
 from unison.errors import EngineDeadError, check_encodable
-from unison.protocol import AbortRequests, ControlOp, OpResult, Pause, PauseMode, UpdateWeights
+from unison.protocol import (
+    AbortRequests,
+    Continue,
+    ControlRequest,
+    FlushCache,
+    GetServerInfo,
+    OpResult,
+    Pause,
+    PauseMode,
+    ReplyT,
+    UpdateWeights,
+)
 from unison.server.metrics import CONTENT_TYPE, render_metrics
 from unison.server.openai_format import HTTPError
 from unison.server.replicas import Replicas
@@ -40,7 +51,7 @@ async def server_info(request: Request):
     and each replica under `replicas` (its core's pid, host and own state; `internal_states`
     has one entry per replica, as SGLang's per DP rank)."""
     replicas: Replicas = request.app.state.replicas
-    indexed = await _control_all(request, ControlOp.SERVER_INFO)
+    indexed = await _control_all(request, GetServerInfo())
     infos = [one for _, one in indexed]
     info = infos[0].to_dict()
     if replicas.replicas_path is None:
@@ -56,12 +67,12 @@ async def server_info(request: Request):
 
 @router.get("/get_model_info")
 async def model_info(request: Request):
-    return (await worker_of(request).control(ControlOp.SERVER_INFO)).model_info()
+    return (await worker_of(request).control(GetServerInfo())).model_info()
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request):
-    return _results(await _control_all(request, ControlOp.FLUSH_CACHE))
+    return _results(await _control_all(request, FlushCache()))
 
 
 @router.post("/pause_generation")
@@ -74,14 +85,14 @@ async def pause_generation(request: Request):
     except ValueError:
         raise HTTPError(400, f"mode must be one of {[m.value for m in PauseMode]}, got {mode!r}",
                         param="mode") from None
-    await _control_all(request, ControlOp.PAUSE, pause)
+    await _control_all(request, pause)
     return {"message": "Generation paused successfully.", "status": "ok"}
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request):
     _only(await _json_body(request, empty_ok=True), set())
-    await _control_all(request, ControlOp.CONTINUE)
+    await _control_all(request, Continue())
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
@@ -95,7 +106,7 @@ async def abort_request(request: Request):
                         param="rid" if not isinstance(rid, str) else "abort_all")
     if not rid and not abort_all:
         raise HTTPError(400, "give a rid, or abort_all: true", param="rid")
-    await _control_all(request, ControlOp.ABORT_REQUESTS, AbortRequests(rid, abort_all))
+    await _control_all(request, AbortRequests(rid, abort_all))
     return Response(status_code=200)
 
 
@@ -112,15 +123,16 @@ async def update_weights_from_disk(request: Request):
         raise HTTPError(400, "load_format must be a string", param="load_format")
     if not isinstance(abort_all, bool):
         raise HTTPError(400, "abort_all_requests must be a bool", param="abort_all_requests")
-    indexed = await _control_all(request, ControlOp.UPDATE_WEIGHTS, UpdateWeights(path, fmt, abort_all),
-                                 timeout=None)
+    indexed = await _control_all(request, UpdateWeights(path, fmt, abort_all), timeout=None)
     return _results(indexed, num_paused_requests=sum(r.num_paused_requests for _, r in indexed))
 
 
-async def _control_all(request: Request, op: ControlOp, arg: Any = None, timeout: float | None = 30.0):
-    """A control on every replica's core (one, unless data parallel)."""
+async def _control_all(request: Request, req: ControlRequest[ReplyT],
+                       timeout: float | None = 30.0) -> list[tuple[int, ReplyT]]:
+    """A control on every replica's core (one, unless data parallel): (replica index, reply)."""
+    replicas: Replicas = request.app.state.replicas
     try:
-        return await request.app.state.replicas.control_all(op, arg, timeout)
+        return await replicas.control_all(req, timeout)
     except EngineDeadError as e:
         raise HTTPError(503, f"the engine is not running: {e}") from None
 
@@ -142,7 +154,7 @@ def _only(body: dict[str, Any], allowed: set[str]) -> None:
 @router.get("/metrics")
 async def metrics(request: Request):
     replicas: Replicas = request.app.state.replicas
-    indexed = await _control_all(request, ControlOp.SERVER_INFO)
+    indexed = await _control_all(request, GetServerInfo())
     engines = [str(i) for i, _ in indexed] if replicas.replicas_path else None
     return Response(render_metrics([one for _, one in indexed], engines), media_type=CONTENT_TYPE)
 

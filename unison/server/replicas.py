@@ -23,7 +23,7 @@ import msgspec
 
 from unison.errors import EngineDeadError
 from unison.frontend.worker import TokenizerWorker
-from unison.protocol import ControlOp
+from unison.protocol import ControlRequest, ReplyT
 
 log = logging.getLogger("unison.server")
 
@@ -155,14 +155,14 @@ class Replicas:
 
     # ---- engine-wide controls, on every replica -----------------------------------------------
 
-    async def control_all(self, op: ControlOp, arg: Any = None,
-                          timeout: float | None = 30.0) -> list[tuple[int, Any]]:
+    async def control_all(self, req: ControlRequest[ReplyT],
+                          timeout: float | None = 30.0) -> list[tuple[int, ReplyT]]:
         """(replica index, result) of a control run on every live replica (an operator's pause
         or update is engine-wide)."""
         live = self.live
         if not live:
             raise EngineDeadError(self._why_dead())
-        results = await asyncio.gather(*(w.control(op, arg, timeout) for _, w in live))
+        results = await asyncio.gather(*(w.control(req, timeout) for _, w in live))
         return [(i, r) for (i, _), r in zip(live, results)]
 
     def replica_rows(self) -> list[dict[str, Any]]:
