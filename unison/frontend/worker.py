@@ -264,9 +264,8 @@ class TokenizerWorker:
             self._send(Abort(rid))
 
     async def control(self, req: ControlRequest[ReplyT], timeout: float | None = 30.0) -> ReplyT:
-        """An engine-wide operation, done in the core, answered with the request's reply type;
-        None timeout: as long as it takes (a weight update waits for the requests in flight),
-        unless the core dies."""
+        """An engine-wide operation, done in the core, answered with the request's reply type; None
+        timeout: as long as it takes (a weight update waits for those in flight), unless the core dies."""
         self.check_alive()
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
