@@ -47,6 +47,14 @@ def decode_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> fl
     return tokens / seconds
 
 
+def batch_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    """Output tok/s of the prompts submitted together."""
+    t0 = time.perf_counter()
+    greedy = {"temperature": 0, "max_new_tokens": output_len}
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+    return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
+
+
 def spec_counts(engine: Engine) -> tuple[int, int, int]:
     spec = engine.get_server_info()["stats"]["spec_decode"] or {}
     return spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0)
@@ -56,6 +64,8 @@ def measure(engine: Engine, workload: str, args: argparse.Namespace, data: Any) 
     before = spec_counts(engine)
     if workload == "offline":
         rate = unison_throughput(engine, data, quiet=True)["output_tok_s"]
+    elif "@" in workload:
+        rate = batch_rate(engine, data, args.output_len)
     else:
         rate = decode_rate(engine, data, args.output_len)
     drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counts(engine)))
@@ -69,7 +79,10 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     vocab = engine.get_server_info()["vocab_size"]
     grounded = [tok.apply_chat_template([{"role": "user", "content": grounded_prompt(kind, rng)}])
                 for kind in GROUNDED_KINDS]
-    return {"grounded": [tok.encode(p, add_special_tokens=False) for p in grounded],
+    ids = [tok.encode(p, add_special_tokens=False) for p in grounded]
+    batches = {w: [ids[i % len(ids)] for i in range(int(w.split("@")[1]))]
+               for w in args.workloads.split(",") if w.startswith("grounded@")}
+    return {**batches, "grounded": ids,
             "random": random_prompts(len(GROUNDED_KINDS), args.prompt_len, vocab, args.seed),
             "offline": random_requests(args.num_prompts, args.prompt_len, args.output_len, 0.0, vocab,
                                        args.seed)}
@@ -123,7 +136,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--speculative-config", default=None,
                    help=f"JSON (default: {json.dumps(DEFAULT_SPEC)})")
     p.add_argument("--workloads", default="grounded,random,offline",
-                   help="comma-separated: grounded, random (single streams), offline (a batch)")
+                   help="comma-separated: grounded, random (single streams, in turn), grounded@N (N "
+                        "grounded requests at once), offline (--num-prompts random requests at once)")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=128, help="random prompts' length")
