@@ -2,9 +2,56 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's spelling. "ngram" (prompt lookup): the draft is what followed
+    the last earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min), in the prompt or the output so far. Every draft is verified in one forward
+    against what plain decoding would pick, so outputs are bit-identical to plain decoding."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5  # tokens drafted per request per step, at most
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # Speculation spends compute to save weight reads: it pays while a step is memory-bound. Steps
+    # that decode more requests than this run without drafts (vLLM's name; measured in BENCHMARKS.md).
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.method == "ngram", "speculative_config.method",
+               f"must be 'ngram' (prompt lookup; no draft model), got {self.method!r}")
+        _check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+               "speculative_config.num_speculative_tokens", "must be an integer in [1, 16]")
+        _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
+               "speculative_config.prompt_lookup_min", "must be an integer >= 1")
+        _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+               "speculative_config.prompt_lookup_max", "must be an integer >= prompt_lookup_min")
+        _check(_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
+               "speculative_config.disable_by_batch_size", "must be an integer >= 1")
+
+    @classmethod
+    def parse(cls, given: SpeculativeConfig | dict | str) -> SpeculativeConfig:
+        """From a dict or its JSON text (--speculative-config '{"method": "ngram", ...}')."""
+        if isinstance(given, SpeculativeConfig):
+            return given
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(given).__name__}")
+        unknown = sorted(set(given) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: "
+                             f"{sorted(f.name for f in fields(cls))}")
+        return cls(**given)
 
 
 @dataclass
@@ -53,6 +100,9 @@ class EngineConfig:
     # A thinking model's <think> section returned apart (the OpenAI routes' reasoning_content):
     # qwen3 | deepseek_r1 (aliases deepseek-r1, qwq); see frontend/reasoning.py.
     reasoning_parser: str | None = None
+    # Speculative decoding (vLLM's option; SGLang's speculative_algorithm="NGRAM" maps onto it): a
+    # SpeculativeConfig, or its dict / JSON text. None: plain decoding.
+    speculative_config: SpeculativeConfig | str | None = None
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
@@ -106,6 +156,8 @@ class EngineConfig:
                "must be 'cpu' or 'cuda[:N]'")
         _check(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
                f"must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -115,6 +167,7 @@ class EngineConfig:
             if name in kwargs and (value := kwargs.pop(name)) not in allowed:
                 raise ValueError(f"{name}={value!r}: Unison runs one engine on one device; {name} may "
                                  f"only be {' or '.join(map(repr, allowed))}")
+        _sglang_speculation(kwargs)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         sglang = [k for k in unknown if k in SGLANG_OPTIONS]
@@ -131,6 +184,26 @@ class EngineConfig:
             raise FileNotFoundError(f"model path {self.model_path!r} does not exist")
 
 
+def _sglang_speculation(kwargs: dict[str, Any]) -> None:
+    """SGLang's NGRAM speculation options, as a speculative_config (in place)."""
+    algorithm = kwargs.pop("speculative_algorithm", None)
+    given = {ours: kwargs.pop(theirs) for theirs, ours in SGLANG_SPECULATION.items() if theirs in kwargs}
+    if algorithm is None:
+        if given:
+            raise ValueError(f"{sorted(given)}: set speculative_algorithm='NGRAM' with them")
+        return
+    if str(algorithm).upper() != "NGRAM":
+        raise ValueError(f"speculative_algorithm={algorithm!r}: Unison speculates with NGRAM only (no "
+                         "draft model); use speculative_algorithm='NGRAM'")
+    if kwargs.get("speculative_config") is not None:
+        raise ValueError("give speculative_config or speculative_algorithm, not both")
+    kwargs["speculative_config"] = SpeculativeConfig(**given)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 DEFAULTS = {"max_running_requests": 64, "chunked_prefill_size": 512, "schedule_policy": "fcfs",
             "quantization": "auto"}
 NO_CHUNKING = 1 << 30  # chunked_prefill_size=-1 (SGLang): a prompt is prefilled in one step
@@ -144,14 +217,18 @@ NO_EFFECT = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "disable_cuda_gr
 # --reasoning-parser's names, the peers' spellings, onto the two behaviours frontend/reasoning.py has.
 REASONING_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "deepseek-r1": "deepseek_r1",
                      "qwq": "deepseek_r1"}
+# sglang.Engine's NGRAM speculation options -> SpeculativeConfig's.
+SGLANG_SPECULATION = {"speculative_num_draft_tokens": "num_speculative_tokens",
+                      "speculative_ngram_min_match_window_size": "prompt_lookup_min",
+                      "speculative_ngram_max_match_window_size": "prompt_lookup_max"}
 # sglang.Engine options Unison does not have: named in the refusal, so a port knows what to drop.
 SGLANG_OPTIONS = frozenset("""
 tokenizer_path tokenizer_mode skip_server_warmup revision served_model_name chat_template
 completion_template is_embedding enable_multimodal host port api_key ep_size nnodes node_rank
 dist_init_addr attention_backend prefill_attention_backend decode_attention_backend sampling_backend
 grammar_backend enable_torch_compile torch_compile_max_bs cuda_graph_max_bs cuda_graph_bs
-enable_mixed_chunk enable_dp_attention speculative_algorithm speculative_draft_model_path
-speculative_num_steps speculative_eagle_topk speculative_num_draft_tokens lora_paths
+enable_mixed_chunk enable_dp_attention speculative_draft_model_path
+speculative_num_steps speculative_eagle_topk lora_paths
 max_loras_per_batch enable_lora lora_backend max_lora_rank max_prefill_tokens page_size
 stream_interval watchdog_timeout download_dir base_gpu_id gpu_id_step enable_metrics
 show_time_cost decode_log_interval enable_memory_saver allow_auto_truncate tool_call_parser
@@ -201,6 +278,8 @@ HELP = {
     "heartbeat_timeout_s": "over TCP, a frontend or core silent this long is dead",
     "reasoning_parser": "return a thinking model's <think> section apart as reasoning_content: qwen3, "
                         "deepseek_r1 (deepseek-r1, qwq)",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 5}' (outputs stay bit-identical)",
 }
 
 

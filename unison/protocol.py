@@ -127,6 +127,16 @@ class StepOutputs(msgspec.Struct, tag=True):
     seq: int = 0  # per frontend, from 1; acknowledged with Ack so the core can see who lags
 
 
+class SpecDecodeStats(msgspec.Struct):
+    """vLLM's spec-decode counters: drafts verified, tokens drafted, drafted tokens accepted, and
+    accepted per draft position (entry i: how often the i-th drafted token was accepted)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+
+
 class EngineStats(msgspec.Struct):
     prompt_tokens: int = 0  # of finished requests
     generation_tokens: int = 0
@@ -136,6 +146,7 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int = 0  # of them, found
     num_finished: int = 0
     num_aborted: int = 0
+    spec_decode: SpecDecodeStats | None = None  # with speculative_config
 
 
 class HistogramData(msgspec.Struct):

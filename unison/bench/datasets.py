@@ -83,6 +83,61 @@ def shared_prefix_requests(n: int, groups: int, system_len: int, question_len: i
     return reqs
 
 
+# Input-grounded work, where the answer copies much of the prompt: what speculative decoding with
+# prompt lookup is for. Documents are assembled from these sentences and records, seeded.
+SENTENCES = (
+    "The river that runs through the old town floods almost every spring.",
+    "Most of the houses near the water were built on raised stone floors for that reason.",
+    "The market opens at six in the morning and closes shortly after noon.",
+    "Farmers bring vegetables, cheese and bread from the villages in the hills.",
+    "A small museum next to the bridge shows tools and maps from the last three centuries.",
+    "The school was moved to a larger building on the north side of the town in 1987.",
+    "Every summer the town holds a music festival that lasts for two weeks.",
+    "Visitors often take the train from the capital, which takes about two hours.",
+    "The library keeps a collection of letters written by the town's first mayor.",
+    "In winter the main road over the pass is closed because of snow.",
+    "The local football team plays its home games in a field behind the church.",
+    "A new bicycle path now connects the station with the lake to the south.",
+    "The bakery on the corner has been run by the same family for four generations.",
+    "Several old mills along the river have been turned into shops and small offices.",
+    "The town council meets on the first Monday of every month in the hall by the square.",
+    "Children learn to swim in the lake, where the water stays warm until September.",
+)
+TYPOS = {"the": "teh", "which": "wich", "because": "becuase", "every": "evry", "their": "thier",
+         "small": "smal", "morning": "mornign", "water": "watter", "built": "biult", "family": "famliy"}
+NAMES = ("Alice Martin", "Bruno Costa", "Chen Wei", "Dana Novak", "Emil Berg", "Fatima Khan",
+         "Goran Ilic", "Hana Sato", "Ivan Petrov", "Julia Weber", "Kofi Mensah", "Lena Fischer")
+CITIES = ("Lisbon", "Oslo", "Kyoto", "Accra", "Zagreb", "Vienna", "Lima", "Perth")
+GROUNDED_KINDS = ("repeat", "fix", "extract", "json")
+
+
+def grounded_prompt(kind: str, rng: random.Random) -> str:
+    """One input-grounded task: repeat a text, fix its typos, extract records, or reformat JSON."""
+    text = " ".join(rng.sample(SENTENCES, 6))
+    people = [{"name": n, "city": rng.choice(CITIES), "age": rng.randint(20, 70)}
+              for n in rng.sample(NAMES, 8)]
+    if kind == "repeat":
+        return f"Repeat the following text exactly, word for word.\n\n{text}"
+    if kind == "fix":
+        broken = " ".join(TYPOS.get(w, w) for w in text.split())
+        return f"Fix the spelling mistakes in this text. Reply with the corrected text only.\n\n{broken}"
+    if kind == "extract":
+        rows = "\n".join(f"{p['name']}, {p['age']}, lives in {p['city']}" for p in people)
+        return f"Turn each line into JSON with the keys name, age and city, one object per line.\n\n{rows}"
+    if kind == "json":
+        return ("Rewrite this JSON with one key per line, keeping every value.\n\n"
+                + json.dumps({"people": people}, separators=(",", ":")))
+    raise ValueError(f"grounded prompt kind must be one of {GROUNDED_KINDS}, got {kind!r}")
+
+
+def grounded_requests(n: int, output_len: int, seed: int = 0,
+                      kinds: tuple[str, ...] = GROUNDED_KINDS) -> list[SampleRequest]:
+    """n input-grounded requests, the kinds in turn (seeded documents)."""
+    rng = random.Random(seed)
+    prompts = [grounded_prompt(kinds[i % len(kinds)], rng) for i in range(n)]
+    return [SampleRequest(p, estimate_tokens(p), output_len) for p in prompts]
+
+
 _PIECES = re.compile(r"\w+|[^\w\s]")
 
 

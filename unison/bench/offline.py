@@ -216,6 +216,12 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
     lines = [f"unison linears: {ours.get('quantization', '?')}; hf: float32",
              f"{'metric':<28}{'unison':>10}{'hf':>10}", _row("engine ready", load_s, base.get("load_s"), "s")]
     lines += [_row(key, ours[key], base.get(key), unit) for key, unit in ROWS if key in ours]
+    if ours.get("spec_decode"):
+        spec = ours["spec_decode"]
+        rate = spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1)
+        per_draft = spec["num_accepted_tokens"] / max(spec["num_drafts"], 1)
+        lines.append(f"speculative decoding: {spec['num_drafts']} drafts, acceptance rate {rate:.2f}, "
+                     f"{per_draft:.2f} tokens accepted per draft")
     if "ceiling_s" in ours:
         tok_s = ours["output_tokens"] / ours["ceiling_s"]
         lines.append(f"linear-layer ceiling: {tok_s:.1f} output tok/s (the GEMMs alone take "
@@ -226,7 +232,7 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a benchmark was given (the rest keep the engine's defaults)."""
-    names = ("num_threads", "quantization", "dtype", "kv_cache_dtype")
+    names = ("num_threads", "quantization", "dtype", "kv_cache_dtype", "speculative_config")
     return {"model_path": args.model_path,
             **{n: getattr(args, n) for n in names if getattr(args, n, None) is not None}}
 
@@ -240,6 +246,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="float weights (default: auto; bfloat16 on CPU: bf16 linears)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="KV cache elements (default: auto)")
+    p.add_argument("--speculative-config", default=None,
+                   help='as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
 
 
 def main(args: argparse.Namespace) -> int:
@@ -253,7 +261,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             reqs = load_requests(args, engine)
             ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
-        ours["quantization"] = engine.get_server_info()["quantization"]
+        info = engine.get_server_info()
+        ours["quantization"], ours["spec_decode"] = info["quantization"], info["stats"]["spec_decode"]
     finally:
         engine.shutdown()
     if args.bench == "offline" and not args.no_ceiling:

@@ -27,6 +27,7 @@ import numpy as np
 
 from unison.bench.datasets import (
     SampleRequest,
+    grounded_requests,
     load_tokenizer_counter,
     random_requests,
     shared_prefix_requests,
@@ -130,6 +131,8 @@ def format_summary(s: dict[str, Any]) -> str:
              row("Output token throughput (tok/s):", s["output_throughput"]),
              row("Total token throughput (tok/s):", s["total_token_throughput"]),
              row("Prefix cache hit rate:", s["prefix_cache_hit_rate"])]
+    if "spec_acceptance_rate" in s:
+        lines.append(row("Draft acceptance rate:", s["spec_acceptance_rate"]))
     for name, title in METRICS:
         lines.append(f"{title:-^50}")
         for stat in ("mean", "median", "p90", "p99"):
@@ -247,6 +250,26 @@ async def first_model(client: Any, base_url: str, api_key: str | None) -> str:
                          "pass --model") from None
 
 
+SPEC_COUNTERS = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+
+
+async def spec_counters(client: Any, base_url: str, api_key: str | None) -> tuple[float, float] | None:
+    """Drafted and accepted tokens so far, from the server's /metrics (Unison's or vLLM's names);
+    None where the server exports neither."""
+    try:
+        resp = await client.get(endpoint_url(base_url, "/metrics"), headers=_headers(api_key))
+        text = resp.text if resp.status_code == 200 else ""
+    except Exception:
+        return None
+    found = {name: 0.0 for name in SPEC_COUNTERS}
+    for line in text.splitlines():
+        metric, _, value = line.partition(" ")
+        name = metric.split("{")[0].split(":")[-1]
+        if name in found:
+            found[name] += float(value)
+    return tuple(found.values()) if any(name in text for name in SPEC_COUNTERS) else None
+
+
 async def run_benchmark(samples: list[SampleRequest], base_url: str, endpoint: str = COMPLETIONS,
                         model: str | None = None, request_rate: float = math.inf,
                         max_concurrency: int | None = None, seed: int = 0,
@@ -290,6 +313,7 @@ async def run_benchmark(samples: list[SampleRequest], base_url: str, endpoint: s
                 bar.update(1)
             return r
 
+        spec_before = await spec_counters(client, base_url, api_key)
         t0 = time.perf_counter()
         try:
             tasks = (one(s, due) for s, due in zip(samples, offsets, strict=True))
@@ -298,8 +322,12 @@ async def run_benchmark(samples: list[SampleRequest], base_url: str, endpoint: s
             if bar is not None:
                 bar.close()
         duration = time.perf_counter() - t0
-    return {"model": model, "url": url, "duration": duration, "results": list(results),
-            "summary": summarize(list(results), duration)}
+        spec_after = await spec_counters(client, base_url, api_key)
+    summary = summarize(list(results), duration)
+    if spec_before is not None and spec_after is not None:
+        drafted, accepted = (b - a for a, b in zip(spec_before, spec_after))
+        summary["spec_acceptance_rate"] = accepted / drafted if drafted else None
+    return {"model": model, "url": url, "duration": duration, "results": list(results), "summary": summary}
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -311,6 +339,8 @@ def load_samples(args: argparse.Namespace) -> list[SampleRequest]:
         count = load_tokenizer_counter(args.tokenizer) if args.tokenizer else None
         return sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.output_len,
                                  count)
+    if args.dataset == "grounded":
+        return grounded_requests(args.num_prompts, args.output_len or 128, args.seed)
     if args.dataset == "generated-shared-prefix":
         return shared_prefix_requests(args.num_prompts, args.gsp_num_groups, args.gsp_system_prompt_len,
                                       args.gsp_question_len, args.output_len or 128, args.seed)
@@ -350,7 +380,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--endpoint", choices=[COMPLETIONS, CHAT], default=COMPLETIONS)
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--dataset", choices=["random", "sharegpt", "generated-shared-prefix"], default="random")
+    p.add_argument("--dataset", choices=["random", "sharegpt", "generated-shared-prefix", "grounded"],
+                   default="random", help="grounded: repeat / fix / extract / reformat tasks on a text")
     p.add_argument("--gsp-num-groups", type=int, default=8, help="shared-prefix: distinct system prompts")
     p.add_argument("--gsp-system-prompt-len", type=int, default=512, help="shared-prefix: its words")
     p.add_argument("--gsp-question-len", type=int, default=32, help="shared-prefix: words per question")

@@ -18,6 +18,7 @@ from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 from unison.core.sampler import Sampler, top_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
+from unison.core.spec_decode import Drafter
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import CoreInfo, EngineStats, Generate, ReqOutput
@@ -53,6 +54,8 @@ class EngineCore:
             policy=config.schedule_policy, seed=config.random_seed,
         )
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
+        spec = config.speculative_config
+        self.drafter = None if spec is None else Drafter(spec)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
         self.model_dir = model_dir
         self.grammars: Grammars | None = None  # started by the first constrained request
@@ -177,7 +180,10 @@ class EngineCore:
             self.grammars.close()
 
     def stats(self) -> EngineStats:
-        return msgspec.structs.replace(self._stats, num_preemptions=self.scheduler.num_preemptions)
+        spec = None if self.drafter is None else msgspec.structs.replace(
+            self.drafter.stats, accepted_per_pos=list(self.drafter.stats.accepted_per_pos))
+        return msgspec.structs.replace(self._stats, num_preemptions=self.scheduler.num_preemptions,
+                                       spec_decode=spec)
 
     def add(self, frontend: bytes, msg: Generate) -> ReqOutput | None:
         """Queue a request; returns a refusal instead when it cannot be served (or, when the
@@ -275,20 +281,27 @@ class EngineCore:
         items = self.scheduler.schedule()
         if not items:
             return refused
+        if self.drafter is not None:
+            self._add_drafts(items)
         scheduled = time.monotonic()  # queue time ends here, before the step's compute
         logits = self.runner.forward([self._batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
         sampled: list[tuple[int, Request, ReqOutput]] = []  # (logits row, request, its output)
+        drafted: list[tuple[int, ScheduledItem, ReqOutput]] = []  # (first row, item, its output)
         row = 0
         for it, out in zip(items, outs):
             n_rows = it.num_new - it.logits_start
             if it.req.wants_prompt_logprobs:
                 self._prompt_logprobs(it, logits[row: row + n_rows], out)
-            if it.sample:
-                sampled.append((row + n_rows - 1, it.req, out))
-            it.req.num_computed_tokens += it.num_new
-            if it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
-                self.scheduler.cache_computed(it.req)
+            if it.draft:
+                drafted.append((row, it, out))
+                it.req.num_computed_tokens += 1  # the last real token; drafts count once accepted
+            else:
+                if it.sample:
+                    sampled.append((row + n_rows - 1, it.req, out))
+                it.req.num_computed_tokens += it.num_new
+                if it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
+                    self.scheduler.cache_computed(it.req)
             row += n_rows
         self._stats.steps += 1
         if self.on_step is not None:
@@ -302,10 +315,49 @@ class EngineCore:
                 self._stats.prefix_cache_hits += it.req.cached_tokens
         if sampled:
             self._sample(logits[[r for r, _, _ in sampled]], sampled, now)
+        if drafted:
+            self._verify(logits, drafted, now)
         outputs = self._collect(items, outs, now)
         for frontend, refusals in refused.items():
             outputs[frontend] += refusals
         return outputs
+
+    # ---- speculative decoding ---------------------------------------------------------------
+
+    def _add_drafts(self, items: list[ScheduledItem]) -> None:
+        """Give decoding requests their drafts, within the step's token budget."""
+        decoding = [it for it in items if it.sample and it.num_new == 1 and it.req.num_output_tokens > 0]
+        if not decoding:
+            return
+        reqs = [it.req for it in decoding]
+        # Room: tokens that could still be kept (the step's own token comes on top of a draft).
+        rooms = [min(r.params.max_new_tokens - r.num_output_tokens, self.context_length - r.num_tokens) - 1
+                 for r in reqs]
+        budget = self.scheduler.token_budget - sum(it.num_new for it in items)
+        for it, draft in zip(decoding, self.drafter.drafts(reqs, rooms, len(items), self._stats.steps)):
+            if draft and budget > 0:
+                budget -= self.scheduler.add_draft(it, draft[:budget])
+
+    def _verify(self, logits: torch.Tensor, drafted: list[tuple[int, ScheduledItem, ReqOutput]],
+                now: float) -> None:
+        """Sample each drafted request's rows in order, exactly as plain decoding samples its steps
+        (penalties, grammar and seeded noise see the tokens kept so far), and keep drafted tokens
+        while they are what was sampled. Row i's logits are plain decoding's at that position, so
+        the tokens kept are plain decoding's, bit for bit; the first differing sample is kept too."""
+        pending = [(row, it.req, out, it.draft) for row, it, out in drafted]
+        pos = 0
+        while pending:
+            self._sample(logits[[row + pos for row, *_ in pending]],
+                         [(row + pos, req, out) for row, req, out, _ in pending], now)
+            still = []
+            for row, req, out, draft in pending:
+                if pos < len(draft) and req.finish is None and req.token_ids[-1] == draft[pos]:
+                    req.num_computed_tokens += 1  # the drafted token's KV, written this step, holds
+                    still.append((row, req, out, draft))
+                else:
+                    self.drafter.verified(req, draft, pos, self._stats.steps)
+                    self.scheduler.trim(req)
+            pending, pos = still, pos + 1
 
     def _refuse_bad_grammars(self) -> Outputs:
         refused: Outputs = defaultdict(list)
@@ -319,8 +371,8 @@ class EngineCore:
 
     def _batch_item(self, it: ScheduledItem) -> BatchItem:
         start = it.req.num_computed_tokens
-        return BatchItem(it.req.token_ids[start: start + it.num_new], start, it.req.block_table,
-                         it.logits_start)
+        tokens = it.req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
+        return BatchItem(tokens, start, it.req.block_table, it.logits_start)
 
     def _prompt_logprobs(self, it: ScheduledItem, logits: torch.Tensor, out: ReqOutput) -> None:
         """Row p of the chunk's logits scores prompt token p + 1; token 0 has no logprob."""

@@ -37,6 +37,8 @@ class Request:
     matched: int | None = None
     grammar: Future | None = None  # the request's matcher, once compiled (see core/grammar.py)
     grammar_started: bool = True  # False until params.grammar_after appeared in the output
+    draft_misses: int = 0  # speculative decoding: drafts in a row with nothing accepted
+    drafts_resume_at: int = 0  # ... and the step from which it drafts again after them
 
     @property
     def ready(self) -> bool:

@@ -19,7 +19,7 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from unison.config import POLICIES
 from unison.core.block_pool import BlockPool
@@ -33,6 +33,7 @@ class ScheduledItem:
     num_new: int  # tokens computed this step
     logits_start: int  # first of the new tokens whose logits are needed (num_new = none)
     sample: bool  # this step reaches the end of the sequence: sample its next token
+    draft: list[int] = field(default_factory=list)  # speculated tokens after the last real one
 
 
 class Scheduler:
@@ -120,6 +121,27 @@ class Scheduler:
             if lo < min(end, req.num_prompt_tokens - 1):
                 logits_start = min(logits_start, lo - req.num_computed_tokens)
         return ScheduledItem(req, n, logits_start, sample)
+
+    def add_draft(self, item: ScheduledItem, draft: list[int]) -> int:
+        """Extend a decode item by as much of `draft` as free blocks hold (a guess never evicts
+        cached prefixes or preempts anyone); every row is then sampled. Returns the tokens added."""
+        req = item.req
+        end = req.num_computed_tokens + item.num_new
+        room = (len(req.block_table) + self.pool.num_free) * self.block_size - end
+        draft = draft[: max(room, 0)]
+        need = self.blocks_for(end + len(draft)) - len(req.block_table)
+        if need > 0:
+            req.block_table.extend(self.pool.allocate(need))
+        item.draft, item.num_new, item.logits_start = draft, item.num_new + len(draft), 0
+        return len(draft)
+
+    def trim(self, req: Request) -> None:
+        """Give back blocks past the request's tokens: those only rejected draft tokens wrote to,
+        so they never reach the prefix cache."""
+        keep = self.blocks_for(req.num_tokens)
+        if len(req.block_table) > keep:
+            self.pool.release(req.block_table[keep:])
+            del req.block_table[keep:]
 
     def _next_waiting(self) -> Request | None:
         """The request to admit next (it stays queued until admission succeeds)."""

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from unison.protocol import HistogramData, ServerInfo
+from unison.protocol import HistogramData, ServerInfo, SpecDecodeStats
 
 PREFIX = "unison:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,6 +54,22 @@ class _EngineCollector:
         yield _counter("request_aborted", "Requests aborted or refused while running.", stats.num_aborted)
         for key, (name, doc) in HISTOGRAMS.items():
             yield _histogram(name, doc, info.histograms[key])
+        if stats.spec_decode is not None:
+            yield from _spec_decode(stats.spec_decode, self.labels)
+
+
+def _spec_decode(spec: SpecDecodeStats, labels: dict[str, str]) -> Iterator[Metric]:
+    """vLLM's spec-decode counters (vllm:spec_decode_* as unison:spec_decode_*)."""
+    yield _counter_of("spec_decode_num_drafts", "Drafts verified.", spec.num_drafts, labels)
+    yield _counter_of("spec_decode_num_draft_tokens", "Tokens drafted.", spec.num_draft_tokens, labels)
+    yield _counter_of("spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+                      spec.num_accepted_tokens, labels)
+    family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Drafted tokens accepted, per position in the draft.",
+                                 labels=[*labels, "position"])
+    for pos, count in enumerate(spec.accepted_per_pos):
+        family.add_metric([*labels.values(), str(pos)], count)
+    yield family
 
 
 def _gauge_of(name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:

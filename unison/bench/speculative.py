@@ -1,0 +1,146 @@
+"""`unison bench speculative`: the same workloads with speculative decoding off and on, in one run.
+
+Workloads: input-grounded single streams (repeat / fix / extract / reformat, bench/datasets.py),
+random-token single streams (drafts fail), and N concurrent random requests (offline throughput).
+Each trial runs both engines back to back; the table gives medians over trials, the ratio on/off
+and the acceptance rate (accepted / drafted tokens) and mean accepted tokens per draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+from unison import Engine
+from unison.bench.datasets import GROUNDED_KINDS, grounded_prompt
+from unison.bench.offline import (
+    add_engine_arguments,
+    engine_options,
+    random_prompts,
+    random_requests,
+    unison_throughput,
+)
+from unison.core.metrics import RECORD_STEP_SHAPES_ENV
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2}
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    """Single-stream decode tok/s over the prompts, one at a time (first token excluded)."""
+    tokens, seconds = 0, 0.0
+    for ids in prompts:
+        first = last = None
+        n = 0
+        for chunk in engine.generate(input_ids=ids, stream=True, sampling_params={
+                "temperature": 0, "max_new_tokens": output_len}):
+            last = time.perf_counter()
+            first = first or last
+            n = len(chunk["output_ids"])
+        if n > 1:
+            tokens, seconds = tokens + n - 1, seconds + (last - first)
+    return tokens / seconds
+
+
+def batch_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    """Output tok/s of the prompts submitted together."""
+    t0 = time.perf_counter()
+    greedy = {"temperature": 0, "max_new_tokens": output_len}
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+    return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
+
+
+def spec_counts(engine: Engine) -> tuple[int, int, int]:
+    spec = engine.get_server_info()["stats"]["spec_decode"] or {}
+    return spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0)
+
+
+def measure(engine: Engine, workload: str, args: argparse.Namespace, data: Any) -> dict[str, float]:
+    before = spec_counts(engine)
+    if workload == "offline":
+        rate = unison_throughput(engine, data, quiet=True)["output_tok_s"]
+    elif "@" in workload:
+        rate = batch_rate(engine, data, args.output_len)
+    else:
+        rate = decode_rate(engine, data, args.output_len)
+    drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counts(engine)))
+    return {"tok_s": rate, "acceptance": accepted / drafted if drafted else 0.0,
+            "per_draft": accepted / drafts if drafts else 0.0}
+
+
+def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    tok = engine.tokenizer
+    rng = random.Random(args.seed)
+    vocab = engine.get_server_info()["vocab_size"]
+    grounded = [tok.apply_chat_template([{"role": "user", "content": grounded_prompt(kind, rng)}])
+                for kind in GROUNDED_KINDS]
+    ids = [tok.encode(p, add_special_tokens=False) for p in grounded]
+    batches = {w: [ids[i % len(ids)] for i in range(int(w.split("@")[1]))]
+               for w in args.workloads.split(",") if w.startswith("grounded@")}
+    return {**batches, "grounded": ids,
+            "random": random_prompts(len(GROUNDED_KINDS), args.prompt_len, vocab, args.seed),
+            "offline": random_requests(args.num_prompts, args.prompt_len, args.output_len, 0.0, vocab,
+                                       args.seed)}
+
+
+def main(args: argparse.Namespace) -> int:
+    os.environ[RECORD_STEP_SHAPES_ENV] = "1"  # the offline workload reads the step shapes
+    spec = json.loads(args.speculative_config) if args.speculative_config else DEFAULT_SPEC
+    opts = engine_options(args)
+    engines = {"off": Engine(**opts), "on": Engine(**opts, speculative_config=spec)}
+    try:
+        data = workloads(engines["off"], args)
+        for e in engines.values():  # warm both
+            e.generate(input_ids=data["grounded"][0], sampling_params={"temperature": 0, "max_new_tokens": 8})
+        runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+        for _ in range(args.trials):
+            for workload in args.workloads.split(","):
+                for mode, engine in engines.items():
+                    engine.flush_cache()
+                    run = measure(engine, workload, args, data[workload])
+                    runs.setdefault((workload, mode), []).append(run)
+        info = engines["on"].get_server_info()
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    print(report(runs, args, info))
+    return 0
+
+
+def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.Namespace,
+           info: dict[str, Any]) -> str:
+    lines = [f"speculative_config: {json.dumps(info['speculative_config'])}; "
+             f"linears: {info['quantization']}; medians of {args.trials} trials",
+             f"{'workload':<12}{'off tok/s':>11}{'on tok/s':>11}{'on/off':>9}{'accepted':>10}"
+             f"{'per draft':>11}"]
+    for workload in args.workloads.split(","):
+        off = statistics.median(r["tok_s"] for r in runs[(workload, "off")])
+        on_runs = runs[(workload, "on")]
+        on = statistics.median(r["tok_s"] for r in on_runs)
+        acc = statistics.median(r["acceptance"] for r in on_runs)
+        per = statistics.median(r["per_draft"] for r in on_runs)
+        lines.append(f"{workload:<12}{off:>11.1f}{on:>11.1f}{on / off:>8.2f}x{acc:>10.2f}{per:>11.2f}")
+        lines.append("  trials off: " + ", ".join(f"{r['tok_s']:.1f}" for r in runs[(workload, 'off')])
+                     + "; on: " + ", ".join(f"{r['tok_s']:.1f}" for r in on_runs))
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("speculative", help="speculative decoding off and on: single streams and a batch")
+    add_engine_arguments(p)
+    p.add_argument("--speculative-config", default=None,
+                   help=f"JSON (default: {json.dumps(DEFAULT_SPEC)})")
+    p.add_argument("--workloads", default="grounded,random,offline",
+                   help="comma-separated: grounded, random (single streams, in turn), grounded@N (N "
+                        "grounded requests at once), offline (--num-prompts random requests at once)")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128, help="random prompts' length")
+    p.add_argument("--num-prompts", type=int, default=64, help="offline: requests submitted at once")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=main)
