@@ -16,7 +16,7 @@ from unison import Engine
 from unison.bench.datasets import GROUNDED_KINDS, WORDS, grounded_prompt
 from unison.config import EngineConfig, SpeculativeConfig
 from unison.core.spec_decode import propose
-from unison.protocol import ControlOp, ServerInfo
+from unison.protocol import GetServerInfo, ServerInfo
 from unison.server.metrics import render_metrics
 
 # Drafts even in full batches, and from single-token matches: the tests are about exactness
@@ -194,7 +194,7 @@ def test_options_config_and_counters(spec):
 
 
 def server_info(engine: Engine) -> ServerInfo:
-    return engine._control(ControlOp.SERVER_INFO)
+    return engine._control(GetServerInfo())
 
 
 def test_config_spellings_and_errors():
