@@ -22,6 +22,7 @@ from unison.server.openai_protocol import (
 )
 from unison.server.openai_tools import messages_for_template, plan_tools
 from unison.server.streaming import route, stream, wait, worker_of
+from unison.version import __version__
 
 router = APIRouter()
 RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -51,9 +52,7 @@ async def model(model: str, request: Request):
 
 @router.get("/version")
 async def version():
-    import unison
-
-    return {"version": unison.__version__}
+    return {"version": __version__}
 
 
 @router.post("/tokenize")
