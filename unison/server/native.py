@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from unison import registry
 from unison.errors import EngineDeadError, check_encodable
 from unison.protocol import AbortRequests, ControlOp, OpResult, Pause, PauseMode, UpdateWeights
+from unison.server.errors import HTTPError
 from unison.server.metrics import CONTENT_TYPE, render_metrics
-from unison.server.openai_format import HTTPError
 from unison.server.replicas import Replicas
 from unison.server.streaming import route, stream, wait, worker_of
 

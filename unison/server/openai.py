@@ -13,7 +13,8 @@ from unison.frontend.collector import Collector
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
 from unison.frontend.worker import TokenizerWorker
-from unison.server.openai_format import Formatter, HTTPError
+from unison.server.errors import HTTPError
+from unison.server.openai_format import Formatter
 from unison.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,

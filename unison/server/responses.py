@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict
 
 from unison.errors import InvalidParam
 from unison.frontend.collector import Collector
+from unison.server.errors import HTTPError
 from unison.server.openai import start_chat
-from unison.server.openai_format import Formatter, HTTPError, invalid_param
+from unison.server.openai_format import Formatter, invalid_param
 from unison.server.openai_protocol import ChatCompletionRequest
 from unison.server.streaming import stream, wait
 
