@@ -16,7 +16,7 @@ import msgspec
 from unison.errors import InvalidParam
 from unison.frontend.collector import Collector
 from unison.frontend.reasoning import ReasoningSplitter, split_whole
-from unison.frontend.request import ReqState
+from unison.frontend.request import LengthFinish, ReqState
 from unison.frontend.tokenizer import Tokenizer
 from unison.server.errors import HTTPError
 from unison.server.openai_tools import ToolPlan
@@ -72,8 +72,9 @@ class Chunk(msgspec.Struct):
 
 
 def finish_reason(state: ReqState) -> str | None:
+    """OpenAI's: "length" at max_tokens, else "stop" (an abort too, as vLLM says it)."""
     fr = state.finish_reason
-    return None if fr is None else ("length" if fr["type"] == "length" else "stop")
+    return None if fr is None else ("length" if isinstance(fr, LengthFinish) else "stop")
 
 
 class Formatter:
