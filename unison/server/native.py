@@ -42,9 +42,9 @@ async def server_info(request: Request):
     info = infos[0].to_dict()
     if replicas.replicas_path is None:
         return info
-    rows = {r["index"]: r for r in replicas.replica_rows()}
-    info["replicas"] = [rows[i] | {"state": one.to_dict()["internal_states"][0]} for i, one in indexed]
-    info["internal_states"] = [r["state"] for r in info["replicas"]]
+    rows = replicas.replica_rows(indexed)
+    info["replicas"] = msgspec.to_builtins(rows)
+    info["internal_states"] = [r.state for r in rows]
     for key in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached"):
         info[key] = sum(getattr(one, key) for one in infos)
     info["frontends"] = [f for one in infos for f in msgspec.to_builtins(one.frontends)]
