@@ -14,52 +14,31 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from unison import Engine
-from unison.bench.datasets import sample_lengths, sharegpt_requests
+from unison.bench.datasets import SampleRequest, random_ids, random_requests, sharegpt_requests
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 from unison.protocol import ControlOp
 
 
-@dataclass
-class OfflineRequest:
-    input_ids: list[int]
-    output_len: int
-
-
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [_random_ids(rng, length, vocab) for _ in range(n)]
+    return [random_ids(rng, length, vocab) for _ in range(n)]
 
 
-def _random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
-    # Ids from the ordinary part of the vocabulary: no special tokens inside prompts.
-    return [rng.randrange(1000, vocab - 1000) for _ in range(length)]
-
-
-def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
-                    seed: int) -> list[OfflineRequest]:
-    """vLLM's random dataset: lengths uniform in [len * (1 - r), len * (1 + r)], seeded."""
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
-    rng = random.Random(seed)
-    ins = sample_lengths(rng, n, input_len, range_ratio)
-    outs = sample_lengths(rng, n, output_len, range_ratio)
-    return [OfflineRequest(_random_ids(rng, i, vocab), o) for i, o in zip(ins, outs)]
-
-
-def load_requests(args: argparse.Namespace, engine: Engine) -> list[OfflineRequest]:
+def load_requests(args: argparse.Namespace, engine: Engine) -> list[SampleRequest]:
+    """Prompts as token ids: the lengths are what both engines are given."""
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.input_len, args.output_len or 128, args.range_ratio,
-                               engine.get_server_info()["vocab_size"], args.seed)
+                               args.seed, vocab=engine.get_server_info()["vocab_size"])
     if not args.dataset_path:
         raise ValueError("--dataset sharegpt needs --dataset-path")
     tok = engine.tokenizer
     samples = sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.output_len,
                                 count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)))
-    return [OfflineRequest(tok.encode(s.prompt), s.output_len) for s in samples]
+    prompts = [tok.encode(s.prompt) for s in samples]
+    return [SampleRequest(ids, len(ids), s.output_len) for ids, s in zip(prompts, samples)]
 
 
 def _greedy(n: int) -> dict[str, Any]:
@@ -92,13 +71,13 @@ def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) 
             "ttft_ms": 1e3 * (first - t0)}
 
 
-async def _generate_all(engine: Engine, reqs: list[OfflineRequest], quiet: bool,
+async def _generate_all(engine: Engine, reqs: list[SampleRequest], quiet: bool,
                         ignore_eos: bool) -> list[dict]:
     bar = _bar(len(reqs), "req", quiet, "unison")
 
-    async def one(r: OfflineRequest) -> dict:
+    async def one(r: SampleRequest) -> dict:
         params = {**_greedy(r.output_len), "ignore_eos": ignore_eos}
-        out = await engine.async_generate(input_ids=r.input_ids, sampling_params=params)
+        out = await engine.async_generate(input_ids=r.prompt, sampling_params=params)
         bar.update(1)
         return out
     try:
@@ -107,9 +86,9 @@ async def _generate_all(engine: Engine, reqs: list[OfflineRequest], quiet: bool,
         bar.close()
 
 
-def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = True,
+def unison_throughput(engine: Engine, reqs: list[SampleRequest], quiet: bool = True,
                       ignore_eos: bool = True) -> dict[str, Any]:
-    engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params=_greedy(2))
+    engine.generate(input_ids=reqs[0].prompt[:16], sampling_params=_greedy(2))
     from unison.bench import ceiling  # torch: imported only by the runs that need it
 
     before = engine._control(ControlOp.STEP_SHAPES)  # recorded: main() sets RECORD_STEP_SHAPES_ENV
@@ -118,7 +97,7 @@ def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = 
     dt = time.perf_counter() - t0
     shapes = ceiling.subtract(engine._control(ControlOp.STEP_SHAPES), before)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {**_rates(len(reqs), sum(len(r.input_ids) for r in reqs), out_tokens, dt),
+    return {**_rates(len(reqs), sum(len(r.prompt) for r in reqs), out_tokens, dt),
             "step_shapes": shapes}
 
 
@@ -184,19 +163,19 @@ class HFBaseline:
         t_long = self.generate([prompt[:32]], output_len)
         return {"prefill_tok_s": prompt_len / prefill, "decode_tok_s": (output_len - 1) / (t_long - t_short)}
 
-    def throughput(self, reqs: list[OfflineRequest], max_batch: int | None,
+    def throughput(self, reqs: list[SampleRequest], max_batch: int | None,
                    quiet: bool = True) -> dict[str, float]:
         """vLLM's HF backend: consecutive requests in batches of up to `max_batch`, each batch
         generating its longest output for every row; only the requested tokens count."""
-        self.generate([reqs[0].input_ids[:16]], 2)
+        self.generate([reqs[0].prompt[:16]], 2)
         batches = [reqs[i: i + (max_batch or len(reqs))] for i in range(0, len(reqs), max_batch or len(reqs))]
         bar = _bar(sum(max(r.output_len for r in b) for b in batches), "step", quiet, "hf")
         try:
-            dt = sum(self.generate([r.input_ids for r in b], max(r.output_len for r in b), bar)
+            dt = sum(self.generate([r.prompt for r in b], max(r.output_len for r in b), bar)
                      for b in batches)
         finally:
             bar.close()
-        return _rates(len(reqs), sum(len(r.input_ids) for r in reqs), sum(r.output_len for r in reqs), dt)
+        return _rates(len(reqs), sum(len(r.prompt) for r in reqs), sum(r.output_len for r in reqs), dt)
 
 
 # ---- report ---------------------------------------------------------------------------------
