@@ -111,9 +111,10 @@ def _rates(n: int, input_tokens: int, output_tokens: int, seconds: float) -> dic
 # ---- transformers ---------------------------------------------------------------------------
 
 class HFBaseline:
-    """transformers on the same weights, greedy, batched with left padding."""
+    """transformers on the same weights and device, float32, greedy, batched with left padding."""
 
-    def __init__(self, model_path: str | None, num_threads: int | None, quiet: bool = False) -> None:
+    def __init__(self, model_path: str | None, num_threads: int | None, quiet: bool = False,
+                 device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -133,14 +134,15 @@ class HFBaseline:
         where = {"pretrained_model_name_or_path": path} if path.is_dir() else {
             "pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval().to(device)
         self.load_s = time.perf_counter() - t0
+        self.device = torch.device(device)
 
     def generate(self, prompts: list[list[int]], output_len: int, bar: Any = None) -> float:
         torch = self.torch
         width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         extra = {}
         if bar is not None:  # a logits processor runs once per generated token: the progress tick
             from transformers import LogitsProcessorList
@@ -153,6 +155,8 @@ class HFBaseline:
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0, **extra)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the GPU's queue, not only the launches
         return time.perf_counter() - t0
 
     def latency(self, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
@@ -192,7 +196,7 @@ ROWS = (("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"), ("ttft_ms", "ms")
 
 
 def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
-    lines = [f"unison linears: {ours.get('quantization', '?')}; hf: float32",
+    lines = [f"unison linears: {ours.get('quantization', '?')}; hf: float32; on {ours.get('device', 'cpu')}",
              f"{'metric':<28}{'unison':>10}{'hf':>10}", _row("engine ready", load_s, base.get("load_s"), "s")]
     lines += [_row(key, ours[key], base.get(key), unit) for key, unit in ROWS if key in ours]
     if "ceiling_s" in ours:
@@ -205,18 +209,21 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a benchmark was given (the rest keep the engine's defaults)."""
-    names = ("num_threads", "quantization", "dtype", "kv_cache_dtype")
+    names = ("device", "num_threads", "quantization", "dtype", "kv_cache_dtype")
     return {"model_path": args.model_path,
             **{n: getattr(args, n) for n in names if getattr(args, n, None) is not None}}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu); the transformers "
+                   "baseline runs there too")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads in the core")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
                    help="linear weights (default: auto, a GGUF at its own size)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
-                   help="float weights (default: auto; bfloat16 on CPU: bf16 linears)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
+                   help="float weights (default: auto: float32 on CPU, the checkpoint's or bfloat16 on "
+                        "CUDA; bfloat16 on CPU: bf16 linears)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="KV cache elements (default: auto)")
 
@@ -232,17 +239,18 @@ def main(args: argparse.Namespace) -> int:
         else:
             reqs = load_requests(args, engine)
             ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
-        ours["quantization"] = engine.get_server_info()["quantization"]
+        info = engine.get_server_info()
+        ours["quantization"], ours["device"] = info["quantization"], info["device"]
     finally:
         engine.shutdown()
-    if args.bench == "offline" and not args.no_ceiling:
+    if args.bench == "offline" and not args.no_ceiling and ours["device"] == "cpu":  # CPU GEMMs
         from unison.bench import ceiling
 
         ours["ceiling_s"] = ceiling.measure(args.model_path, ours["step_shapes"], args.num_threads,
                                             ours["quantization"])
     base: dict[str, float] = {}
     if args.baseline == "hf":
-        hf = HFBaseline(args.model_path, args.num_threads, args.quiet)
+        hf = HFBaseline(args.model_path, args.num_threads, args.quiet, ours["device"])
         base = (hf.latency(args.prompt_len, args.output_len, args.seed) if args.bench == "latency"
                 else hf.throughput(reqs, args.hf_max_batch_size, args.quiet))
         base["load_s"] = hf.load_s
@@ -280,5 +288,5 @@ def add_parser(sub: Any) -> None:
             p.add_argument("--hf-max-batch-size", type=int, default=None,
                            help="transformers batch size (default: all prompts in one batch)")
             p.add_argument("--no-ceiling", action="store_true",
-                           help="skip timing the linear-layer ceiling after the run")
+                           help="skip timing the linear-layer ceiling after the run (timed on CPU only)")
         p.set_defaults(func=main)
