@@ -85,8 +85,9 @@ def test_parity_runs_on_the_test_device(runner: ModelRunner, prompts):
     ops: the C kernels are the CPU's); the default is the CPU."""
     device = torch.device(TEST_DEVICE).type
     model = runner.model
-    weights = [model.embed.table, model.norm, model.lm_head.weight]
-    weights += [t for layer in model.layers for t in (layer.qkv.weight, layer.down.weight, layer.input_norm)]
+    linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.qkv, layer.down)]
+    weights = [model.embed.table, model.norm] + [layer.input_norm for layer in model.layers]
+    weights += [lin.weight if lin.packed is None else lin.packed for lin in linears]  # oneDNN's, on CPU
     assert {t.device.type for t in weights} == {device} and runner.k_cache.device.type == device
     assert runner.dtype == torch.float32 and {t.dtype for t in weights} == {torch.float32}
     logits = runner.forward([BatchItem(prompts[0], 0, Blocks(runner).table(len(prompts[0])), 0)])
