@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 TEST_STAMP := $(VENV)/.unison-test-installed
 
-.PHONY: install browser serve test soak lint clean
+.PHONY: install browser serve test soak lint clean device-check device-wheels
 
 install: $(STAMP)
 
@@ -42,8 +42,18 @@ test: $(TEST_STAMP) browser
 soak: $(TEST_STAMP)
 	$(PY) -m unison.cli bench soak --requests 2000
 
+# The GPU check (benchmarks/device_check.py): model parity and the benchmarks on CUDA, within 8
+# minutes, on a machine with a CUDA torch and no network; `DEVICE=cpu make device-check` runs the
+# script itself at toy sizes. The packages that machine lacks travel as wheels: device-wheels
+# fetches them (here, where PyPI is reachable) into .whl*/ folders.
+device-check:
+	$(PYTHON) benchmarks/device_check.py
+
+device-wheels: $(STAMP)
+	$(PY) benchmarks/device_check.py --fetch-wheels
+
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check unison tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .device

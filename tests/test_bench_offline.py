@@ -12,7 +12,7 @@ import pytest
 
 from unison import Engine, cli
 from unison.bench import ceiling
-from unison.bench.offline import random_requests
+from unison.bench.datasets import random_requests
 
 
 def test_ceiling_total_of_shapes():
@@ -49,9 +49,10 @@ def test_ceiling_counts_only_the_run():
 def test_random_offline_requests():
     reqs = random_requests(40, 100, 20, 0.5, vocab=49152, seed=3)
     assert reqs == random_requests(40, 100, 20, 0.5, vocab=49152, seed=3)
-    assert all(50 <= len(r.input_ids) <= 150 and 10 <= r.output_len <= 30 for r in reqs)
-    assert all(1000 <= t < 49152 - 1000 for r in reqs for t in r.input_ids)
-    assert len({len(r.input_ids) for r in reqs}) > 10
+    assert all(len(r.prompt) == r.prompt_len for r in reqs)
+    assert all(50 <= r.prompt_len <= 150 and 10 <= r.output_len <= 30 for r in reqs)
+    assert all(1000 <= t < 49152 - 1000 for r in reqs for t in r.prompt)
+    assert len({r.prompt_len for r in reqs}) > 10
     with pytest.raises(ValueError):
         random_requests(1, 10, 10, 1.0, vocab=49152, seed=0)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils import Blocks, assert_greedy_close, greedy, hf_model, hf_reference
+from tests.utils import Blocks, assert_greedy_close, greedy, hf_model, hf_reference, on_test_device
 from unison import Engine
 from unison.frontend.tokenizer import Tokenizer
 from unison.model.loader import resolve_model_dir
@@ -65,7 +65,7 @@ def test_gemma_prompts_tokenize_as_autotokenizer(gemma3_path, gemma_prompts):
 def test_gemma_matches_transformers(gemma3_path, gemma_prompts, gemma_reference, quantization):
     """8 prompts, one past the window, x 24 greedy tokens; first-step logprobs within 1e-3 in
     float32, within the quantized bound for the file's own blocks."""
-    runner = ModelRunner(gemma3_path, quantization=quantization, num_blocks=160)
+    runner = ModelRunner(gemma3_path, quantization=quantization, num_blocks=160, **on_test_device())
     cfg = runner.config
     assert cfg.layer_window.count(512) == 15 and cfg.layer_window.count(None) == 3
     got = greedy(runner, gemma_prompts, NEW_TOKENS)
@@ -155,9 +155,10 @@ def test_gguf_rope_freqs_match_transformers_llama3(tmp_path: Path):
     ids = torch.randint(0, 256, (40,)).tolist()  # past the 16 original positions
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
-    runner = ModelRunner(path, model_dir=model_dir, quantization="none", num_blocks=8, block_size=8)
+    runner = ModelRunner(path, model_dir=model_dir, quantization="none", num_blocks=8, block_size=8,
+                         **on_test_device())
     got = runner.forward([BatchItem(ids, 0, list(range(5)), 0)])
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=3e-4)
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=3e-4)
 
 
 def _llama_cpp_rope_factors(head_dim: int, s: dict) -> np.ndarray:

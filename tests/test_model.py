@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import Blocks, assert_greedy_close, greedy, hf_model, hf_reference
+from tests.utils import (
+    TEST_DEVICE,
+    Blocks,
+    assert_greedy_close,
+    greedy,
+    hf_model,
+    hf_reference,
+    on_test_device,
+)
 from unison.model import loader
 from unison.model import runner as runner_module
 from unison.model.decoder import TorchOps
@@ -49,7 +57,7 @@ def prompts(model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    runner = ModelRunner(None, quantization="none", num_blocks=128)
+    runner = ModelRunner(None, quantization="none", num_blocks=128, **on_test_device())
     runner.warmup()
     return runner
 
@@ -57,7 +65,7 @@ def runner() -> ModelRunner:
 @pytest.fixture(scope="module")
 def torch_runner() -> ModelRunner:
     """The reference path: torch ops only (what runs without a C compiler, or off CPU)."""
-    runner = ModelRunner(None, quantization="none", num_blocks=128)
+    runner = ModelRunner(None, quantization="none", num_blocks=128, **on_test_device())
     runner.model.ops, runner._kernel = TorchOps(), None
     runner.warmup()
     return runner
@@ -69,7 +77,23 @@ def reference(prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, 
 
 
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, **LOGITS_TOL, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got.cpu(), want.cpu(), **LOGITS_TOL, msg=lambda m: f"{what}: {m}")
+
+
+def test_parity_runs_on_the_test_device(runner: ModelRunner, prompts):
+    """UNISON_TEST_DEVICE=cuda puts the weights, the KV cache and the forward on the GPU (torch
+    ops: the C kernels are the CPU's); the default is the CPU."""
+    device = torch.device(TEST_DEVICE).type
+    model = runner.model
+    linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.qkv, layer.down)]
+    weights = [model.embed.table, model.norm] + [layer.input_norm for layer in model.layers]
+    weights += [lin.weight if lin.packed is None else lin.packed for lin in linears]  # oneDNN's, on CPU
+    assert {t.device.type for t in weights} == {device} and runner.k_cache.device.type == device
+    assert runner.dtype == torch.float32 and {t.dtype for t in weights} == {torch.float32}
+    logits = runner.forward([BatchItem(prompts[0], 0, Blocks(runner).table(len(prompts[0])), 0)])
+    assert logits.device.type == device
+    if device != "cpu":
+        assert runner._kernel is None and isinstance(model.ops, TorchOps)
 
 
 def test_gguf_tensors_equal_transformers_gguf_loader(model_dir: Path):
@@ -215,7 +239,7 @@ def test_architectures_match_transformers(kind: str, path: str, tmp_path: Path):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
 
-    runner = ModelRunner(tmp_path, num_blocks=8, block_size=4)
+    runner = ModelRunner(tmp_path, num_blocks=8, block_size=4, **on_test_device())
     if path == "torch":
         if runner._kernel is None:
             pytest.skip("no C compiler here: the kernels path is the torch path")

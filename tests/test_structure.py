@@ -1,8 +1,9 @@
 """The tree's import rules, and that frontend processes never load torch or transformers.
 
 The rules keep the layers apart: the frontend knows the protocol, not the core; the core knows
-no frontend; only the CLI starts a server. A frontend that imported torch would take seconds
-and hundreds of MiB to start, and every HTTP worker is one.
+no frontend; only the CLI starts a server; no module imports one that imports it back. A
+frontend that imported torch would take seconds and hundreds of MiB to start, and every HTTP
+worker is one.
 """
 
 from __future__ import annotations
@@ -78,6 +79,73 @@ def test_only_the_cli_imports_the_server():
 
 def test_no_module_level_torch_or_transformers_on_the_frontend_side():
     assert _violations(_files(*FRONTEND_SIDE), HEAVY, module_level_only=True) == []
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports, anywhere in the file (a
+    function's import and a TYPE_CHECKING one count too). `from a import b` is an edge to a.b when
+    that is a module, else to a; importing a.b.c also runs the packages a and a.b, except those
+    the importer is itself inside (they ran first)."""
+    files = {_module(p): p for p in _files("unison")}
+    graph = {}
+    for name, path in files.items():
+        own = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+        targets, edges = set(), set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = path.relative_to(ROOT).with_suffix("").parts[: -node.level] if node.level else ()
+                module = ".".join((*base, *([node.module] if node.module else [])))
+                targets |= {f"{module}.{a.name}" if f"{module}.{a.name}" in files else module
+                            for a in node.names}
+        for target in targets:
+            while target and target not in files:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            parents = {target.rsplit(".", i)[0] for i in range(1, target.count(".") + 1)}
+            edges |= ({target} | (parents - own)) & set(files)
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules along it (the first again at the end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if cycle := visit(nxt):
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    return next((c for c in map(visit, sorted(graph)) if c), None)
+
+
+def test_find_cycle_finds_one_through_a_package_face():
+    graph = {"unison": {"unison.engine"}, "unison.engine": {"unison.protocol"},
+             "unison.protocol": {"unison"}, "unison.cli": {"unison"}}
+    assert find_cycle(graph) == ["unison", "unison.engine", "unison.protocol", "unison"]
+    assert find_cycle(graph | {"unison.protocol": set()}) is None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert {"unison.engine", "unison.version"} <= graph["unison"]  # the face is read too
+    assert "unison.server.errors" in graph["unison.server.native"]
+    assert find_cycle(graph) is None
 
 
 # ---- at run time ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 
 TOP_N = 5
@@ -47,6 +48,23 @@ def assert_greedy_close(ref_ids: list[int], ref_top: list[dict[int, float]], got
     if len(ref_ids) != len(got_ids):
         raise AssertionError(f"{where}same tokens but different lengths: reference {len(ref_ids)}, "
                              f"got {len(got_ids)}\n  reference: {ref_ids}\n  got:       {got_ids}")
+
+
+# The device the model-parity tests run Unison on: cpu, or cuda (UNISON_TEST_DEVICE=cuda, as
+# `make device-check` sets it). transformers' reference always runs on the CPU, in float32.
+TEST_DEVICE = os.environ.get("UNISON_TEST_DEVICE", "cpu")
+
+
+def on_test_device() -> dict[str, str]:
+    """ModelRunner options for Unison's side of a parity test: the test device, in float32 (the
+    reference's dtype; on CUDA the default would be bf16)."""
+    if TEST_DEVICE != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"UNISON_TEST_DEVICE={TEST_DEVICE}, but torch {torch.__version__} sees "
+                               "no CUDA device")
+    return {"device": TEST_DEVICE, "dtype": "float32"}
 
 
 @functools.cache

@@ -4,6 +4,6 @@ from unison.core_process import curve_keypair
 from unison.engine import Engine
 from unison.errors import EngineDeadError
 from unison.frontend.sampling_params import SamplingParams
+from unison.version import __version__ as __version__
 
 __all__ = ["Engine", "EngineDeadError", "SamplingParams", "curve_keypair"]
-__version__ = "0.1.0"

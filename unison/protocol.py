@@ -18,6 +18,7 @@ import msgspec
 
 from unison.config import EngineConfig
 from unison.sampling import CoreSamplingParams
+from unison.version import __version__
 
 PROTOCOL_VERSION = "5"
 
@@ -188,8 +189,6 @@ class ServerInfo(msgspec.Struct, tag=True):
         """Plain JSON-able values in SGLang's top-level keys (its options, the scheduler's
         status / max_total_num_tokens / max_req_input_len, internal_states, version), then
         ours: the model's fields at the top level, the state, `config` as it was given."""
-        from unison import __version__
-
         info = msgspec.to_builtins(self)
         info.pop("type")  # the message's tag
         config, core = info["config"], info.pop("core")

@@ -1,8 +1,9 @@
-"""Prompt sources for the serving benchmarks: seeded random text, or a ShareGPT-format JSON file.
+"""Prompt sources for the benchmarks: seeded random prompts, or a ShareGPT-format JSON file.
 
-Both give `SampleRequest`s of text (the client needs no tokenizer). Random prompts are common
-English words, one word ≈ one token for BPE vocabularies; ShareGPT lengths are counted with a
-`tokenizer.json` when one is given, else estimated (words and punctuation marks).
+They give `SampleRequest`s of text (the serving client needs no tokenizer), or, for the offline
+benchmarks, random token ids of exact lengths. Random text is common English words, one word ≈
+one token for BPE vocabularies; ShareGPT lengths are counted with a `tokenizer.json` when one is
+given, else estimated (words and punctuation marks).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ yes distant fill east paint language among
 
 @dataclass
 class SampleRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (offline: exact lengths)
     prompt_len: int  # tokens, as well as the client can tell
     output_len: int  # max_tokens to ask for
 
@@ -60,15 +61,24 @@ def sample_lengths(rng: random.Random, n: int, mean: int, range_ratio: float) ->
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
+def random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
+    # Ids from the ordinary part of the vocabulary: no special tokens inside prompts.
+    return [rng.randrange(1000, vocab - 1000) for _ in range(length)]
+
+
 def random_requests(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[SampleRequest]:
+                    seed: int = 0, vocab: int | None = None) -> list[SampleRequest]:
+    """vLLM's random dataset, seeded: prompts of common words, or with `vocab` of token ids from
+    that vocabulary; lengths uniform in [len * (1 - r), len * (1 + r)]."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
     ins = sample_lengths(rng, n, input_len, range_ratio)
     outs = sample_lengths(rng, n, output_len, range_ratio)
-    return [SampleRequest(" ".join(rng.choices(WORDS, k=i)), i, o)
-            for i, o in zip(ins, outs, strict=True)]
+
+    def prompt(length: int) -> str | list[int]:
+        return random_ids(rng, length, vocab) if vocab else " ".join(rng.choices(WORDS, k=length))
+    return [SampleRequest(prompt(i), i, o) for i, o in zip(ins, outs, strict=True)]
 
 
 def shared_prefix_requests(n: int, groups: int, system_len: int, question_len: int, output_len: int,

@@ -14,52 +14,31 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from unison import Engine
-from unison.bench.datasets import sample_lengths, sharegpt_requests
+from unison.bench.datasets import SampleRequest, random_ids, random_requests, sharegpt_requests
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 from unison.protocol import GetStepShapes
 
 
-@dataclass
-class OfflineRequest:
-    input_ids: list[int]
-    output_len: int
-
-
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [_random_ids(rng, length, vocab) for _ in range(n)]
+    return [random_ids(rng, length, vocab) for _ in range(n)]
 
 
-def _random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
-    # Ids from the ordinary part of the vocabulary: no special tokens inside prompts.
-    return [rng.randrange(1000, vocab - 1000) for _ in range(length)]
-
-
-def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
-                    seed: int) -> list[OfflineRequest]:
-    """vLLM's random dataset: lengths uniform in [len * (1 - r), len * (1 + r)], seeded."""
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
-    rng = random.Random(seed)
-    ins = sample_lengths(rng, n, input_len, range_ratio)
-    outs = sample_lengths(rng, n, output_len, range_ratio)
-    return [OfflineRequest(_random_ids(rng, i, vocab), o) for i, o in zip(ins, outs)]
-
-
-def load_requests(args: argparse.Namespace, engine: Engine) -> list[OfflineRequest]:
+def load_requests(args: argparse.Namespace, engine: Engine) -> list[SampleRequest]:
+    """Prompts as token ids: the lengths are what both engines are given."""
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.input_len, args.output_len or 128, args.range_ratio,
-                               engine.get_server_info()["vocab_size"], args.seed)
+                               args.seed, vocab=engine.get_server_info()["vocab_size"])
     if not args.dataset_path:
         raise ValueError("--dataset sharegpt needs --dataset-path")
     tok = engine.tokenizer
     samples = sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.output_len,
                                 count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)))
-    return [OfflineRequest(tok.encode(s.prompt), s.output_len) for s in samples]
+    prompts = [tok.encode(s.prompt) for s in samples]
+    return [SampleRequest(ids, len(ids), s.output_len) for ids, s in zip(prompts, samples)]
 
 
 def _greedy(n: int) -> dict[str, Any]:
@@ -92,13 +71,13 @@ def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) 
             "ttft_ms": 1e3 * (first - t0)}
 
 
-async def _generate_all(engine: Engine, reqs: list[OfflineRequest], quiet: bool,
+async def _generate_all(engine: Engine, reqs: list[SampleRequest], quiet: bool,
                         ignore_eos: bool) -> list[dict]:
     bar = _bar(len(reqs), "req", quiet, "unison")
 
-    async def one(r: OfflineRequest) -> dict:
+    async def one(r: SampleRequest) -> dict:
         params = {**_greedy(r.output_len), "ignore_eos": ignore_eos}
-        out = await engine.async_generate(input_ids=r.input_ids, sampling_params=params)
+        out = await engine.async_generate(input_ids=r.prompt, sampling_params=params)
         bar.update(1)
         return out
     try:
@@ -107,9 +86,9 @@ async def _generate_all(engine: Engine, reqs: list[OfflineRequest], quiet: bool,
         bar.close()
 
 
-def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = True,
+def unison_throughput(engine: Engine, reqs: list[SampleRequest], quiet: bool = True,
                       ignore_eos: bool = True) -> dict[str, Any]:
-    engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params=_greedy(2))
+    engine.generate(input_ids=reqs[0].prompt[:16], sampling_params=_greedy(2))
     from unison.bench import ceiling  # torch: imported only by the runs that need it
 
     before = engine._control(GetStepShapes()).rows  # recorded: main() sets RECORD_STEP_SHAPES_ENV
@@ -118,7 +97,7 @@ def unison_throughput(engine: Engine, reqs: list[OfflineRequest], quiet: bool = 
     dt = time.perf_counter() - t0
     shapes = ceiling.subtract(engine._control(GetStepShapes()).rows, before)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {**_rates(len(reqs), sum(len(r.input_ids) for r in reqs), out_tokens, dt),
+    return {**_rates(len(reqs), sum(len(r.prompt) for r in reqs), out_tokens, dt),
             "step_shapes": shapes}
 
 
@@ -132,9 +111,10 @@ def _rates(n: int, input_tokens: int, output_tokens: int, seconds: float) -> dic
 # ---- transformers ---------------------------------------------------------------------------
 
 class HFBaseline:
-    """transformers on the same weights, greedy, batched with left padding."""
+    """transformers on the same weights and device, float32, greedy, batched with left padding."""
 
-    def __init__(self, model_path: str | None, num_threads: int | None, quiet: bool = False) -> None:
+    def __init__(self, model_path: str | None, num_threads: int | None, quiet: bool = False,
+                 device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -154,14 +134,15 @@ class HFBaseline:
         where = {"pretrained_model_name_or_path": path} if path.is_dir() else {
             "pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval().to(device)
         self.load_s = time.perf_counter() - t0
+        self.device = torch.device(device)
 
     def generate(self, prompts: list[list[int]], output_len: int, bar: Any = None) -> float:
         torch = self.torch
         width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         extra = {}
         if bar is not None:  # a logits processor runs once per generated token: the progress tick
             from transformers import LogitsProcessorList
@@ -174,6 +155,8 @@ class HFBaseline:
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0, **extra)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the GPU's queue, not only the launches
         return time.perf_counter() - t0
 
     def latency(self, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
@@ -184,19 +167,19 @@ class HFBaseline:
         t_long = self.generate([prompt[:32]], output_len)
         return {"prefill_tok_s": prompt_len / prefill, "decode_tok_s": (output_len - 1) / (t_long - t_short)}
 
-    def throughput(self, reqs: list[OfflineRequest], max_batch: int | None,
+    def throughput(self, reqs: list[SampleRequest], max_batch: int | None,
                    quiet: bool = True) -> dict[str, float]:
         """vLLM's HF backend: consecutive requests in batches of up to `max_batch`, each batch
         generating its longest output for every row; only the requested tokens count."""
-        self.generate([reqs[0].input_ids[:16]], 2)
+        self.generate([reqs[0].prompt[:16]], 2)
         batches = [reqs[i: i + (max_batch or len(reqs))] for i in range(0, len(reqs), max_batch or len(reqs))]
         bar = _bar(sum(max(r.output_len for r in b) for b in batches), "step", quiet, "hf")
         try:
-            dt = sum(self.generate([r.input_ids for r in b], max(r.output_len for r in b), bar)
+            dt = sum(self.generate([r.prompt for r in b], max(r.output_len for r in b), bar)
                      for b in batches)
         finally:
             bar.close()
-        return _rates(len(reqs), sum(len(r.input_ids) for r in reqs), sum(r.output_len for r in reqs), dt)
+        return _rates(len(reqs), sum(len(r.prompt) for r in reqs), sum(r.output_len for r in reqs), dt)
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -213,7 +196,7 @@ ROWS = (("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"), ("ttft_ms", "ms")
 
 
 def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
-    lines = [f"unison linears: {ours.get('quantization', '?')}; hf: float32",
+    lines = [f"unison linears: {ours.get('quantization', '?')}; hf: float32; on {ours.get('device', 'cpu')}",
              f"{'metric':<28}{'unison':>10}{'hf':>10}", _row("engine ready", load_s, base.get("load_s"), "s")]
     lines += [_row(key, ours[key], base.get(key), unit) for key, unit in ROWS if key in ours]
     if ours.get("spec_decode"):
@@ -232,18 +215,21 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a benchmark was given (the rest keep the engine's defaults)."""
-    names = ("num_threads", "quantization", "dtype", "kv_cache_dtype", "speculative_config")
+    names = ("device", "num_threads", "quantization", "dtype", "kv_cache_dtype", "speculative_config")
     return {"model_path": args.model_path,
             **{n: getattr(args, n) for n in names if getattr(args, n, None) is not None}}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu); the transformers "
+                   "baseline runs there too")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads in the core")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
                    help="linear weights (default: auto, a GGUF at its own size)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
-                   help="float weights (default: auto; bfloat16 on CPU: bf16 linears)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
+                   help="float weights (default: auto: float32 on CPU, the checkpoint's or bfloat16 on "
+                        "CUDA; bfloat16 on CPU: bf16 linears)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="KV cache elements (default: auto)")
     p.add_argument("--speculative-config", default=None,
@@ -262,17 +248,18 @@ def main(args: argparse.Namespace) -> int:
             reqs = load_requests(args, engine)
             ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
         info = engine.get_server_info()
-        ours["quantization"], ours["spec_decode"] = info["quantization"], info["stats"]["spec_decode"]
+        ours["quantization"], ours["device"] = info["quantization"], info["device"]
+        ours["spec_decode"] = info["stats"]["spec_decode"]
     finally:
         engine.shutdown()
-    if args.bench == "offline" and not args.no_ceiling:
+    if args.bench == "offline" and not args.no_ceiling and ours["device"] == "cpu":  # CPU GEMMs
         from unison.bench import ceiling
 
         ours["ceiling_s"] = ceiling.measure(args.model_path, ours["step_shapes"], args.num_threads,
                                             ours["quantization"])
     base: dict[str, float] = {}
     if args.baseline == "hf":
-        hf = HFBaseline(args.model_path, args.num_threads, args.quiet)
+        hf = HFBaseline(args.model_path, args.num_threads, args.quiet, ours["device"])
         base = (hf.latency(args.prompt_len, args.output_len, args.seed) if args.bench == "latency"
                 else hf.throughput(reqs, args.hf_max_batch_size, args.quiet))
         base["load_s"] = hf.load_s
@@ -310,5 +297,5 @@ def add_parser(sub: Any) -> None:
             p.add_argument("--hf-max-batch-size", type=int, default=None,
                            help="transformers batch size (default: all prompts in one batch)")
             p.add_argument("--no-ceiling", action="store_true",
-                           help="skip timing the linear-layer ceiling after the run")
+                           help="skip timing the linear-layer ceiling after the run (timed on CPU only)")
         p.set_defaults(func=main)

@@ -17,14 +17,8 @@ import time
 from typing import Any
 
 from unison import Engine
-from unison.bench.datasets import GROUNDED_KINDS, grounded_prompt
-from unison.bench.offline import (
-    add_engine_arguments,
-    engine_options,
-    random_prompts,
-    random_requests,
-    unison_throughput,
-)
+from unison.bench.datasets import GROUNDED_KINDS, grounded_prompt, random_requests
+from unison.bench.offline import add_engine_arguments, engine_options, random_prompts, unison_throughput
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
@@ -84,8 +78,8 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
                for w in args.workloads.split(",") if w.startswith("grounded@")}
     return {**batches, "grounded": ids,
             "random": random_prompts(len(GROUNDED_KINDS), args.prompt_len, vocab, args.seed),
-            "offline": random_requests(args.num_prompts, args.prompt_len, args.output_len, 0.0, vocab,
-                                       args.seed)}
+            "offline": random_requests(args.num_prompts, args.prompt_len, args.output_len, 0.0, args.seed,
+                                       vocab=vocab)}
 
 
 def main(args: argparse.Namespace) -> int:

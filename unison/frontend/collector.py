@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from unison.frontend.detokenizer import TokenIds
-from unison.frontend.request import ReqState
+from unison.frontend.request import ReqState, finish_reason_dict
 
 
 class _LoopWaker:
@@ -169,7 +169,7 @@ class Collector:
             "prompt_tokens": len(s.prompt_ids),
             "completion_tokens": len(s.output_ids),
             "cached_tokens": s.cached_tokens,
-            "finish_reason": s.finish_reason,
+            "finish_reason": finish_reason_dict(s.finish_reason),
             "e2e_latency": time.monotonic() - s.created,
         }
         if s.return_logprob:

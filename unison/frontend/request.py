@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from unison.errors import EngineOverloadedError
 from unison.frontend.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
 from unison.frontend.sampling_params import SamplingParams
@@ -21,6 +23,34 @@ from unison.frontend.tokenizer import Tokenizer
 from unison.protocol import ReqOutput
 
 Logprob = tuple[float | None, int, None]  # (logprob, token id, token text), as sglang.Engine
+
+
+class StopFinish(msgspec.Struct, frozen=True, tag="stop", tag_field="type"):
+    """Ended by a stop condition: `matched` is the stop token id (EOS included), or the stop
+    string or stop_regex pattern that the text matched."""
+
+    matched: int | str | None
+
+
+class LengthFinish(msgspec.Struct, frozen=True, tag="length", tag_field="type"):
+    """Ended at max_new_tokens (or the context's end): `length` output tokens."""
+
+    length: int
+
+
+class AbortFinish(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
+    """Ended by an abort: the client's, or an engine-wide control's (`message` says which)."""
+
+    message: str
+
+
+FinishReason = StopFinish | LengthFinish | AbortFinish
+
+
+def finish_reason_dict(reason: FinishReason | None) -> dict[str, Any] | None:
+    """SGLang's meta_info["finish_reason"]: {"type": "stop", "matched": ...}, {"type": "length",
+    "length": ...} or {"type": "abort", "message": ...}."""
+    return None if reason is None else msgspec.to_builtins(reason)
 
 
 @dataclass(slots=True)
@@ -77,7 +107,7 @@ class ReqState:
         self.ids_logprobs: list[list[Logprob]] = []  # token_ids_logprob's, per output token
         self.prompt_ids_logprobs: list[list[Logprob] | None] = []  # ... per prompt position
         self.cached_tokens = 0
-        self.finish_reason: dict[str, Any] | None = None
+        self.finish_reason: FinishReason | None = None
         self.error: BaseException | None = None
         self.version = 0  # bumped by every change: a consumer has seen it all when it has seen this
         # update() sets it last, after `version`: a consumer in another thread that sees it
@@ -117,17 +147,17 @@ class ReqState:
             n = len(self.detok.output_ids)
             del self.logprobs[n:], self.top_logprobs[n:], self.ids_logprobs[n:]
         if self.detok.stop_matched is not None:
-            self.finish_reason = {"type": "stop", "matched": self.detok.stop_matched}
+            self.finish_reason = StopFinish(self.detok.stop_matched)
             self.stopped_here = out.finish is None
         elif out.error is not None:
             self.error = (EngineOverloadedError(out.error) if out.overloaded
                           else ValueError(out.error) if out.refused else RuntimeError(out.error))
-        elif out.finish == "length":  # SGLang's shapes
-            self.finish_reason = {"type": "length", "length": len(self.detok.output_ids)}
+        elif out.finish == "length":
+            self.finish_reason = LengthFinish(len(self.detok.output_ids))
         elif out.finish == "abort":
-            self.finish_reason = {"type": "abort", "message": out.message or "Aborted"}
-        elif out.finish is not None:
-            self.finish_reason = {"type": out.finish, "matched": out.matched}
+            self.finish_reason = AbortFinish(out.message or "Aborted")
+        elif out.finish is not None:  # "stop": a stop token id, EOS included
+            self.finish_reason = StopFinish(out.matched)
         self.version += 1
         self.finished = self.finish_reason is not None or self.error is not None
         if self.finished:

@@ -29,7 +29,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
 from unison.server import native, openai, responses
-from unison.server.openai_format import HTTPError, error_kind, error_response, invalid_param
+from unison.server.errors import HTTPError, error_kind, error_response
+from unison.server.openai_format import invalid_param
 from unison.server.openai_protocol import generation_defaults
 from unison.server.replicas import Replicas
 from unison.server.streaming import Settings

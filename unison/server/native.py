@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
@@ -22,19 +21,16 @@ from unison.protocol import (
     GetServerInfo,
     OpResult,
     Pause,
-    PauseMode,
     ReplyT,
     UpdateWeights,
 )
+from unison.server.errors import HTTPError
 from unison.server.metrics import CONTENT_TYPE, render_metrics
-from unison.server.openai_format import HTTPError
+from unison.server.native_protocol import AbortBody, ContinueBody, GenerateBody, PauseBody, UpdateWeightsBody
 from unison.server.replicas import Replicas
 from unison.server.streaming import route, stream, wait, worker_of
 
 router = APIRouter()
-
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob",
-                   "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "rid", "priority"}
 
 
 @router.get("/health")
@@ -56,9 +52,9 @@ async def server_info(request: Request):
     info = infos[0].to_dict()
     if replicas.replicas_path is None:
         return info
-    rows = {r["index"]: r for r in replicas.replica_rows()}
-    info["replicas"] = [rows[i] | {"state": one.to_dict()["internal_states"][0]} for i, one in indexed]
-    info["internal_states"] = [r["state"] for r in info["replicas"]]
+    rows = replicas.replica_rows(indexed)
+    info["replicas"] = msgspec.to_builtins(rows)
+    info["internal_states"] = [r.state for r in rows]
     for key in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_cached"):
         info[key] = sum(getattr(one, key) for one in infos)
     info["frontends"] = [f for one in infos for f in msgspec.to_builtins(one.frontends)]
@@ -76,54 +72,32 @@ async def flush_cache(request: Request):
 
 
 @router.post("/pause_generation")
-async def pause_generation(request: Request):
-    body = await _json_body(request, empty_ok=True)
-    _only(body, {"mode"})
-    mode = body.get("mode", PauseMode.ABORT.value)  # SGLang's default
-    try:
-        pause = Pause(PauseMode(mode))
-    except ValueError:
-        raise HTTPError(400, f"mode must be one of {[m.value for m in PauseMode]}, got {mode!r}",
-                        param="mode") from None
-    await _control_all(request, pause)
+async def pause_generation(request: Request, body: PauseBody | None = None):
+    await _control_all(request, Pause((body or PauseBody()).mode))
     return {"message": "Generation paused successfully.", "status": "ok"}
 
 
 @router.post("/continue_generation")
-async def continue_generation(request: Request):
-    _only(await _json_body(request, empty_ok=True), set())
+async def continue_generation(request: Request, body: ContinueBody | None = None):
     await _control_all(request, Continue())
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 @router.post("/abort_request")
-async def abort_request(request: Request):
-    body = await _json_body(request)
-    _only(body, {"rid", "abort_all"})
-    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-    if not isinstance(rid, str) or not isinstance(abort_all, bool):
-        raise HTTPError(400, "rid must be a string and abort_all a bool",
-                        param="rid" if not isinstance(rid, str) else "abort_all")
-    if not rid and not abort_all:
+async def abort_request(body: AbortBody, request: Request):
+    if not body.rid and not body.abort_all:
         raise HTTPError(400, "give a rid, or abort_all: true", param="rid")
-    await _control_all(request, AbortRequests(rid, abort_all))
+    await _control_all(request, AbortRequests(body.rid, body.abort_all))
     return Response(status_code=200)
 
 
 @router.post("/update_weights_from_disk")
-async def update_weights_from_disk(request: Request):
-    body = await _json_body(request)
-    _only(body, {"model_path", "load_format", "abort_all_requests"})
-    path, fmt = body.get("model_path"), body.get("load_format")
-    abort_all = body.get("abort_all_requests", False)
-    if not isinstance(path, str) or not path:
+async def update_weights_from_disk(body: UpdateWeightsBody, request: Request):
+    if not body.model_path:
         raise HTTPError(400, "model_path must be the path of a model directory or GGUF file",
                         param="model_path")
-    if fmt is not None and not isinstance(fmt, str):
-        raise HTTPError(400, "load_format must be a string", param="load_format")
-    if not isinstance(abort_all, bool):
-        raise HTTPError(400, "abort_all_requests must be a bool", param="abort_all_requests")
-    indexed = await _control_all(request, UpdateWeights(path, fmt, abort_all), timeout=None)
+    update = UpdateWeights(body.model_path, body.load_format, body.abort_all_requests)
+    indexed = await _control_all(request, update, timeout=None)
     return _results(indexed, num_paused_requests=sum(r.num_paused_requests for _, r in indexed))
 
 
@@ -145,12 +119,6 @@ def _results(indexed: list[tuple[int, OpResult]], **extra: Any) -> JSONResponse:
     return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
 
 
-def _only(body: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}", param=unknown[0])
-
-
 @router.get("/metrics")
 async def metrics(request: Request):
     replicas: Replicas = request.app.state.replicas
@@ -160,35 +128,18 @@ async def metrics(request: Request):
 
 
 @router.post("/generate")
-async def generate(request: Request):
-    worker, body = worker_of(request), await _json_body(request)
-    check_encodable(body, "")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
-    if unknown:
-        raise HTTPError(400, f"unknown field(s) {unknown}; allowed: {sorted(GENERATE_FIELDS)}",
-                        param=unknown[0])
-    if "text" in body and "input_ids" in body:
-        raise HTTPError(400, "give exactly one of text and input_ids")
-    call = {k: v for k, v in body.items() if k != "stream"}
-    call["prompt"] = call.pop("text", None)
-    head = call["prompt"] if isinstance(call["prompt"], str) else None
-    req = worker.make_request(**call)  # InvalidParam: the app's handler
-    collector = await route(request, head).submit(req)
+async def generate(body: GenerateBody, request: Request):
+    check_encodable(body.model_dump(exclude_none=True), "")
+    if body.text is not None and body.input_ids is not None:
+        raise HTTPError(400, "give exactly one of text and input_ids", param="text")
+    req = worker_of(request).make_request(  # InvalidParam: the app's handler
+        prompt=body.text, sampling_params=body.sampling_params, input_ids=body.input_ids,
+        return_logprob=False if body.return_logprob is None else body.return_logprob,
+        logprob_start_len=body.logprob_start_len, top_logprobs_num=body.top_logprobs_num,
+        token_ids_logprob=body.token_ids_logprob, rid=body.rid, priority=body.priority)
+    collector = await route(request, body.text if isinstance(body.text, str) else None).submit(req)
     await collector.admitted()
-    if body.get("stream"):
+    if body.stream:
         return stream(collector, collector.outputs)
     await wait(request, collector)
     return collector.results()
-
-
-async def _json_body(request: Request, empty_ok: bool = False) -> dict[str, Any]:
-    raw = await request.body()
-    if empty_ok and not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
-    return body

@@ -13,7 +13,8 @@ from unison.frontend.collector import Collector
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
 from unison.frontend.worker import TokenizerWorker
-from unison.server.openai_format import Formatter, HTTPError
+from unison.server.errors import HTTPError
+from unison.server.openai_format import Formatter
 from unison.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,6 +23,7 @@ from unison.server.openai_protocol import (
 )
 from unison.server.openai_tools import messages_for_template, plan_tools
 from unison.server.streaming import route, stream, wait, worker_of
+from unison.version import __version__
 
 router = APIRouter()
 RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -51,9 +53,7 @@ async def model(model: str, request: Request):
 
 @router.get("/version")
 async def version():
-    import unison
-
-    return {"version": unison.__version__}
+    return {"version": __version__}
 
 
 @router.post("/tokenize")

@@ -1,5 +1,5 @@
-"""OpenAI formatting: engine outputs as completion / chat responses, stream chunks, usage,
-logprobs and errors.
+"""OpenAI formatting: engine outputs as completion / chat responses, stream chunks, usage and
+logprobs, and engine errors in OpenAI's field names.
 
 The stream chunks are msgspec Structs encoded straight to JSON bytes: a streamed token costs
 one small struct and one encode, not a dict tree walked by json.dumps.
@@ -9,46 +9,22 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-from fastapi.responses import JSONResponse
 
-from unison.errors import EngineDeadError, InvalidParam
+from unison.errors import InvalidParam
 from unison.frontend.collector import Collector
 from unison.frontend.reasoning import ReasoningSplitter, split_whole
-from unison.frontend.request import ReqState
+from unison.frontend.request import LengthFinish, ReqState
 from unison.frontend.tokenizer import Tokenizer
 from unison.sampling import OPTIONS
-
-if TYPE_CHECKING:
-    from unison.server.openai_tools import ToolPlan
+from unison.server.errors import HTTPError
+from unison.server.openai_tools import ToolPlan
 
 # The engine's field names as an OpenAI request spells them (an InvalidParam's `param`).
 OPENAI_NAMES = {**{o.name: o.openai for o in OPTIONS if o.openai not in (None, o.name)},
                 "input_ids": "prompt", "json_schema": "response_format"}
-
-
-def error_kind(status: int) -> str:
-    return {401: "authentication_error", 404: "not_found_error",
-            503: "service_unavailable"}.get(status, "invalid_request_error")
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or error_kind(status)
-
-
-def error_body(status: int, message: str, kind: str = "invalid_request_error",
-               param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind, param), status_code=status)
 
 
 def invalid_param(e: InvalidParam, openai: bool, chat: bool = False) -> HTTPError:
@@ -61,22 +37,6 @@ def invalid_param(e: InvalidParam, openai: bool, chat: bool = False) -> HTTPErro
         if chat and field == "prompt":
             field = "messages"  # the prompt is the chat template's output
     return HTTPError(400, message, param=field)
-
-
-_encode = msgspec.json.Encoder().encode
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
-
-
-def stream_error(e: Exception) -> bytes:
-    """A failure after the 200 status line went out is reported in the stream, as vLLM does."""
-    if isinstance(e, EngineDeadError):
-        return sse(error_body(503, f"the engine is not running: {e}", "service_unavailable"))
-    if isinstance(e, ValueError):
-        return sse(error_body(400, str(e)))
-    return sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
 
 
 # ---- stream chunks --------------------------------------------------------------------------
@@ -113,8 +73,9 @@ class Chunk(msgspec.Struct):
 
 
 def finish_reason(state: ReqState) -> str | None:
+    """OpenAI's: "length" at max_tokens, else "stop" (an abort too, as vLLM says it)."""
     fr = state.finish_reason
-    return None if fr is None else ("length" if fr["type"] == "length" else "stop")
+    return None if fr is None else ("length" if isinstance(fr, LengthFinish) else "stop")
 
 
 class Formatter:

@@ -25,7 +25,7 @@ from unison.frontend.tool_parsers import (
     get_parser,
     new_call_id,
 )
-from unison.server.openai_format import HTTPError
+from unison.server.errors import HTTPError
 
 ANY_OBJECT = {"type": "object", "properties": {}}
 

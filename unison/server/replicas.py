@@ -23,7 +23,7 @@ import msgspec
 
 from unison.errors import EngineDeadError
 from unison.frontend.worker import TokenizerWorker
-from unison.protocol import ControlRequest, ReplyT
+from unison.protocol import ControlRequest, ReplyT, ServerInfo
 
 log = logging.getLogger("unison.server")
 
@@ -42,6 +42,16 @@ class ReplicaAddress(msgspec.Struct, frozen=True):
     server_key: str
     core_pid: int
     host: str
+
+
+class ReplicaRow(msgspec.Struct, frozen=True):
+    """One data-parallel replica as /get_server_info lists it under `replicas`."""
+
+    index: int
+    address: str  # where its core listens
+    host: str
+    pid: int  # its core's
+    state: dict[str, Any]  # its core's own state: the replica's `internal_states` entry, as SGLang's
 
 
 class ReplicaSet(msgspec.Struct):
@@ -165,9 +175,14 @@ class Replicas:
         results = await asyncio.gather(*(w.control(req, timeout) for _, w in live))
         return [(i, r) for (i, _), r in zip(live, results)]
 
-    def replica_rows(self) -> list[dict[str, Any]]:
-        return [{"index": i, "address": a.address, "host": a.host, "pid": a.core_pid}
-                for i, a in enumerate(self.addresses) if a is not None]
+    def replica_rows(self, infos: list[tuple[int, ServerInfo]]) -> list[ReplicaRow]:
+        """A row for each replica that answered (index, its core's ServerInfo)."""
+        rows = []
+        for i, info in infos:
+            where = self.addresses[i]
+            rows.append(ReplicaRow(i, where.address, where.host, where.core_pid,
+                                   info.to_dict()["internal_states"][0]))
+        return rows
 
 
 def _read(path: str | Path) -> ReplicaSet:

@@ -21,8 +21,10 @@ from pydantic import BaseModel, ConfigDict
 
 from unison.errors import InvalidParam
 from unison.frontend.collector import Collector
+from unison.frontend.request import LengthFinish
+from unison.server.errors import HTTPError
 from unison.server.openai import start_chat
-from unison.server.openai_format import Formatter, HTTPError, invalid_param
+from unison.server.openai_format import Formatter, invalid_param
 from unison.server.openai_protocol import ChatCompletionRequest
 from unison.server.streaming import stream, wait
 
@@ -183,8 +185,7 @@ class ResponseBuilder:
 
     def response(self, status: str) -> dict[str, Any]:
         state = self.collector.states[0]
-        finish = state.finish_reason or {}
-        incomplete = finish.get("type") == "length" and status != "in_progress"
+        incomplete = isinstance(state.finish_reason, LengthFinish) and status != "in_progress"
         usage = self.fmt.usage() if state.finished else None
         b = self.body
         return {

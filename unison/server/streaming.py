@@ -5,16 +5,33 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from unison.errors import EngineDeadError
 from unison.frontend.collector import Collector
 from unison.frontend.worker import TokenizerWorker
-from unison.server.openai_format import HTTPError, sse, stream_error
+from unison.server.errors import HTTPError, error_body
 
 DISCONNECT_POLL_S = 0.5
+
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def stream_error(e: Exception) -> bytes:
+    """A failure after the 200 status line went out is reported in the stream, as vLLM does."""
+    if isinstance(e, EngineDeadError):
+        return sse(error_body(503, f"the engine is not running: {e}", "service_unavailable"))
+    if isinstance(e, ValueError):
+        return sse(error_body(400, str(e)))
+    return sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
 
 
 @dataclass(frozen=True)
