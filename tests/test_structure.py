@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "unison"
 # Modules that run in frontend processes (the Engine's owner, attached Engines, HTTP workers).
 FRONTEND_SIDE = ["unison/__init__.py", "unison/engine.py", "unison/protocol.py", "unison/config.py",
-                 "unison/registry.py", "unison/errors.py", "unison/core_process.py",
+                 "unison/sampling.py", "unison/version.py", "unison/registry.py", "unison/errors.py",
+                 "unison/core_process.py",
                  "unison/frontend", "unison/server"]
 HEAVY = ("torch", "transformers")
 
