@@ -84,8 +84,9 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     os.environ[RECORD_STEP_SHAPES_ENV] = "1"  # the offline workload reads the step shapes
-    spec = json.loads(args.speculative_config) if args.speculative_config else DEFAULT_SPEC
     opts = engine_options(args)
+    given = opts.pop("speculative_config", None)  # the "on" engine's; "off" has none
+    spec = json.loads(given) if given else DEFAULT_SPEC
     engines = {"off": Engine(**opts), "on": Engine(**opts, speculative_config=spec)}
     try:
         data = workloads(engines["off"], args)
@@ -126,9 +127,7 @@ def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.N
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("speculative", help="speculative decoding off and on: single streams and a batch")
-    add_engine_arguments(p)
-    p.add_argument("--speculative-config", default=None,
-                   help=f"JSON (default: {json.dumps(DEFAULT_SPEC)})")
+    add_engine_arguments(p)  # its --speculative-config is the "on" engine's (default: DEFAULT_SPEC)
     p.add_argument("--workloads", default="grounded,random,offline",
                    help="comma-separated: grounded, random (single streams, in turn), grounded@N (N "
                         "grounded requests at once), offline (--num-prompts random requests at once)")
