@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils import Blocks, assert_greedy_close, greedy, hf_model, hf_reference
+from tests.utils import Blocks, assert_greedy_close, greedy, hf_reference
 from unison import Engine
 from unison.frontend.tokenizer import Tokenizer
 from unison.model.loader import resolve_model_dir
@@ -47,8 +47,8 @@ def gemma_prompts(gemma_tok: Tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def gemma_reference(gemma3_path, gemma_prompts):
-    """transformers on the same GGUF, float32: loaded (about 60 s) and run once per test run."""
-    return hf_reference(gemma_prompts, NEW_TOKENS, hf_model(gemma3_path))
+    """transformers on the same GGUF, float32: loaded (about 60 s) and run once per machine."""
+    return hf_reference(gemma_prompts, NEW_TOKENS, gemma3_path)
 
 
 def test_gemma_prompts_tokenize_as_autotokenizer(gemma3_path, gemma_prompts):
@@ -84,7 +84,7 @@ def test_gemma_matches_transformers(gemma3_path, gemma_prompts, gemma_reference,
 
 def test_gemma_cli_prints_what_transformers_prints(gemma3_path, gemma_tok):
     prompt = "The capital of France is"
-    [(ref_ids, _)] = hf_reference([gemma_tok.encode(prompt)], 12, hf_model(gemma3_path))
+    [(ref_ids, _)] = hf_reference([gemma_tok.encode(prompt)], 12, gemma3_path)
     out = subprocess.run([sys.executable, "-m", "unison.cli", "generate", prompt, "--model-path",
                           str(gemma3_path), "--max-new-tokens", "12", "--temperature", "0",
                           "--quantization", "none"], capture_output=True, text=True, timeout=300)
