@@ -1,11 +1,11 @@
 """Hugging Face references kept per machine: what transformers computed once, reused by later runs.
 
-A reference is stored in the test-model cache (tests/models.py `cache_dir()`, never in the
-repository) under a key of everything that decides it: the model file's content, the versions of
-transformers and torch, the code that computes it, the prompts and the token count. Anything
-else is a miss, and a miss computes exactly as a run without the cache would. A reference is
-written under a file lock and published by atomic rename: a concurrent run waits for it instead
-of computing it twice, and never reads half a file.
+A reference (greedy continuations, or the tensors transformers' GGUF loader builds) is stored in
+the test-model cache (tests/models.py `cache_dir()`, never in the repository) under a key of
+everything that decides it: the model file's content, the versions of transformers and torch,
+the code that computes it and its inputs. Anything else is a miss, and a miss computes exactly as
+a run without the cache would. A reference is written under a file lock and published by atomic
+rename: a concurrent run waits for it instead of computing it twice, and never reads half a file.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 from tests.models import cache_dir
 
@@ -39,47 +40,80 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def reference_key(model: Path, code: str, prompts_ids: list[list[int]], max_new_tokens: int) -> str:
+def reference_key(model: Path, code: str, inputs: dict[str, Any]) -> str:
     # Versions from the package metadata: a hit imports neither torch nor transformers.
     material = {"model": file_sha256(model), "transformers": version("transformers"),
-                "torch": version("torch"), "code": code, "prompts": prompts_ids,
-                "max_new_tokens": max_new_tokens}
+                "torch": version("torch"), "code": code, "inputs": inputs}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
 def cached_reference(model: Path, code: str, prompts_ids: list[list[int]], max_new_tokens: int,
                      compute: Callable[[], Reference]) -> Reference:
-    """The stored reference for this key, else `compute()`'s, stored for the next run. `code` is
-    the source of what `compute` runs: editing it makes a new key."""
+    """Greedy continuations: the stored ones for this key, else `compute()`'s, stored for the next
+    run. `code` is the source of what `compute` runs: editing it makes a new key."""
+    key = reference_key(model, code, {"prompts": prompts_ids, "max_new_tokens": max_new_tokens})
+    return _cached(key, ".json", lambda path: _write_json(path, compute()), _read_json)
+
+
+def cached_tensors(model: Path, code: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A state dict (name -> torch tensor), as cached_reference; tied tensors are stored once and
+    come back tied."""
+    return _cached(reference_key(model, code, {}), ".safetensors",
+                   lambda path: _write_tensors(path, compute()), _read_tensors)
+
+
+def _cached(key: str, suffix: str, write: Callable[[Path], None], read: Callable[[Path], Any]) -> Any:
     from filelock import FileLock
 
     root = cache_dir() / "references"
     root.mkdir(parents=True, exist_ok=True)
-    key = reference_key(model, code, prompts_ids, max_new_tokens)
-    target = root / f"{key}.json"
+    target = root / f"{key}{suffix}"
     if not target.is_file():
         with FileLock(str(root / f".{key}.lock")):
             if not target.is_file():
-                _publish(target, model, max_new_tokens, compute())
-    return _read(target)
+                fd, partial = tempfile.mkstemp(prefix=f".{key}.", suffix=".partial", dir=root)
+                os.close(fd)
+                try:
+                    write(Path(partial))
+                    os.replace(partial, target)
+                except BaseException:
+                    os.unlink(partial)
+                    raise
+    return read(target)  # what a miss computed comes back the way a hit does
 
 
-def _publish(target: Path, model: Path, max_new_tokens: int, reference: Reference) -> None:
+def _write_json(path: Path, reference: Reference) -> None:
     # Top logprobs as [token, logprob] pairs in rank order (JSON keys would be strings); a
     # Python float survives JSON exactly.
-    doc = {"model": model.name, "transformers": version("transformers"), "torch": version("torch"),
-           "max_new_tokens": max_new_tokens,
-           "results": [{"ids": ids, "top": [list(top.items()) for top in tops]} for ids, tops in reference]}
-    fd, partial = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".partial", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-        os.replace(partial, target)
-    except BaseException:
-        os.unlink(partial)
-        raise
+    results = [{"ids": ids, "top": [list(top.items()) for top in tops]} for ids, tops in reference]
+    path.write_text(json.dumps({"transformers": version("transformers"), "results": results}))
 
 
-def _read(target: Path) -> Reference:
-    doc = json.loads(target.read_text())
+def _read_json(path: Path) -> Reference:
+    doc = json.loads(path.read_text())
     return [(r["ids"], [{int(t): lp for t, lp in top} for top in r["top"]]) for r in doc["results"]]
+
+
+def _write_tensors(path: Path, tensors: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    stored: dict[str, Any] = {}
+    aliases: dict[str, str] = {}  # a tied tensor's name -> the name it is stored under
+    first: dict[tuple, str] = {}
+    for name, tensor in tensors.items():
+        where = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if where in first:
+            aliases[name] = first[where]
+        else:
+            first[where], stored[name] = name, tensor.contiguous()
+    save_file(stored, path, metadata={"aliases": json.dumps(aliases), "order": json.dumps(list(tensors))})
+
+
+def _read_tensors(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    stored, aliases = load_file(path), json.loads(meta["aliases"])
+    return {name: stored[aliases.get(name, name)] for name in json.loads(meta["order"])}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.references import cached_reference
+from tests.references import cached_reference, cached_tensors
 
 REFERENCE = [([5, 7], [{5: -0.1, 9: -2.5}, {7: -1 / 3, 1: -1e-9}]), ([2], [{2: -0.7, 3: -0.8}])]
 
@@ -46,3 +46,18 @@ def test_what_decides_a_reference_is_in_its_key(store: Path, change: str):
         store.write_bytes(b"GGUF other weights")
     other = [([0], [{0: 0.0}])]
     assert cached_reference(store, **args | CHANGES[change], compute=lambda: other) == other
+
+
+def test_tensors_come_back_equal_and_tied_as_they_were(store: Path):
+    import torch
+
+    embed = torch.randn(6, 4)
+    tensors = {"embed.weight": embed, "norm.weight": torch.ones(4, dtype=torch.bfloat16),
+               "lm_head.weight": embed, "proj.weight": torch.randn(4, 6).t()}  # tied; a transposed view
+    first = cached_tensors(store, "code", lambda: tensors)
+    again = cached_tensors(store, "code", lambda: pytest.fail("a hit must not compute"))
+    for got in (first, again):
+        assert list(got) == list(tensors)
+        for name, tensor in tensors.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert got["lm_head.weight"].data_ptr() == got["embed.weight"].data_ptr()

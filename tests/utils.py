@@ -53,9 +53,13 @@ def assert_greedy_close(ref_ids: list[int], ref_top: list[dict[int, float]], got
 def hf_model(path=None):
     """A GGUF (default: the embedded one) loaded by transformers' own GGUF loader (never
     Unison's cache), once per test run."""
+    return _hf_model(_gguf(path))
+
+
+def _gguf(path) -> Path:
     from unison.model.loader import default_gguf_path
 
-    return _hf_model(Path(path or default_gguf_path()))
+    return Path(path or default_gguf_path())
 
 
 @functools.cache
@@ -68,6 +72,17 @@ def _hf_model(path: Path):
     return model.eval()
 
 
+def hf_state_dict(path=None) -> dict:
+    """hf_model(path)'s state dict: the tensors transformers' GGUF loader builds. Loaded once per
+    machine and kept in the test-model cache (tests/references.py)."""
+    import inspect
+
+    from tests.references import cached_tensors
+
+    path = _gguf(path)
+    return cached_tensors(path, inspect.getsource(_hf_model), lambda: hf_model(path).state_dict())
+
+
 def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, path=None,
                  ) -> list[tuple[list[int], list[dict[int, float]]]]:
     """Greedy continuations by transformers on a GGUF (default: the embedded one): (ids, top-5
@@ -76,9 +91,8 @@ def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, path=None,
     import inspect
 
     from tests.references import cached_reference
-    from unison.model.loader import default_gguf_path
 
-    path = Path(path or default_gguf_path())
+    path = _gguf(path)
     code = inspect.getsource(_hf_model) + inspect.getsource(_hf_greedy)
     return cached_reference(path, code, prompts_ids, max_new_tokens,
                             lambda: _hf_greedy(hf_model(path), prompts_ids, max_new_tokens))
