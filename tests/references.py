@@ -6,14 +6,26 @@ everything that decides it: the model file's content, the versions of transforme
 the code that computes it and its inputs. Anything else is a miss, and a miss computes exactly as
 a run without the cache would. A reference is written under a file lock and published by atomic
 rename: a concurrent run waits for it instead of computing it twice, and never reads half a file.
+
+On a machine without them (a CI runner, every time), a test session starts a warmer: a
+background process at the lowest priority that computes the references of the selected modules
+(each declares them in `hf_references()`) in the CPU time the other tests leave idle. A test that
+needs one waits for it, or, when the warmer holds it too long (starved by other work on the
+machine), stops the warmer and computes it itself.
+
+    python -m tests.references tests.test_engine ...   # the warmer, by hand
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import importlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from importlib.metadata import version
@@ -23,6 +35,8 @@ from typing import Any
 from tests.models import cache_dir
 
 Reference = list[tuple[list[int], list[dict[int, float]]]]  # per prompt: ids, top logprobs per position
+WARMER_GRACE_S = 120.0  # a test waits this long for a reference the warmer is computing
+_warmer: subprocess.Popen | None = None
 
 
 def file_sha256(path: Path) -> str:
@@ -69,7 +83,7 @@ def _cached(key: str, suffix: str, write: Callable[[Path], None], read: Callable
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{key}{suffix}"
     if not target.is_file():
-        with FileLock(str(root / f".{key}.lock")):
+        with _locked(FileLock(str(root / f".{key}.lock"))):
             if not target.is_file():
                 fd, partial = tempfile.mkstemp(prefix=f".{key}.", suffix=".partial", dir=root)
                 os.close(fd)
@@ -80,6 +94,52 @@ def _cached(key: str, suffix: str, write: Callable[[Path], None], read: Callable
                     os.unlink(partial)
                     raise
     return read(target)  # what a miss computed comes back the way a hit does
+
+
+@contextlib.contextmanager
+def _locked(lock):
+    from filelock import Timeout
+
+    try:
+        lock.acquire(timeout=WARMER_GRACE_S if _warmer is not None else -1)
+    except Timeout:
+        stop_warmer()  # the lock dies with it; what it was computing is computed here instead
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def start_warmer(modules: list[str]) -> None:
+    """Computes the modules' references in a background process, if any is missing. Its
+    environment lacks the test session's mark: it is the session's, not a test's, to stop."""
+    global _warmer
+    if not modules or _warmer is not None:
+        return
+    env = {k: v for k, v in os.environ.items() if k != "UNISON_TEST_SESSION"}
+    root = cache_dir() / "references"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "warmer.log", "w") as log:
+        _warmer = subprocess.Popen([sys.executable, "-m", "tests.references", *modules], env=env,
+                                   cwd=Path(__file__).parent.parent, stdout=log, stderr=log)
+
+
+def stop_warmer() -> None:
+    global _warmer
+    if _warmer is not None:
+        _warmer.kill()
+        _warmer.wait()
+        _warmer = None
+
+
+def warm(modules: list[str]) -> None:
+    from tests.utils import hf_reference
+
+    os.nice(19)  # only what the tests leave idle
+    for name in modules:
+        for path, prompts_ids, max_new_tokens in importlib.import_module(name).hf_references():
+            hf_reference(prompts_ids, max_new_tokens, path)
 
 
 def _write_json(path: Path, reference: Reference) -> None:
@@ -117,3 +177,7 @@ def _read_tensors(path: Path) -> dict[str, Any]:
         meta = f.metadata()
     stored, aliases = load_file(path), json.loads(meta["aliases"])
     return {name: stored[aliases.get(name, name)] for name in json.loads(meta["order"])}
+
+
+if __name__ == "__main__":
+    warm(sys.argv[1:])

@@ -37,14 +37,24 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prompts(model_dir: Path) -> list[list[int]]:
+def prompt_ids(model_dir: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     chats = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
                                      add_generation_prompt=True) for c in CHATS]
     return [tok(text, add_special_tokens=False)["input_ids"] for text in TEXTS + chats]
+
+
+def hf_references() -> list[tuple[Path | None, list[list[int]], int]]:
+    """The transformers references this module asks for: (GGUF, prompts, tokens) for
+    hf_reference (tests/references.py computes them ahead of the tests, in the background)."""
+    return [(None, prompt_ids(resolve_model_dir(None)), NEW_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    return prompt_ids(model_dir)
 
 
 @pytest.fixture(scope="module")
