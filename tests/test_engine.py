@@ -15,8 +15,6 @@ import pytest
 
 from tests.utils import assert_greedy_close, hf_reference, wait_until, wait_until_async
 from unison import Engine, EngineDeadError
-from unison.frontend.tokenizer import Tokenizer
-from unison.model.loader import resolve_model_dir
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 PROMPTS = [
@@ -83,6 +81,9 @@ def parity_prompts(tok) -> list[str]:
 def hf_references() -> list[tuple[Path | None, list[list[int]], int]]:
     """The transformers references this module asks for: (GGUF, prompts, tokens) for
     hf_reference (tests/references.py computes them ahead of the tests, in the background)."""
+    from unison.frontend.tokenizer import Tokenizer  # inside: spawned children import this module
+    from unison.model.loader import resolve_model_dir
+
     tok = Tokenizer.from_dir(resolve_model_dir(None))
     return [(None, [tok.encode(p) for p in parity_prompts(tok)], PARITY_TOKENS)]
 
