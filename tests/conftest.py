@@ -130,3 +130,19 @@ def gemma3_path() -> Path:
     from tests.models import gemma3_gguf
 
     return gemma3_gguf()
+
+
+def pytest_collection_finish(session):
+    """The selected modules' Hugging Face references start computing in the background, in the
+    CPU time the first tests leave idle (tests/references.py)."""
+    from tests.references import start_warmer
+
+    if os.environ.get("UNISON_TEST_NO_WARMER") != "1":
+        start_warmer(sorted({f"tests.{Path(item.module.__file__).stem}" for item in session.items
+                             if hasattr(getattr(item, "module", None), "hf_references")}))
+
+
+def pytest_sessionfinish(session):
+    from tests.references import stop_warmer
+
+    stop_warmer()

@@ -150,10 +150,17 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def stopped_growing(items: list, quiet: float = 0.3) -> bool:
-    n = len(items)
-    time.sleep(quiet)
-    return n == len(items)
+def caught_up(chunks: list[dict], engine: Engine, rid: str) -> bool:
+    """A stream's consumer has every token its frontend holds for `rid`. After a control's reply
+    (pause_generation's, say) the frontend holds every output the core sent before it: the
+    frontend applies a batch of outputs before the reply's waiter runs."""
+    if not chunks:
+        return False
+    last = chunks[-1]
+    state = engine._worker().states.get(rid)  # gone once finished: then the final chunk is due
+    if last["meta_info"]["finish_reason"] is not None:
+        return True
+    return state is not None and len(last["output_ids"]) == len(state.output_ids)
 
 
 def dead_pid() -> int:
@@ -588,7 +595,7 @@ def test_kill_of_attached_process_frees_its_requests(engine):
     block_size = engine.get_server_info()["block_size"]
     chunks: list[dict] = []
     owner_stream = threading.Thread(target=lambda: chunks.extend(
-        engine.generate(PROMPTS[3], params, stream=True, **logprobs)))
+        engine.generate(PROMPTS[3], params, stream=True, rid="owner", **logprobs)))
 
     def child_requests_gone(pid: int) -> bool:
         info = engine.get_server_info()
@@ -612,7 +619,7 @@ def test_kill_of_attached_process_frees_its_requests(engine):
             # Paused, the owner's request holds exactly the blocks of its computed tokens.
             engine.pause_generation(mode="in_place")
             try:
-                wait_until(lambda: stopped_growing(chunks), 5, "the owner's stream to settle")
+                wait_until(lambda: caught_up(chunks, engine, "owner"), 5, "the owner's stream to settle")
                 done = chunks[-1]["meta_info"]["finish_reason"] is not None
                 computed = 0 if done else prompt_len + len(chunks[-1]["output_ids"]) - 1
                 used = engine.get_server_info()["kv_blocks_used"]

@@ -9,6 +9,7 @@ import signal
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,16 +70,32 @@ def test_capital_of_france(engine):
     assert out["text"] == engine.tokenizer.decode(out["output_ids"])
 
 
+PARITY_CHATS = ("What is the capital of Italy?", "Name a color.", "Say hello.", "What is 2 + 2?")
+PARITY_TOKENS = 32
+
+
+def parity_prompts(tok) -> list[str]:
+    return PROMPTS + [tok.apply_chat_template([{"role": "user", "content": q}]) for q in PARITY_CHATS]
+
+
+def hf_references() -> list[tuple[Path | None, list[list[int]], int]]:
+    """The transformers references this module asks for: (GGUF, prompts, tokens) for
+    hf_reference (tests/references.py computes them ahead of the tests, in the background)."""
+    from unison.frontend.tokenizer import Tokenizer  # inside: spawned children import this module
+    from unison.model.loader import resolve_model_dir
+
+    tok = Tokenizer.from_dir(resolve_model_dir(None))
+    return [(None, [tok.encode(p) for p in parity_prompts(tok)], PARITY_TOKENS)]
+
+
 def test_greedy_parity_with_transformers(engine):
     tok = engine.tokenizer
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in
-             ("What is the capital of Italy?", "Name a color.", "Say hello.", "What is 2 + 2?")]
-    prompts = PROMPTS + chats
+    prompts = parity_prompts(tok)
     ids = [tok.encode(p) for p in prompts]
-    outs = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 32,
+    outs = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": PARITY_TOKENS,
                                                           "ignore_eos": True},
                            return_logprob=True, top_logprobs_num=5)
-    refs = hf_reference(ids, 32)
+    refs = hf_reference(ids, PARITY_TOKENS)
     for prompt, out, (ref_ids, ref_top) in zip(prompts, outs, refs):
         assert_greedy_close(ref_ids, ref_top, out["output_ids"], top_dicts(out), name=prompt)
         first_ours, first_ref = top_dicts(out)[0], ref_top[0]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils import Blocks, assert_greedy_close, greedy, hf_model, hf_reference, on_test_device
+from tests.utils import Blocks, assert_greedy_close, greedy, hf_reference, on_test_device
 from unison import Engine
 from unison.frontend.tokenizer import Tokenizer
 from unison.model.loader import resolve_model_dir
@@ -35,6 +35,20 @@ GEMMA_TEXTS = [
 ]
 
 
+CLI_PROMPT, CLI_TOKENS = GEMMA_TEXTS[0], 12
+
+
+def hf_references() -> list[tuple[Path | None, list[list[int]], int]]:
+    """The transformers references this module asks for: (GGUF, prompts, tokens) for
+    hf_reference (tests/references.py computes them ahead of the tests, in the background)."""
+    from tests.models import gemma3_gguf
+
+    path = gemma3_gguf()
+    tok = Tokenizer.from_dir(resolve_model_dir(path))
+    return [(path, [tok.encode(t) for t in GEMMA_TEXTS], NEW_TOKENS),
+            (path, [tok.encode(CLI_PROMPT)], CLI_TOKENS)]
+
+
 @pytest.fixture(scope="module")
 def gemma_tok(gemma3_path: Path) -> Tokenizer:
     return Tokenizer.from_dir(resolve_model_dir(gemma3_path))
@@ -47,8 +61,8 @@ def gemma_prompts(gemma_tok: Tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def gemma_reference(gemma3_path, gemma_prompts):
-    """transformers on the same GGUF, float32: loaded (about 60 s) and run once per test run."""
-    return hf_reference(gemma_prompts, NEW_TOKENS, hf_model(gemma3_path))
+    """transformers on the same GGUF, float32: loaded (about 60 s) and run once per machine."""
+    return hf_reference(gemma_prompts, NEW_TOKENS, gemma3_path)
 
 
 def test_gemma_prompts_tokenize_as_autotokenizer(gemma3_path, gemma_prompts):
@@ -83,10 +97,10 @@ def test_gemma_matches_transformers(gemma3_path, gemma_prompts, gemma_reference,
 
 
 def test_gemma_cli_prints_what_transformers_prints(gemma3_path, gemma_tok):
-    prompt = "The capital of France is"
-    [(ref_ids, _)] = hf_reference([gemma_tok.encode(prompt)], 12, hf_model(gemma3_path))
+    prompt = CLI_PROMPT
+    [(ref_ids, _)] = hf_reference([gemma_tok.encode(prompt)], CLI_TOKENS, gemma3_path)
     out = subprocess.run([sys.executable, "-m", "unison.cli", "generate", prompt, "--model-path",
-                          str(gemma3_path), "--max-new-tokens", "12", "--temperature", "0",
+                          str(gemma3_path), "--max-new-tokens", str(CLI_TOKENS), "--temperature", "0",
                           "--quantization", "none"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.rstrip("\n") == gemma_tok.decode(ref_ids)

@@ -15,8 +15,8 @@ from tests.utils import (
     Blocks,
     assert_greedy_close,
     greedy,
-    hf_model,
     hf_reference,
+    hf_state_dict,
     on_test_device,
 )
 from unison.model import loader
@@ -45,14 +45,24 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prompts(model_dir: Path) -> list[list[int]]:
+def prompt_ids(model_dir: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     chats = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
                                      add_generation_prompt=True) for c in CHATS]
     return [tok(text, add_special_tokens=False)["input_ids"] for text in TEXTS + chats]
+
+
+def hf_references() -> list[tuple[Path | None, list[list[int]], int]]:
+    """The transformers references this module asks for: (GGUF, prompts, tokens) for
+    hf_reference (tests/references.py computes them ahead of the tests, in the background)."""
+    return [(None, prompt_ids(resolve_model_dir(None)), NEW_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    return prompt_ids(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +109,13 @@ def test_parity_runs_on_the_test_device(runner: ModelRunner, prompts):
 def test_gguf_tensors_equal_transformers_gguf_loader(model_dir: Path):
     """Read in place from the GGUF, dequantized: the tensors transformers' own loader builds."""
     weights = GGUFWeights(default_gguf_path())
-    theirs = hf_model().state_dict()
+    theirs = hf_state_dict()
     assert weights.names() == set(theirs) - {"lm_head.weight"}  # tied: transformers lists it anyway
     for name in weights.names():
         tensor = weights.float(name)
         assert tensor.dtype == torch.float32
+        if tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]):
+            continue  # bit for bit, so within any tolerance: a memcmp, not assert_close's passes
         torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]

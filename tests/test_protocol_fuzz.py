@@ -56,6 +56,38 @@ def raw(engine):
         sock.send(protocol.encode(protocol.Goodbye()))
 
 
+@pytest.fixture(autouse=True)
+def integrity(request):
+    """After each test (all of a fuzz test's examples): the engine drains to idle, every KV block
+    back, and its tables agree."""
+    yield
+    if "engine" in request.fixturenames:
+        engine = request.getfixturevalue("engine")
+        wait_idle(engine)
+        engine.check_integrity()
+
+
+cids = itertools.count(1_000_000)  # apart from the cids the fuzzed messages carry
+
+
+def answers(raw: zmq.Socket) -> None:
+    """A control round trip on the raw socket: the core handles one socket's messages in order,
+    so its reply proves it has read everything sent before, survived it, and that its tables
+    still agree (the integrity check runs between steps, requests in flight or not). Outputs of
+    earlier requests are acknowledged on the way, as a frontend does."""
+    cid = next(cids)
+    raw.send(protocol.encode(protocol.Control(cid, protocol.CheckIntegrity())))
+    while True:
+        assert raw.poll(5000), "the core did not answer"
+        reply = protocol.decode_to_frontend(raw.recv())
+        if isinstance(reply, protocol.StepOutputs):
+            raw.send(protocol.encode(protocol.Ack(reply.seq)))
+        elif isinstance(reply, protocol.ControlReply) and reply.cid == cid:
+            assert reply.error is None and isinstance(reply.result, protocol.OpResult) \
+                and reply.result.success, reply
+            return
+
+
 def still_serving(engine: Engine) -> None:
     out = engine.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0})
     assert out["text"].startswith(" Paris")
@@ -87,6 +119,7 @@ def test_nothing_crosses_processes_as_pickle():
 def test_random_frames(engine, raw, frame):
     raw.send(frame)
     raw.send_multipart([frame, frame])  # a frame count the core does not expect
+    answers(raw)
 
 
 @FUZZ
@@ -101,6 +134,7 @@ def test_random_frames(engine, raw, frame):
 def test_truncated_messages(engine, raw, msg, cut):
     data = protocol.encode(msg)
     raw.send(data[: max(1, len(data) - cut)])
+    answers(raw)
 
 
 def hostile(o: Option) -> st.SearchStrategy:
@@ -131,17 +165,23 @@ def test_hostile_generate_values(engine, raw, ids, p, return_logprob, top_n, sta
     # Each runs to its end (no abort): whatever the core accepts must get through a step.
     msg = protocol.Generate(f"fuzz-{next(rids)}", ids, p, return_logprob, top_n, start, priority)
     raw.send(protocol.encode(msg))
+    answers(raw)
 
 
 def test_messages_before_hello_are_dropped(engine):
     with dealer() as (sock, _):
         sock.send(protocol.encode(protocol.Generate("intruder", [1, 2, 3], protocol.CoreSamplingParams())))
         sock.send(protocol.encode(protocol.Control(1, protocol.GetServerInfo())))
-        assert not sock.poll(500), "a frontend that has not said Hello must get nothing"
+        # One socket's messages are handled in order: an answer to either of those two would
+        # arrive before the answer to this Hello, so no window of silence needs waiting out.
         sock.send(protocol.encode(protocol.Hello(pid=os.getpid(), token="guessed")))
         assert sock.poll(5000)
-        assert isinstance(protocol.decode_to_frontend(sock.recv()), protocol.Reject)
-        assert all(fe["pid"] == os.getpid() for fe in engine.get_server_info()["frontends"])
+        first = protocol.decode_to_frontend(sock.recv())
+        assert isinstance(first, protocol.Reject), f"a frontend that has not said Hello got {first}"
+        info = engine.get_server_info()
+        assert all(fe["pid"] == os.getpid() for fe in info["frontends"])
+        assert info["num_running"] + info["num_waiting"] == 0, "the intruder's request was queued"
+        assert "intruder" not in {rid for _, rid in info["admissions"]}, "the intruder's request ran"
 
 
 P = protocol.CoreSamplingParams

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import os
 import time
+from pathlib import Path
 
 TOP_N = 5
 MAX_GAP = 0.1  # a divergence is tolerated only where the reference's top-2 logprobs are this close
@@ -67,34 +68,63 @@ def on_test_device() -> dict[str, str]:
     return {"device": TEST_DEVICE, "dtype": "float32"}
 
 
-@functools.cache
 def hf_model(path=None):
     """A GGUF (default: the embedded one) loaded by transformers' own GGUF loader (never
     Unison's cache), once per test run."""
+    return _hf_model(_gguf(path))
+
+
+def _gguf(path) -> Path:
+    from unison.model.loader import default_gguf_path
+
+    return Path(path or default_gguf_path())
+
+
+@functools.cache
+def _hf_model(path: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from unison.model.loader import default_gguf_path
-
-    path = path or default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32)
     return model.eval()
 
 
-def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, model=None,
-                 ) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Greedy continuations by transformers: (ids, top-5 logprobs at each new position) per prompt.
+def hf_state_dict(path=None) -> dict:
+    """hf_model(path)'s state dict: the tensors transformers' GGUF loader builds. Loaded once per
+    machine and kept in the test-model cache (tests/references.py)."""
+    import inspect
 
-    Generates exactly max_new_tokens (no stop on EOS), one prompt at a time: no padding, so the
-    reference is transformers at its plainest.
-    """
+    from tests.references import cached_tensors
+
+    path = _gguf(path)
+    return cached_tensors(path, inspect.getsource(_hf_model), lambda: hf_model(path).state_dict())
+
+
+def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, path=None,
+                 ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Greedy continuations by transformers on a GGUF (default: the embedded one): (ids, top-5
+    logprobs at each new position) per prompt. Computed once per machine and kept in the
+    test-model cache (tests/references.py), keyed by the file, the versions and this code."""
+    import inspect
+
+    from tests.references import cached_reference
+
+    path = _gguf(path)
+    code = inspect.getsource(_hf_model) + inspect.getsource(_hf_greedy)
+    return cached_reference(path, code, prompts_ids, max_new_tokens,
+                            lambda: _hf_greedy(hf_model(path), prompts_ids, max_new_tokens))
+
+
+def _hf_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int,
+               ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Generates exactly max_new_tokens (no stop on EOS), one prompt at a time: no padding, so
+    the reference is transformers at its plainest."""
     import inspect
 
     import torch
     from transformers import DynamicCache
 
-    model = model or hf_model()
     # transformers renamed past_key_values to cache; accept either version
     params = inspect.signature(model.forward).parameters
     cache_arg = "cache" if "cache" in params else "past_key_values"

@@ -99,6 +99,8 @@ def main(args: argparse.Namespace) -> int:
                     engine.flush_cache()
                     run = measure(engine, workload, args, data[workload])
                     runs.setdefault((workload, mode), []).append(run)
+                    print(f"{workload} {mode}: {run['tok_s']:.1f} tok/s, acceptance {run['acceptance']:.2f}",
+                          flush=True)
         info = engines["on"].get_server_info()
     finally:
         for e in engines.values():
