@@ -9,9 +9,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
-from unison.core.frontends import Caller, Frontend
+from unison.config import EngineConfig
+from unison.core.engine_core import EngineCore
+from unison.core.frontends import Caller, Frontend, Frontends
+from unison.core.metrics import StepShapes
 from unison.core.request import Request
 from unison.core.weight_update import WeightUpdate
 from unison.protocol import (
@@ -23,6 +26,8 @@ from unison.protocol import (
     ControlReply,
     ControlRequest,
     ControlResult,
+    CoreArgs,
+    CoreInfo,
     FlushCache,
     FrontendInfo,
     GetServerInfo,
@@ -36,10 +41,22 @@ from unison.protocol import (
     UpdateWeights,
 )
 
-if TYPE_CHECKING:
-    from unison.core.server import CoreServer
-
 log = logging.getLogger("unison.core")
+
+
+class ControlHost(Protocol):
+    """What the controls act on: the core server's parts (CoreServer is one; declared here so the
+    controls need not import the server that imports them)."""
+
+    args: CoreArgs
+    config: EngineConfig
+    core: EngineCore
+    frontends: Frontends
+    step_shapes: StepShapes | None
+
+    def info(self) -> CoreInfo: ...
+
+    def publish(self) -> None: ...
 
 
 class Controls:
@@ -50,7 +67,7 @@ class Controls:
     handler raised: a bad control never takes the core down. A handler that returns None
     answers later: a weight update replies once it has run (`poll`, from the core's loop)."""
 
-    def __init__(self, server: CoreServer) -> None:
+    def __init__(self, server: ControlHost) -> None:
         self.server = server
         self.core = server.core
         self.paused: PauseMode | None = None

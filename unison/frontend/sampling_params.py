@@ -100,9 +100,10 @@ class _Checks:
             raise InvalidParam("stop_token_ids", "stop_token_ids must be a list of token ids")
         if self.stop_regex is not None and not isinstance(self.stop_regex, (str, list)):
             raise InvalidParam("stop_regex", "stop_regex must be a string or a list of strings")
-        for name, values in (("stop", self.stop_strings), ("stop_regex", self.stop_regexes)):
+        for name, values, what in (("stop", self.stop_strings, "strings"),
+                                   ("stop_regex", self.stop_regexes, "patterns")):
             if len(values) > MAX_STOP_STRINGS:
-                raise InvalidParam(name, f"{name} has {len(values)} entries; at most {MAX_STOP_STRINGS} "
+                raise InvalidParam(name, f"{name} has {len(values)} {what}; at most {MAX_STOP_STRINGS} "
                                          "are allowed")
             for s in values:
                 if not isinstance(s, str) or not s:
