@@ -15,6 +15,8 @@ read it.
 from __future__ import annotations
 
 import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +73,8 @@ class Option:
 
 def _base(tp: Any) -> Any:
     """int for `int | None`, and so on: the type a present value has."""
-    args = [a for a in getattr(tp, "__args__", ()) if a is not type(None)]
-    return args[0] if len(args) == 1 and type(tp).__name__ == "UnionType" else tp
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if isinstance(tp, types.UnionType) and len(args) == 1 else tp
 
 
 OPTIONS: tuple[Option, ...] = (
