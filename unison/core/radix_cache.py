@@ -1,14 +1,15 @@
 """RadixCache: a radix tree of token ids over KV blocks, so shared prefixes are computed once.
 
 Edges hold whole blocks: a node's `tokens` is a multiple of block_size long and `blocks` has one
-block id per block_size tokens. The tree holds one reference (BlockPool.share) on each of its
+block id per block_size tokens. Each LoRA adapter has a tree of its own (adapter 0: the base
+model), since KV computed under one adapter is wrong for every other. The tree holds one reference (BlockPool.share) on each of its
 blocks; a request using a cached prefix holds one more, and locks the path so it is not evicted.
 Unlocked leaves are evicted in least-recently-used order when the pool runs short.
 
 Contract:
-  match(tokens)            -> (blocks, node): the longest cached prefix in whole blocks; the
+  match(tokens, adapter)   -> (blocks, node): the longest cached prefix in whole blocks; the
                               caller takes a reference on each block and lock()s the node.
-  insert(tokens, blocks)   -> how many leading blocks the tree already held (the caller's copies
+  insert(tokens, blocks, adapter) -> how many leading blocks the tree already held (the caller's copies
                               of those are duplicates it simply releases); the rest are adopted.
   lock(node) / unlock(node)
   evict(n)                 -> blocks freed, at most n.
@@ -41,15 +42,21 @@ class RadixCache:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.root = Node(None, (), [])
-        self.root.lock_ref = 1  # never evicted
+        self.roots: dict[int, Node] = {}  # adapter id -> its tree's root (never evicted)
         self.num_evicted = 0  # blocks evicted so far (a statistic)
 
     def _key(self, tokens: tuple[int, ...] | list[int], i: int = 0) -> tuple[int, ...]:
         return tuple(tokens[i: i + self.block_size])
 
-    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
-        bs, node, blocks, i = self.block_size, self.root, [], 0
+    def root(self, adapter: int = 0) -> Node:
+        node = self.roots.get(adapter)
+        if node is None:
+            node = self.roots[adapter] = Node(None, (), [])
+            node.lock_ref = 1
+        return node
+
+    def match(self, tokens: list[int], adapter: int = 0) -> tuple[list[int], Node]:
+        bs, node, blocks, i = self.block_size, self.root(adapter), [], 0
         usable = len(tokens) // bs * bs
         while i < usable:
             child = node.children.get(self._key(tokens, i))
@@ -64,9 +71,11 @@ class RadixCache:
             node.last_access = next(_clock)
         return blocks, node
 
-    def match_len(self, tokens: list[int]) -> int:
+    def match_len(self, tokens: list[int], adapter: int = 0) -> int:
         """Tokens of the longest cached prefix, without touching the tree (for ordering only)."""
-        node, i = self.root, 0
+        node, i = self.roots.get(adapter), 0
+        if node is None:
+            return 0
         while (child := node.children.get(self._key(tokens, i))) is not None:
             n = self._common_blocks(child.tokens, tokens, i)
             i += n * self.block_size
@@ -94,11 +103,11 @@ class RadixCache:
         head.children[self._key(node.tokens)] = node
         return head
 
-    def insert(self, tokens: list[int], blocks: list[int]) -> int:
+    def insert(self, tokens: list[int], blocks: list[int], adapter: int = 0) -> int:
         """Cache the whole blocks of `tokens` (KV in `blocks`); returns how many it had already."""
         bs = self.block_size
         n_full = min(len(tokens) // bs, len(blocks))
-        matched, node = self.match(tokens[: n_full * bs])
+        matched, node = self.match(tokens[: n_full * bs], adapter)
         have = len(matched)
         if have < n_full:
             rest = tokens[have * bs: n_full * bs]
@@ -130,7 +139,7 @@ class RadixCache:
             self.num_evicted += len(leaf.blocks)
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
@@ -138,7 +147,7 @@ class RadixCache:
         self.evict(self.num_blocks)
 
     def _nodes(self) -> Iterator[Node]:
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

@@ -21,6 +21,7 @@ class Request:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     priority: int = 0  # higher is admitted first
+    adapter: int = 0  # the LoRA adapter's id in the core's registry; 0: the base model
     token_ids_logprob: list[int] = field(default_factory=list)  # ids whose logprobs are returned
     held: bool = False  # arrived while a weight update waits: admitted once it is done
     arrival: float = field(default_factory=time.monotonic)

@@ -159,7 +159,7 @@ class Scheduler:
             top = max(r.priority for r in candidates)
             return self.rng.choice([r for r in candidates if r.priority == top])
         if self.policy == "lpm" and self.cache is not None:
-            return max(candidates, key=lambda r: (r.priority, self.cache.match_len(r.token_ids), -r.arrival))
+            return max(candidates, key=lambda r: (r.priority, self.cache.match_len(r.token_ids, r.adapter), -r.arrival))
         return max(candidates, key=lambda r: (r.priority, -r.arrival))
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
@@ -179,7 +179,7 @@ class Scheduler:
         limit = req.num_tokens - 1
         if req.wants_prompt_logprobs:  # rows before the first owed logprob are not recomputed
             limit = min(limit, max(req.next_prompt_logprob - 1, 0))
-        blocks, node = self.cache.match(req.token_ids[:limit])
+        blocks, node = self.cache.match(req.token_ids[:limit], req.adapter)
         self.pool.share(blocks)
         self.cache.lock(node)
         req.cache_node, req.block_table = node, blocks
@@ -215,7 +215,7 @@ class Scheduler:
         """Give back the request's blocks, first offering their computed prefix to the cache."""
         if self.cache is not None:
             if cache:
-                self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table)
+                self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter)
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)
                 req.cache_node = None
@@ -230,7 +230,7 @@ class Scheduler:
     def cache_computed(self, req: Request) -> None:
         """Offer a prefill chunk's finished blocks now, so requests sharing the prefix need not wait."""
         if self.cache is not None:
-            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table)
+            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter)
 
     def flush_cache(self) -> None:
         # Waiting requests hold no KV (check_integrity): only running ones share cached blocks.
