@@ -11,7 +11,8 @@ from unison.config import HELP, EngineConfig
 
 _SERVE_OWN = {"model_path", "tokenizer_worker_num"}  # spelled out by each command
 # vLLM's spellings beside ours (SGLang's are ours), so either ecosystem's command lines run.
-ALIASES = {"model_path": ["--model"], "context_length": ["--max-model-len"]}
+ALIASES = {"model_path": ["--model"], "context_length": ["--max-model-len"], "lora_paths": ["--lora-modules"],
+           "max_loras_per_batch": ["--max-loras"], "max_loaded_loras": ["--max-cpu-loras"]}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

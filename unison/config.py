@@ -54,6 +54,30 @@ class SpeculativeConfig:
         return cls(**given)
 
 
+@dataclass(frozen=True)
+class LoraModule:
+    name: str
+    path: str
+    pinned: bool = False
+
+    @classmethod
+    def parse(cls, entry: str, where: str) -> LoraModule:
+        if not isinstance(entry, str) or not entry.strip():
+            raise ValueError(f"{where} must be 'name=path', a path or a dict, got {entry!r}")
+        if entry.lstrip().startswith("{"):
+            try:
+                given = json.loads(entry)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not valid JSON: {e}") from None
+            name, path = given.get("lora_name", given.get("name")), given.get("lora_path", given.get("path"))
+            unknown = sorted(set(given) - LORA_MODULE_KEYS)
+            _check(not unknown, where, f"has unknown key(s) {unknown}")
+            _check(isinstance(name, str) and isinstance(path, str), where, "needs lora_name and lora_path")
+            return cls(name, path, bool(given.get("pinned", False)))
+        name, sep, path = entry.partition("=")
+        return cls(name, path) if sep else cls(entry, entry)  # a bare path is its own name (SGLang)
+
+
 @dataclass
 class EngineConfig:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
@@ -103,6 +127,13 @@ class EngineConfig:
     # Speculative decoding (vLLM's option; SGLang's speculative_algorithm="NGRAM" maps onto it): a
     # SpeculativeConfig, or its dict / JSON text. None: plain decoding.
     speculative_config: SpeculativeConfig | str | None = None
+    # LoRA adapters (SGLang's and vLLM's options): loaded in the core, used from every frontend.
+    enable_lora: bool = False  # lora_paths turns it on too, as in SGLang
+    # Loaded at start: "name=path", a path, or {"lora_name", "lora_path", "pinned"} (or its JSON).
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8  # distinct adapters in one step (the base model not counted)
+    max_lora_rank: int = 64
+    max_loaded_loras: int | None = None  # past it, idle unpinned adapters are evicted (LRU); None: no limit
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
@@ -158,6 +189,30 @@ class EngineConfig:
                f"must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_paths, (str, dict)):
+            self.lora_paths = (self.lora_paths,)
+        self.lora_paths = tuple(json.dumps(p) if isinstance(p, dict) else p for p in self.lora_paths or ())
+        modules = self.lora_modules()  # each entry checked, by its index
+        names = [m.name for m in modules]
+        _check(len(set(names)) == len(names), "lora_paths", f"names an adapter twice: {names}")
+        self.enable_lora = bool(self.enable_lora or modules)
+        _check(_is_int(self.max_loras_per_batch) and self.max_loras_per_batch >= 1, "max_loras_per_batch",
+               "must be an integer >= 1")
+        _check(_is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= MAX_LORA_RANK, "max_lora_rank",
+               f"must be an integer in [1, {MAX_LORA_RANK}]")
+        loaded = self.max_loaded_loras
+        _check(loaded is None or (_is_int(loaded) and loaded >= 1), "max_loaded_loras",
+               "must be an integer >= 1")
+        _check(loaded is None or len(modules) <= loaded, "lora_paths",
+               f"names {len(modules)} adapters, more than max_loaded_loras ({loaded})")
+
+    def lora_modules(self) -> list[LoraModule]:
+        """lora_paths as (name, path, pinned): SGLang's "name=path" / path / dict, vLLM's
+        --lora-modules JSON ({"name", "path"})."""
+        return [LoraModule.parse(entry, f"lora_paths[{i}]") for i, entry in enumerate(self.lora_paths)]
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -206,6 +261,9 @@ def _is_int(value: Any) -> bool:
 
 DEFAULTS = {"max_running_requests": 64, "chunked_prefill_size": 512, "schedule_policy": "fcfs",
             "quantization": "auto"}
+MAX_LORA_RANK = 256
+# lora_paths' dict keys: SGLang's (lora_name, lora_path, pinned) and vLLM's --lora-modules JSON's.
+LORA_MODULE_KEYS = {"lora_name", "lora_path", "pinned", "name", "path", "base_model_name"}
 NO_CHUNKING = 1 << 30  # chunked_prefill_size=-1 (SGLang): a prompt is prefilled in one step
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 POLICIES = ("fcfs", "lpm", "fair", "random")
@@ -228,8 +286,8 @@ completion_template is_embedding enable_multimodal host port api_key ep_size nno
 dist_init_addr attention_backend prefill_attention_backend decode_attention_backend sampling_backend
 grammar_backend enable_torch_compile torch_compile_max_bs cuda_graph_max_bs cuda_graph_bs
 enable_mixed_chunk enable_dp_attention speculative_draft_model_path
-speculative_num_steps speculative_eagle_topk lora_paths
-max_loras_per_batch enable_lora lora_backend max_lora_rank max_prefill_tokens page_size
+speculative_num_steps speculative_eagle_topk
+lora_backend max_prefill_tokens page_size
 stream_interval watchdog_timeout download_dir base_gpu_id gpu_id_step enable_metrics
 show_time_cost decode_log_interval enable_memory_saver allow_auto_truncate tool_call_parser
 json_model_override_args preferred_sampling_params enable_deterministic_inference
@@ -280,6 +338,13 @@ HELP = {
                         "deepseek_r1 (deepseek-r1, qwq)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 5}' (outputs stay bit-identical)",
+    "enable_lora": "serve LoRA adapters (load_lora_adapter, lora_path, model=<adapter>)",
+    "lora_paths": "adapters loaded at start: name=path (or a path, or JSON with lora_name, lora_path, "
+                  "pinned)",
+    "max_loras_per_batch": "distinct LoRA adapters in one step",
+    "max_lora_rank": "the largest adapter rank that may be loaded",
+    "max_loaded_loras": "adapters kept loaded; past it idle unpinned ones are evicted, least recently "
+                        "used first (default: no limit)",
 }
 
 

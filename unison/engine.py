@@ -31,10 +31,12 @@ from unison.protocol import (
     ControlRequest,
     FlushCache,
     GetServerInfo,
+    LoadLoraAdapter,
     OpResult,
     Pause,
     PauseMode,
     ReplyT,
+    UnloadLoraAdapter,
     UpdateTensors,
     UpdateWeights,
 )
@@ -218,13 +220,14 @@ class Engine:
         if running_loop() is not None:
             warnings.warn("Engine.generate blocks the running event loop; use async_generate there",
                           RuntimeWarning, stacklevel=2)
-        _refuse_unsupported(image_data=image_data, lora_path=lora_path,
-                            custom_logit_processor=custom_logit_processor, **sglang_args)
+        _refuse_unsupported(image_data=image_data, custom_logit_processor=custom_logit_processor,
+                            **sglang_args)
         _expect("stream", stream, bool, "True or False")
         worker = self._worker()
         req = worker.make_request(prompt, sampling_params, input_ids, return_logprob=return_logprob,
                                   logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                                  token_ids_logprob=token_ids_logprob, rid=rid, priority=priority)
+                                  token_ids_logprob=token_ids_logprob, rid=rid, priority=priority,
+                                  lora_path=lora_path)
         collector = self._h.loop.run(worker.submit(req))
         if stream:
             return _Stream(_items(collector.follow_sync(), collector), collector.close)
@@ -244,15 +247,15 @@ class Engine:
                              priority: int | None = None,
                              **sglang_args: Any) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
-        _refuse_unsupported(image_data=image_data, lora_path=lora_path,
-                            custom_logit_processor=custom_logit_processor, **sglang_args)
+        _refuse_unsupported(image_data=image_data, custom_logit_processor=custom_logit_processor,
+                            **sglang_args)
         _expect("stream", stream, bool, "True or False")
         worker = self._worker()
         # Tokenizing (a long prompt, a JSON schema's grammar) must not stall the caller's loop.
         req = await asyncio.to_thread(
             worker.make_request, prompt, sampling_params, input_ids, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob, rid=rid, priority=priority)
+            token_ids_logprob=token_ids_logprob, rid=rid, priority=priority, lora_path=lora_path)
         submitted = self._h.loop.submit(worker.submit(req))
         try:
             collector = await asyncio.shield(asyncio.wrap_future(submitted))
@@ -351,6 +354,29 @@ class Engine:
             path.unlink(missing_ok=True)
         return r.success, r.message
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> OpResult:
+        """Load a PEFT adapter (a directory on the core's host) under `lora_name`, in the core: every
+        frontend of this engine can use it from the next request on (`lora_path=lora_name`, or
+        `model` over HTTP). A bad adapter is refused with the reason (a falsy result), and the
+        engine keeps serving as it was."""
+        _expect("lora_name", lora_name, str, "the adapter's name")
+        _expect("lora_path", lora_path, (str, os.PathLike), "a PEFT adapter's directory")
+        _expect("pinned", pinned, bool, "True or False")
+        return self._control(LoadLoraAdapter(lora_name, str(Path(lora_path).expanduser().resolve()), pinned),
+                             timeout=None)
+
+    def unload_lora_adapter(self, lora_name: str) -> OpResult:
+        """Forget `lora_name` at once, engine-wide: new requests naming it are refused, and those
+        in flight with it finish with it."""
+        _expect("lora_name", lora_name, str, "the adapter's name")
+        return self._control(UnloadLoraAdapter(lora_name))
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> OpResult:
+        return await asyncio.to_thread(self.load_lora_adapter, lora_name, lora_path, pinned)
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> OpResult:
+        return await asyncio.to_thread(self.unload_lora_adapter, lora_name)
+
     def check_integrity(self) -> None:
         """Raise if the core's KV block pool has a leaked or double-owned block."""
         self._control(CheckIntegrity())
@@ -401,13 +427,13 @@ async def _aitems(follow: AsyncIterator[list[int]], collector: Collector) -> Asy
             yield item
 
 
-# sglang.Engine.generate's arguments for what Unison does not have (images and audio, LoRA,
+# sglang.Engine.generate's arguments for what Unison does not have (images and audio,
 # custom logit processors, hidden states, sessions, disaggregation), with their defaults: given
 # anything else, the call is refused by name. Tracing and routing hints change no result and
 # are taken as given.
 SGLANG_UNSUPPORTED = {
     "image_data": None, "audio_data": None, "video_data": None, "mm_hashes": None,
-    "mm_content_hashes": None, "lora_path": None, "custom_logit_processor": None,
+    "mm_content_hashes": None, "custom_logit_processor": None,
     "require_reasoning": False, "return_hidden_states": False, "return_routed_experts": False,
     "routed_experts_start_len": 0, "bootstrap_host": None, "bootstrap_port": None,
     "bootstrap_room": None, "disagg_prefill_dp_rank": None, "session_params": None,
@@ -430,9 +456,8 @@ SGLANG_METHODS = {
                      "update_weights_from_distributed", "update_weights_from_ipc", "collective_rpc"],
                     _NO_TP),
     "get_weights_by_name": "weights live in the core process, packed for its kernels",
-    **dict.fromkeys(["load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
-                     "async_load_lora_adapter", "async_unload_lora_adapter"],
-                    "LoRA adapters are not supported"),
+    "load_lora_adapter_from_tensors": "adapters load from a PEFT directory: save_pretrained() it and "
+                                      "use load_lora_adapter",
     **dict.fromkeys(["release_memory_occupation", "resume_memory_occupation"],
                     "the KV cache and weights stay allocated (there is no memory saver)"),
     "freeze_gc": "not needed: the frontends hold few long-lived objects",
@@ -450,7 +475,7 @@ def _refuse_unsupported(**args: Any) -> None:
             raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
         if value != SGLANG_UNSUPPORTED[name] and value is not None:
             raise InvalidParam(name, f"{name} is not supported by Unison (text-only generation, no "
-                                     "LoRA, custom logit processors, sessions or disaggregation); "
+                                     "custom logit processors, sessions or disaggregation); "
                                      "leave it unset")
 
 

@@ -19,6 +19,14 @@ class InvalidParam(ValueError):
         self.field = field
 
 
+class UnknownAdapterError(InvalidParam):
+    """The request names a LoRA adapter the engine has not loaded (or has unloaded); nothing ran.
+    The OpenAI routes answer it as a 404 for `model`, the native ones as a 400 for `lora_path`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("lora_path", message)
+
+
 def check_encodable(value: object, path: str) -> None:
     """Raise InvalidParam naming the first string under `value` that is not valid Unicode text
     (a lone surrogate such as "\\ud800", which JSON escapes allow and no tokenizer takes)."""

@@ -20,7 +20,7 @@ from unison.config import EngineConfig
 from unison.sampling import CoreSamplingParams
 from unison.version import __version__
 
-PROTOCOL_VERSION = "5"
+PROTOCOL_VERSION = "6"
 
 
 # ---- frontend -> core -------------------------------------------------------------------------
@@ -48,6 +48,7 @@ class Generate(msgspec.Struct, tag=True):
     priority: int = 0  # higher is admitted first
     report_queued: bool = False  # answer with ReqOutput(queued=True) once queued (see CoreInfo)
     token_ids_logprob: list[int] = []  # with return_logprob: these ids' logprobs at every position
+    lora_name: str | None = None  # a loaded LoRA adapter, resolved by the core (None: the base model)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -112,6 +113,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     message: str | None = None  # finish == "abort" by an engine-wide control: why (no error)
     refused: bool = True  # the request was invalid (ValueError), not dropped while running
     overloaded: bool = False  # refused: the engine's queue is full (max_queued_requests)
+    unknown_adapter: bool = False  # refused: Generate.lora_name is not a loaded adapter
     queued: bool = False  # no news but this: the request was accepted into the queue
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -164,6 +166,21 @@ class FrontendInfo(msgspec.Struct):
     remote: bool = False  # attached over TCP (CURVE keys, heartbeats), not the local IPC socket
 
 
+class LoraAdapterInfo(msgspec.Struct):
+    """A loaded LoRA adapter, as the core's registry holds it."""
+
+    name: str
+    id: int  # the core's; never reused
+    path: str
+    rank: int
+    target_modules: list[str]
+    pinned: bool
+    running: int  # requests running with it now
+    waiting: int  # ... and queued
+    served: int  # requests that have come for it
+    loaded_at: float  # time.time()
+
+
 class ServerInfo(msgspec.Struct, tag=True):
     """The core's engine-wide state, the same whichever frontend asks."""
 
@@ -184,6 +201,7 @@ class ServerInfo(msgspec.Struct, tag=True):
     histograms: dict[str, HistogramData]  # latency, measured at the core's step times
     admissions: list[tuple[int, str]]  # (worker id, rid) in admission order, the last few
     frontends: list[FrontendInfo]
+    lora_adapters: list[LoraAdapterInfo] = []
 
     def to_dict(self) -> dict:
         """Plain JSON-able values in SGLang's top-level keys (its options, the scheduler's
@@ -318,8 +336,22 @@ class UpdateTensors(ControlRequest[OpResult], tag="update_tensors", frozen=True)
     flush_cache: bool = True  # empty the prefix cache afterwards (False: more updates follow)
 
 
+class LoadLoraAdapter(ControlRequest[OpResult], tag="load_lora_adapter", frozen=True):
+    """Load a PEFT adapter under a name every frontend can then use (SGLang's and vLLM's call)."""
+
+    lora_name: str
+    lora_path: str  # a PEFT directory on the core's host (adapter_config.json + safetensors)
+    pinned: bool = False  # never evicted to make room (max_loaded_loras)
+
+
+class UnloadLoraAdapter(ControlRequest[OpResult], tag="unload_lora_adapter", frozen=True):
+    """Forget an adapter's name at once; requests in flight with it finish first."""
+
+    lora_name: str
+
+
 ControlRequests = Union[GetServerInfo, FlushCache, Pause, Continue, CheckIntegrity, GetStepShapes,
-                        AbortRequests, UpdateWeights, UpdateTensors]
+                        AbortRequests, UpdateWeights, UpdateTensors, LoadLoraAdapter, UnloadLoraAdapter]
 ControlResult = Union[ServerInfo, OpResult, StepShapeCounts]  # every request's reply type
 CONTROL_REQUESTS: tuple[type[ControlRequest], ...] = get_args(ControlRequests)
 

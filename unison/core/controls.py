@@ -32,11 +32,13 @@ from unison.protocol import (
     FrontendInfo,
     GetServerInfo,
     GetStepShapes,
+    LoadLoraAdapter,
     OpResult,
     Pause,
     PauseMode,
     ServerInfo,
     StepShapeCounts,
+    UnloadLoraAdapter,
     UpdateTensors,
     UpdateWeights,
 )
@@ -104,6 +106,7 @@ class Controls:
             num_evicted_blocks=core.num_evicted_blocks, stats=core.stats(), histograms=core.latency.data(),
             admissions=[(frontends.worker_ids.get(f, -1), rid) for f, rid in core.admissions()],
             frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident], fe.remote) for fe in frontends],
+            lora_adapters=core.lora_adapters(),
         )
 
     def flush_cache(self, req: FlushCache, by: Caller) -> OpResult:
@@ -165,6 +168,22 @@ class Controls:
         self.update.start(by, req, paused=self.paused is not None)
         return self.finish_update() if self.update.ready(self.paused is not None) else None
 
+    def load_lora_adapter(self, req: LoadLoraAdapter, by: Caller) -> OpResult:
+        """Load an adapter every frontend can use from the next request on; a bad one is refused
+        with the reason (an OpResult, as SGLang's), and nothing changes."""
+        if not self.core.config.enable_lora:
+            return OpResult(False, "LoRA is off: start the engine with enable_lora=True (--enable-lora)")
+        try:
+            return OpResult(True, self.core.loras.load(req.lora_name, req.lora_path, req.pinned))
+        except ValueError as e:
+            return OpResult(False, str(e))
+
+    def unload_lora_adapter(self, req: UnloadLoraAdapter, by: Caller) -> OpResult:
+        try:
+            return OpResult(True, self.core.loras.unload(req.lora_name))
+        except ValueError as e:
+            return OpResult(False, str(e))
+
     HANDLERS: ClassVar[dict[type[ControlRequest], Callable[..., ControlResult | None]]] = {
         GetServerInfo: server_info,
         FlushCache: flush_cache,
@@ -175,6 +194,8 @@ class Controls:
         AbortRequests: abort_requests,
         UpdateWeights: update_weights,
         UpdateTensors: update_weights,
+        LoadLoraAdapter: load_lora_adapter,
+        UnloadLoraAdapter: unload_lora_adapter,
     }
 
     # ---- shared by the handlers ----------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from unison.config import EngineConfig
 from unison.core.block_pool import BlockPool
 from unison.core.grammar import Grammars
+from unison.core.lora import LoraRegistry
 from unison.core.metrics import LatencyMetrics
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
@@ -21,7 +22,7 @@ from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
-from unison.protocol import CoreInfo, EngineStats, Generate, ReqOutput
+from unison.protocol import CoreInfo, EngineStats, Generate, LoraAdapterInfo, ReqOutput
 from unison.sampling import MAX_TOP_LOGPROBS, core_problem
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,15 @@ class EngineCore:
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
+            max_adapters=config.max_loras_per_batch,
         )
+        self.loras = LoraRegistry(self.runner, max_rank=config.max_lora_rank,
+                                  max_loaded=config.max_loaded_loras)
+        for module in config.lora_modules():  # a bad one fails the start, naming it
+            try:
+                self.loras.load(module.name, module.path, module.pinned)
+            except ValueError as e:
+                raise ValueError(f"lora_paths: {module.name}: {e}") from None
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         spec = config.speculative_config
         self.drafter = None if spec is None else Drafter(spec)
@@ -127,6 +136,11 @@ class EngineCore:
         """(frontend, rid) of the latest admissions, oldest first."""
         return list(self.scheduler.admissions)
 
+    def lora_adapters(self) -> list[LoraAdapterInfo]:
+        sched = self.scheduler
+        return self.loras.infos(Counter(r.adapter for r in sched.running),
+                                Counter(r.adapter for r in sched.waiting))
+
     def requests_per_frontend(self) -> Counter[bytes]:
         return Counter(req.frontend for req in self.requests.values())
 
@@ -196,6 +210,13 @@ class EngineCore:
                              error=f"the engine is overloaded: {self.num_waiting} requests waiting "
                                    f"(max_queued_requests={limit}); retry later")
         problem = self._check(msg)
+        if problem is None and msg.lora_name is not None:
+            if not self.config.enable_lora:
+                problem = "lora_path: LoRA is off; start the engine with enable_lora=True (--enable-lora)"
+            elif msg.lora_name not in self.loras.by_name:
+                return ReqOutput(msg.rid, finish="abort", unknown_adapter=True,
+                                 error=f"LoRA adapter {msg.lora_name!r} is not loaded; loaded: "
+                                       f"{sorted(self.loras.by_name)}")
         if problem is None:
             req = Request.from_message(frontend, msg)
             req.held = self.holding
@@ -204,6 +225,8 @@ class EngineCore:
             except ValueError as e:
                 problem = str(e)
             else:
+                if msg.lora_name is not None:
+                    req.adapter = self.loras.acquire(msg.lora_name)
                 self.requests[msg.rid] = req
                 if msg.params.grammar is not None:
                     self._compile(req, msg.params.grammar)
@@ -260,9 +283,15 @@ class EngineCore:
         self.latency.finished(req.arrival, req.first_token_at, req.last_token_at,
                               req.num_output_tokens, now)
 
+    def _forget(self, req: Request) -> None:
+        """The request has left the scheduler: it no longer holds its adapter."""
+        del self.requests[req.rid]
+        if req.adapter:
+            self.loras.release(req.adapter)
+
     def _drop(self, req: Request) -> None:
         self.scheduler.remove(req)
-        del self.requests[req.rid]
+        self._forget(req)
         for pending in (self.compiling, self.bad_grammars):
             if req in pending:
                 pending.remove(req)
@@ -372,7 +401,7 @@ class EngineCore:
     def _batch_item(self, it: ScheduledItem) -> BatchItem:
         start = it.req.num_computed_tokens
         tokens = it.req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
-        return BatchItem(tokens, start, it.req.block_table, it.logits_start)
+        return BatchItem(tokens, start, it.req.block_table, it.logits_start, it.req.adapter)
 
     def _prompt_logprobs(self, it: ScheduledItem, logits: torch.Tensor, out: ReqOutput) -> None:
         """Row p of the chunk's logits scores prompt token p + 1; token 0 has no logprob."""
@@ -452,7 +481,7 @@ class EngineCore:
                 req.finish = "length"  # prompt only: done once the prompt is computed
             if req.finish is not None:
                 self.scheduler.finish(req)
-                del self.requests[req.rid]
+                self._forget(req)
                 self._finished(req, now)
                 out.finish, out.matched, out.prompt_tokens = req.finish, req.matched, req.num_prompt_tokens
             if out.token_ids or out.finish or out.prompt_logprobs:  # not a silent mid-prompt chunk

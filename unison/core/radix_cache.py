@@ -2,8 +2,9 @@
 
 Edges hold whole blocks: a node's `tokens` is a multiple of block_size long and `blocks` has one
 block id per block_size tokens. Each LoRA adapter has a tree of its own (adapter 0: the base
-model), since KV computed under one adapter is wrong for every other. The tree holds one reference (BlockPool.share) on each of its
-blocks; a request using a cached prefix holds one more, and locks the path so it is not evicted.
+model), since KV computed under one adapter is wrong for every other. The tree holds one
+reference (BlockPool.share) on each of its blocks; a request using a cached prefix holds one
+more, and locks the path so it is not evicted.
 Unlocked leaves are evicted in least-recently-used order when the pool runs short.
 
 Contract:

@@ -22,6 +22,7 @@ class Request:
     logprob_start_len: int = -1
     priority: int = 0  # higher is admitted first
     adapter: int = 0  # the LoRA adapter's id in the core's registry; 0: the base model
+    adapter_waits: int = 0  # admissions it was passed over for the step's adapter limit
     token_ids_logprob: list[int] = field(default_factory=list)  # ids whose logprobs are returned
     held: bool = False  # arrived while a weight update waits: admitted once it is done
     arrival: float = field(default_factory=time.monotonic)

@@ -11,6 +11,11 @@ policy's order, each starting after the longest prefix the radix cache holds:
   fair  round-robin over frontends, so one that floods the engine cannot starve the others
   random  any waiting request (SGLang's; seeded by random_seed)
 Within each, a higher `priority` goes first; preempted requests always go first.
+
+A step holds at most `max_adapters` distinct LoRA adapters (the base model not counted): a
+request whose adapter would be one too many waits, and others are admitted past it; once it has
+been passed over LORA_PATIENCE times, admission is kept for it (and any such) until its adapter
+fits, so a stream of requests for the adapters already running cannot starve it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from unison.core.block_pool import BlockPool
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 
+LORA_PATIENCE = 16  # times a request may be passed over for the adapter limit
 
 @dataclass(slots=True)
 class ScheduledItem:
@@ -38,7 +44,8 @@ class ScheduledItem:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
-                 cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None) -> None:
+                 cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None,
+                 max_adapters: int = 8) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
         self.pool = pool
@@ -51,6 +58,7 @@ class Scheduler:
         self.block_size = block_size
         self.max_running = max_running
         self.token_budget = token_budget
+        self.max_adapters = max_adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -94,10 +102,11 @@ class Scheduler:
             budget -= n
             i += 1
         preempted = self.num_preemptions > preemptions  # then admitting more would only thrash
+        adapters = {r.adapter for r in self.running if r.adapter}
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
-            req = self._next_waiting()
+            req = self._next_waiting(adapters)
             if req is None:
-                break  # what waits is still compiling its grammar
+                break  # what waits is still compiling its grammar, or its adapter must wait
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
@@ -105,6 +114,8 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
+            if req.adapter:
+                adapters.add(req.adapter)
             self.last_served[req.frontend] = next(self.ticks)
             self.admissions.append((req.frontend, req.rid))
             items.append(self._item(req, n))
@@ -143,12 +154,27 @@ class Scheduler:
             self.pool.release(req.block_table[keep:])
             del req.block_table[keep:]
 
-    def _next_waiting(self) -> Request | None:
-        """The request to admit next (it stays queued until admission succeeds)."""
+    def _next_waiting(self, adapters: set[int]) -> Request | None:
+        """The request to admit next (it stays queued until admission succeeds); `adapters`: the
+        distinct LoRA adapters of the step so far."""
+        def fits(r: Request) -> bool:
+            return not r.adapter or r.adapter in adapters or len(adapters) < self.max_adapters
+
         head = self.waiting[0]
         if head.num_preemptions and not head.block_table:
-            return head  # preempted work resumes first, whatever the policy
+            return head if fits(head) else None  # preempted work resumes first, whatever the policy
         candidates: Iterable[Request] = [r for r in self.waiting if r.ready]
+        if len(adapters) >= self.max_adapters:
+            passed_over = [r for r in candidates if not fits(r)]
+            for r in passed_over:
+                r.adapter_waits += 1
+            starving = [r for r in passed_over if r.adapter_waits > LORA_PATIENCE]
+            if starving:
+                return None  # admit nothing else until an adapter slot frees for them
+            candidates = [r for r in candidates if fits(r)]
+        else:
+            starving = [r for r in candidates if r.adapter_waits > LORA_PATIENCE]
+            candidates = starving or candidates  # a freed slot goes to those passed over longest
         if not candidates:
             return None
         if self.policy == "fair":
@@ -159,7 +185,8 @@ class Scheduler:
             top = max(r.priority for r in candidates)
             return self.rng.choice([r for r in candidates if r.priority == top])
         if self.policy == "lpm" and self.cache is not None:
-            return max(candidates, key=lambda r: (r.priority, self.cache.match_len(r.token_ids, r.adapter), -r.arrival))
+            cached = self.cache.match_len
+            return max(candidates, key=lambda r: (r.priority, cached(r.token_ids, r.adapter), -r.arrival))
         return max(candidates, key=lambda r: (r.priority, -r.arrival))
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from unison.errors import EngineOverloadedError
+from unison.errors import EngineOverloadedError, UnknownAdapterError
 from unison.frontend.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
@@ -65,6 +65,7 @@ class PromptRequest:
     logprob_start_len: int = -1  # >= 0: prompt logprobs from this position
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None  # these ids' logprobs at every position
+    lora_name: str | None = None  # a LoRA adapter loaded in the core (None: the base model)
 
 
 @dataclass(slots=True)
@@ -115,7 +116,8 @@ class ReqState:
         self.finished = False
         self.waker: Callable[[], None] | None = None  # the consumer's, called once per step
         self.stopped_here = False  # a stop string ended it here: the core must be told
-        # Resolved when the core has queued or refused it (only when the engine has a queue limit).
+        # Resolved when the core has queued or refused it (only when the engine has a queue limit,
+        # or the request names a LoRA adapter: only the core knows whether it is loaded).
         self.admission = admission
 
     @property
@@ -151,6 +153,7 @@ class ReqState:
             self.stopped_here = out.finish is None
         elif out.error is not None:
             self.error = (EngineOverloadedError(out.error) if out.overloaded
+                          else UnknownAdapterError(f"lora_path: {out.error}") if out.unknown_adapter
                           else ValueError(out.error) if out.refused else RuntimeError(out.error))
         elif out.finish == "length":
             self.finish_reason = LengthFinish(len(self.detok.output_ids))

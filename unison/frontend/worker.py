@@ -142,7 +142,8 @@ class TokenizerWorker:
     def make_request(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None, *,
                      return_logprob: Any = False, logprob_start_len: Any = None,
                      top_logprobs_num: Any = None, token_ids_logprob: Any = None, rid: Any = None,
-                     priority: int | None = None, add_special_tokens: bool = True) -> GenerateRequest:
+                     priority: int | None = None, add_special_tokens: bool = True,
+                     lora_path: Any = None) -> GenerateRequest:
         """Check and tokenize one call (one prompt or a list, sglang.Engine's arguments: each of
         them one value for all prompts or a list of one per prompt, None for the default);
         raises InvalidParam naming the field, before anything is queued. Thread-safe: it only
@@ -163,16 +164,23 @@ class TokenizerWorker:
                   _per_prompt(return_logprob, n, "return_logprob"),
                   _per_prompt(logprob_start_len, n, "logprob_start_len"),
                   _per_prompt(top_logprobs_num, n, "top_logprobs_num"),
-                  _per_prompt(by_id, n, "token_ids_logprob") if batch else [by_id])
+                  _per_prompt(by_id, n, "token_ids_logprob") if batch else [by_id],
+                  _per_prompt(lora_path, n, "lora_path"))
         priority = 0 if priority is None else priority
         _check_int("priority", priority)
         return GenerateRequest([self._prompt(*args, add_special_tokens) for args in per], batch, priority)
 
     def _prompt(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
                 rid: Any, return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
-                token_ids_logprob: Any, add_special_tokens: bool) -> PromptRequest:
+                token_ids_logprob: Any, lora_path: Any, add_special_tokens: bool) -> PromptRequest:
         if rid is not None and not isinstance(rid, str):
             raise InvalidParam("rid", f"rid must be a string, got {rid!r}")
+        if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):
+            raise InvalidParam("lora_path", f"lora_path must be a loaded adapter's name (or a list of "
+                                            f"one per prompt), got {lora_path!r}")
+        if lora_path is not None and not self.config.enable_lora:
+            raise InvalidParam("lora_path", "lora_path: LoRA is off; start the engine with "
+                                            "enable_lora=True (--enable-lora)")
         if not isinstance(return_logprob, bool):
             raise InvalidParam("return_logprob", f"return_logprob must be a bool, got {return_logprob!r}")
         start = -1 if logprob_start_len is None else logprob_start_len
@@ -193,7 +201,8 @@ class TokenizerWorker:
         ids = self._prompt_ids(prompt, input_ids, params, add_special_tokens)
         info = self.info
         max_new = params.max_tokens(len(ids), min(info.context_length, info.max_total_tokens))
-        return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, token_ids_logprob)
+        return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, token_ids_logprob,
+                             lora_path)
 
     def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
                     add_special_tokens: bool = True) -> list[int]:
@@ -222,15 +231,17 @@ class TokenizerWorker:
         limited = self.info.max_queued_requests is not None  # then hear that each was queued
         for p in req.prompts:
             base, sp = p.rid or uuid.uuid4().hex, p.params
+            confirm = limited or p.lora_name is not None  # ... or that its adapter is loaded
             for i in range(sp.n):
                 child = base if sp.n == 1 else f"{base}-{i}"
                 states.append(ReqState(child, p, self.tokenizer,
-                                       loop.create_future() if limited else None))
+                                       loop.create_future() if confirm else None))
                 msgs.append(Generate(
                     child, p.input_ids, sp.to_core(self.info.vocab_size, p.max_new_tokens, i, self.rng),
                     p.return_logprob, p.top_logprobs_num, p.logprob_start_len if p.return_logprob else -1,
-                    req.priority, report_queued=limited,
-                    token_ids_logprob=(p.token_ids_logprob or []) if p.return_logprob else []))
+                    req.priority, report_queued=confirm,
+                    token_ids_logprob=(p.token_ids_logprob or []) if p.return_logprob else [],
+                    lora_name=p.lora_name))
         counts = Counter(s.rid for s in states)
         clash = sorted(r for r, c in counts.items() if c > 1 or r in self.states)
         if clash:

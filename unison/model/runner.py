@@ -40,6 +40,7 @@ class BatchItem:
     start_pos: int  # tokens of this request already in its KV cache (positions start here)
     block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
     logits_start: int  # index into token_ids from which logits are needed (len: none, 0: all)
+    adapter: int = 0  # the LoRA adapter its rows run with (0: the base model)
 
 
 @dataclass(slots=True)

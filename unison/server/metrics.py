@@ -9,6 +9,7 @@ dashboards built for vLLM port with a prefix change. A registry of its own per s
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -56,6 +57,26 @@ class _EngineCollector:
             yield _histogram(name, doc, info.histograms[key])
         if stats.spec_decode is not None:
             yield from _spec_decode(stats.spec_decode, self.labels)
+        if info.config.enable_lora:
+            yield from _lora(info, self.labels)
+
+
+def _lora(info: ServerInfo, labels: dict[str, str]) -> Iterator[Metric]:
+    """vLLM's lora_requests_info (a gauge whose labels name the adapters running and waiting),
+    and requests per adapter."""
+    adapters = info.lora_adapters
+    names = {"max_lora": str(info.config.max_loras_per_batch),
+             "running_lora_adapters": ",".join(a.name for a in adapters if a.running),
+             "waiting_lora_adapters": ",".join(a.name for a in adapters if a.waiting)}
+    family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                               labels=[*labels, *names])
+    family.add_metric([*labels.values(), *names.values()], time.time())
+    yield family
+    served = CounterMetricFamily(PREFIX + "lora_requests", "Requests per LoRA adapter loaded now.",
+                                 labels=[*labels, "lora_name"])
+    for a in adapters:
+        served.add_metric([*labels.values(), a.name], a.served)
+    yield served
 
 
 def _spec_decode(spec: SpecDecodeStats, labels: dict[str, str]) -> Iterator[Metric]:

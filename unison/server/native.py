@@ -1,7 +1,9 @@
 """The native routes, in SGLang's shapes: /generate, /health, /get_server_info, /get_model_info,
 /metrics, and the engine-wide controls /flush_cache, /pause_generation, /continue_generation,
-/abort_request, /update_weights_from_disk (behind the API key, as every route but /health and
-/metrics). Any worker answers a control: it is acted on in the core, for every frontend."""
+/abort_request, /update_weights_from_disk, and the LoRA adapters' /load_lora_adapter and
+/unload_lora_adapter (SGLang's; vLLM's under /v1/ too), all behind the API key, as every route but
+/health and /metrics. Any worker answers a control: it is acted on in the core, for every
+frontend (and on every replica's core, data parallel)."""
 
 from __future__ import annotations
 
@@ -19,14 +21,24 @@ from unison.protocol import (
     ControlRequest,
     FlushCache,
     GetServerInfo,
+    LoadLoraAdapter,
     OpResult,
     Pause,
     ReplyT,
+    UnloadLoraAdapter,
     UpdateWeights,
 )
 from unison.server.errors import HTTPError
 from unison.server.metrics import CONTENT_TYPE, render_metrics
-from unison.server.native_protocol import AbortBody, ContinueBody, GenerateBody, PauseBody, UpdateWeightsBody
+from unison.server.native_protocol import (
+    AbortBody,
+    ContinueBody,
+    GenerateBody,
+    LoadLoraBody,
+    PauseBody,
+    UnloadLoraBody,
+    UpdateWeightsBody,
+)
 from unison.server.replicas import Replicas
 from unison.server.streaming import route, stream, wait, worker_of
 
@@ -101,6 +113,22 @@ async def update_weights_from_disk(body: UpdateWeightsBody, request: Request):
     return _results(indexed, num_paused_requests=sum(r.num_paused_requests for _, r in indexed))
 
 
+@router.post("/load_lora_adapter")
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraBody, request: Request):
+    """Loaded in the core (each replica's), so every worker serves it from the next request on."""
+    if body.load_inplace:
+        await _control_all(request, UnloadLoraAdapter(body.lora_name))  # vLLM's in-place reload
+    load = LoadLoraAdapter(body.lora_name, body.lora_path, body.pinned)
+    return _results(await _control_all(request, load, timeout=None))
+
+
+@router.post("/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraBody, request: Request):
+    return _results(await _control_all(request, UnloadLoraAdapter(body.lora_name)))
+
+
 async def _control_all(request: Request, req: ControlRequest[ReplyT],
                        timeout: float | None = 30.0) -> list[tuple[int, ReplyT]]:
     """A control on every replica's core (one, unless data parallel): (replica index, reply)."""
@@ -136,7 +164,8 @@ async def generate(body: GenerateBody, request: Request):
         prompt=body.text, sampling_params=body.sampling_params, input_ids=body.input_ids,
         return_logprob=False if body.return_logprob is None else body.return_logprob,
         logprob_start_len=body.logprob_start_len, top_logprobs_num=body.top_logprobs_num,
-        token_ids_logprob=body.token_ids_logprob, rid=body.rid, priority=body.priority)
+        token_ids_logprob=body.token_ids_logprob, rid=body.rid, priority=body.priority,
+        lora_path=body.lora_path)
     collector = await route(request, body.text if isinstance(body.text, str) else None).submit(req)
     await collector.admitted()
     if body.stream:

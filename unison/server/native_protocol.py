@@ -32,6 +32,23 @@ class GenerateBody(_Body):
     token_ids_logprob: list[int] | list[list[int]] | None = None
     rid: str | list[str] | None = None
     priority: int | None = None
+    lora_path: str | list[str | None] | None = None  # a loaded adapter's name, or one per prompt
+
+
+class LoadLoraBody(_Body):
+    """/load_lora_adapter (SGLang) and /v1/load_lora_adapter (vLLM)."""
+
+    lora_name: str
+    lora_path: str  # a PEFT directory on the engine's host
+    pinned: bool = False
+    load_inplace: bool = False  # vLLM's: replace an adapter of the same name
+
+
+class UnloadLoraBody(_Body):
+    """/unload_lora_adapter and /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's, accepted and unused: names identify adapters here
 
 
 class PauseBody(_Body):

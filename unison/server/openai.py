@@ -8,11 +8,12 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from unison.errors import InvalidParam, check_encodable
+from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
 from unison.frontend.worker import TokenizerWorker
+from unison.protocol import GetServerInfo, LoraAdapterInfo
 from unison.server.errors import HTTPError
 from unison.server.openai_format import Formatter
 from unison.server.openai_protocol import (
@@ -30,25 +31,62 @@ RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "a
                            "continue_final_message"}
 
 
-def _check_model(request: Request, name: str | None) -> str:
+def _model_of(request: Request, name: str | None) -> tuple[str, str | None]:
+    """The model a request names and the LoRA adapter that is (None: the base model). Whether an
+    adapter is loaded only the core knows: a name it lacks comes back as UnknownAdapterError,
+    answered as this 404 by _submit."""
     served = request.app.state.settings.served_model_name
-    if name not in (None, served):
-        raise HTTPError(404, f"model {name!r} does not exist; this server serves {served!r}", param="model")
-    return served
+    if name in (None, served):
+        return served, None
+    if not worker_of(request).config.enable_lora:
+        raise _no_model(name, served)
+    return name, name
 
 
-def _model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "owned_by": "unison", "created": int(time.time())}
+def _no_model(name: str, served: str, adapters: list[str] | None = None) -> HTTPError:
+    also = f" and the LoRA adapters {adapters}" if adapters is not None else ""
+    return HTTPError(404, f"model {name!r} does not exist; this server serves {served!r}{also}",
+                     param="model")
+
+
+async def _check_model(request: Request, name: str | None) -> str:
+    """The model a request names, checked now (routes that queue nothing in the core)."""
+    served, adapter = _model_of(request, name)
+    if adapter is not None:
+        loaded = [a.name for a in await _adapters(request)]
+        if adapter not in loaded:
+            raise _no_model(adapter, served, loaded)
+    return served if adapter is None else adapter
+
+
+async def _adapters(request: Request) -> list[LoraAdapterInfo]:
+    if not worker_of(request).config.enable_lora:
+        return []
+    return (await worker_of(request).control(GetServerInfo())).lora_adapters
+
+
+def _model_card(request: Request, name: str, adapter: LoraAdapterInfo | None = None) -> dict:
+    """vLLM's model card: an adapter's names its path as `root` and the base model as `parent`."""
+    served = request.app.state.settings.served_model_name
+    return {"id": name, "object": "model", "owned_by": "unison",
+            "created": int(adapter.loaded_at if adapter else time.time()),
+            "root": adapter.path if adapter else served, "parent": served if adapter else None,
+            "max_model_len": worker_of(request).info.context_length}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [_model_card(request.app.state.settings.served_model_name)]}
+    """The base model, then every LoRA adapter loaded in the core (the same list from any worker)."""
+    cards = [_model_card(request, request.app.state.settings.served_model_name)]
+    cards += [_model_card(request, a.name, a) for a in await _adapters(request)]
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request):
-    return _model_card(_check_model(request, model))
+    name = await _check_model(request, model)
+    adapter = next((a for a in await _adapters(request) if a.name == name), None)
+    return _model_card(request, name, adapter)
 
 
 @router.get("/version")
@@ -60,7 +98,7 @@ async def version():
 async def tokenize(body: TokenizeRequest, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
     worker = worker_of(request)
-    _check_model(request, body.model)
+    await _check_model(request, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -80,7 +118,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
     worker = worker_of(request)
-    _check_model(request, body.model)
+    await _check_model(request, body.model)
     vocab = worker.info.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
@@ -91,7 +129,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
-    worker, model = worker_of(request), _check_model(request, body.model)
+    worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
     if body.suffix or (body.best_of or 1) > 1:
         raise HTTPError(400, "suffix and best_of are not supported", param="suffix")
     prompt, input_ids = _completion_prompt(body.prompt)
@@ -101,7 +139,7 @@ async def completions(body: CompletionRequest, request: Request):
                               add_special_tokens=body.add_special_tokens is not False,
                               sampling_params=body.sampling_params(16, request.app.state.sampling_defaults),
                               return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
-                              top_logprobs_num=k or 0, priority=body.priority)
+                              top_logprobs_num=k or 0, priority=body.priority, lora_path=adapter)
     fmt = Formatter(worker.tokenizer, collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
                     logprobs=k is not None, top_n=k or 0, echo=body.echo,
                     tokens_as_ids=body.return_tokens_as_token_ids)
@@ -118,7 +156,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     """Check a chat request, queue it, and return its outputs' collector and formatter (the
     Responses API runs on this too)."""
     check_encodable(body.model_dump(exclude_none=True), "")
-    worker, model = worker_of(request), _check_model(request, body.model)
+    worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                        request.app.state.settings.tool_call_parser)
     if body.top_logprobs and not body.logprobs:
@@ -150,7 +188,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     try:
         collector = await _submit(request, worker, text, input_ids=prompt_ids, sampling_params=params,
                                   return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                                  priority=body.priority)
+                                  priority=body.priority, lora_path=adapter)
     except InvalidParam as e:  # the limit came as max_completion_tokens: name that
         if e.field != "max_new_tokens" or body.max_completion_tokens is None:
             raise
@@ -168,7 +206,10 @@ async def _submit(request: Request, worker: TokenizerWorker, text: str | None, *
     req = worker.make_request(**call)  # an InvalidParam: the app's handler names the field
     req.batch = True  # choices are indexed whatever the prompt's form
     collector = await route(request, text).submit(req)
-    await collector.admitted()  # a full engine queue is a 503 now, not an error inside a stream
+    try:
+        await collector.admitted()  # a full engine queue is a 503 now, not an error inside a stream
+    except UnknownAdapterError as e:  # OpenAI names an adapter as the model (vLLM's)
+        raise HTTPError(404, f"model {call['lora_path']!r} does not exist: {e}", param="model") from None
     return collector
 
 
