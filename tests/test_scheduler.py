@@ -186,3 +186,44 @@ def test_priority_and_longest_prefix_order_admission():
     lpm.add(Request(b"A", "warm", [7, 7, 7, 7, 8], 5, CoreSamplingParams(max_new_tokens=1)))
     _finish_step(lpm)
     assert [rid for _, rid in lpm.admissions][1:] == ["warm", "cold"]
+
+
+def test_a_step_holds_at_most_max_adapters_and_starves_none():
+    """Adapter 1's requests keep coming; adapter 2's one request is passed over while 1 fills the
+    only adapter slot, then gets it soon after LORA_PATIENCE admissions; the base model never counts."""
+    pool = BlockPool(256)
+    sched = Scheduler(pool, block_size=BS, max_running=4, token_budget=64, cache=RadixCache(pool, BS),
+                      max_adapters=1)
+
+    def add(rid: str, adapter: int, max_new: int = 3) -> None:
+        req = Request(b"A", rid, [1, 2, 3], 3, CoreSamplingParams(max_new_tokens=max_new))
+        req.adapter = adapter
+        sched.add(req)
+
+    for i in range(4):
+        add(f"one{i}", 1, 2 + i)  # they end one step apart: adapter 1 never leaves the batch
+    add("two", 2)
+    add("base", 0)
+    admitted_at = None
+    for step in range(40):  # without the rule: starved for as long as the flood lasts
+        reqs = _finish_step(sched)
+        assert len({r.adapter for r in reqs if r.adapter}) <= 1, [r.rid for r in reqs]
+        if any(r.rid == "two" for r in reqs):
+            admitted_at = step
+            break
+        add(f"more{step}", 1, 2 + step % 4)  # a flood for the adapter already running
+    assert admitted_at is not None, "adapter 2's request starved"
+    assert "base" in [rid for _, rid in sched.admissions]  # the base model never waits for a slot
+
+
+def test_the_prefix_cache_never_shares_blocks_across_adapters():
+    pool, cache = make()
+    blocks = owned(pool, [1, 2, 3, 4])
+    cache.insert([1, 2, 3, 4], blocks, adapter=1)
+    pool.release(blocks)
+    assert cache.match([1, 2, 3, 4, 5], adapter=1)[0] == blocks
+    assert cache.match([1, 2, 3, 4, 5], adapter=2)[0] == [] and cache.match([1, 2, 3, 4, 5])[0] == []
+    assert cache.match_len([1, 2, 3, 4, 5], adapter=1) == 4 and cache.match_len([1, 2, 3, 4, 5]) == 0
+    check(pool, cache)
+    cache.reset()
+    assert cache.num_blocks == 0 and pool.num_free == 8
