@@ -17,6 +17,8 @@ from unison.core.controls import Controls
 EXAMPLES = {  # one of each, for the types whose fields have no defaults
     protocol.UpdateWeights: protocol.UpdateWeights("/models/next"),
     protocol.UpdateTensors: protocol.UpdateTensors("/dev/shm/tensors.safetensors"),
+    protocol.LoadLoraAdapter: protocol.LoadLoraAdapter("sql", "/adapters/sql", pinned=True),
+    protocol.UnloadLoraAdapter: protocol.UnloadLoraAdapter("sql"),
 }
 
 

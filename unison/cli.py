@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 
-    from unison.bench import frontend, kernels, model, offline, prefix, serve, soak, speculative
+    from unison.bench import frontend, kernels, lora, model, offline, prefix, serve, soak, speculative
 
     bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     speculative.add_parser(bench_sub)
+    lora.add_parser(bench_sub)
     return parser
 
 

@@ -72,28 +72,29 @@ def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) 
 
 
 async def _generate_all(engine: Engine, reqs: list[SampleRequest], quiet: bool,
-                        ignore_eos: bool) -> list[dict]:
+                        ignore_eos: bool, loras: list[str | None] | None = None) -> list[dict]:
     bar = _bar(len(reqs), "req", quiet, "unison")
 
-    async def one(r: SampleRequest) -> dict:
+    async def one(r: SampleRequest, lora: str | None) -> dict:
         params = {**_greedy(r.output_len), "ignore_eos": ignore_eos}
-        out = await engine.async_generate(input_ids=r.prompt, sampling_params=params)
+        out = await engine.async_generate(input_ids=r.prompt, sampling_params=params, lora_path=lora)
         bar.update(1)
         return out
     try:
-        return await asyncio.gather(*(one(r) for r in reqs))
+        return await asyncio.gather(*(one(r, lora) for r, lora in zip(reqs, loras or [None] * len(reqs))))
     finally:
         bar.close()
 
 
 def unison_throughput(engine: Engine, reqs: list[SampleRequest], quiet: bool = True,
-                      ignore_eos: bool = True) -> dict[str, Any]:
+                      ignore_eos: bool = True, loras: list[str | None] | None = None) -> dict[str, Any]:
+    """`loras`: the LoRA adapter of each request (None: the base model)."""
     engine.generate(input_ids=reqs[0].prompt[:16], sampling_params=_greedy(2))
     from unison.bench import ceiling  # torch: imported only by the runs that need it
 
     before = engine._control(GetStepShapes()).rows  # recorded: main() sets RECORD_STEP_SHAPES_ENV
     t0 = time.perf_counter()
-    outs = asyncio.run(_generate_all(engine, reqs, quiet, ignore_eos))
+    outs = asyncio.run(_generate_all(engine, reqs, quiet, ignore_eos, loras))
     dt = time.perf_counter() - t0
     shapes = ceiling.subtract(engine._control(GetStepShapes()).rows, before)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
