@@ -175,8 +175,9 @@ class Controls:
             return OpResult(False, "LoRA is off: start the engine with enable_lora=True (--enable-lora)")
         try:
             return OpResult(True, self.core.loras.load(req.lora_name, req.lora_path, req.pinned))
-        except ValueError as e:
-            return OpResult(False, str(e))
+        except Exception as e:  # a file that is not what it says (safetensors' own errors too)
+            log.warning("LoRA adapter %r not loaded: %s", req.lora_name, e)
+            return OpResult(False, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
 
     def unload_lora_adapter(self, req: UnloadLoraAdapter, by: Caller) -> OpResult:
         try:

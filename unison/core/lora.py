@@ -50,7 +50,7 @@ class LoraRegistry:
         self._clock = itertools.count(1)
 
     def load(self, name: str, path: str, pinned: bool = False) -> str:
-        """Load a PEFT adapter under `name`; ValueError says why not, and nothing changes."""
+        """Load a PEFT adapter under `name`; an error says why not, and nothing changes."""
         if not isinstance(name, str) or not name.strip():
             raise ValueError("lora_name must be a non-empty string")
         if name in self.by_name:
@@ -63,9 +63,9 @@ class LoraRegistry:
         evict = self._to_evict()
         weights = read_peft(Path(path).expanduser(), self.runner.config, self.max_rank)
         adapter_id = next(self._ids)
+        self.runner.add_lora(adapter_id, weights)
         if evict is not None:
             self._free(evict)
-        self.runner.add_lora(adapter_id, weights)
         adapter = Adapter(name, adapter_id, str(path), weights.rank, weights.targets, pinned, time.time(),
                           last_used=next(self._clock))
         self.by_name[name] = self.by_id[adapter_id] = adapter
