@@ -7,6 +7,7 @@ every row the same way whatever else is in the batch. csrc/quant_linear.c runs i
 linears (see model/quant.py). csrc/fused_ops.c does each of the model's small per-layer
 operations (residual add + RMSNorm, rotary embedding, the KV-cache write) in one call instead of
 several torch ops, which at decode batch sizes cost more in dispatch than in arithmetic.
+csrc/lora.c adds LoRA adapters' updates to a linear's output, each row with its own adapter.
 
 The sources are plain C (no torch headers), so building takes about a second; the shared object
 is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flags and the CPU's
@@ -34,8 +35,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c")]
-HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h"]
+SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c",
+                                    "lora.c")]
+HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h", CSRC / "lora.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _loaded: CpuKernels | None | bool = False  # False: not tried yet
@@ -130,6 +132,8 @@ class CpuKernels:
         lib.quant_linear_parts.restype = None
         lib.dequantize_columns.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR]
         lib.dequantize_columns.restype = None
+        lib.lora_apply.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
+        lib.lora_apply.restype = None
         lib.decoder_workspace_bytes.argtypes = [_PTR, _I64]
         lib.decoder_workspace_bytes.restype = _I64
         lib.decoder_forward.argtypes = [_PTR, _PTR]
@@ -251,6 +255,15 @@ class CpuKernels:
                                     out.data_ptr(), plan.out_cols, torch.get_num_threads())
         return out if plan.out_cols == plan.n else out[:, : plan.n]
 
+    def lora_apply(self, x: torch.Tensor, y: torch.Tensor, row_adapter: torch.Tensor, tables,
+                   linear: int) -> None:
+        """y[r] += the update of x[r] by adapter row_adapter[r] (-1: none) on linear `linear` of its
+        table (lora.LoraStep builds `tables`). x, y float32 with contiguous rows (may be strided)."""
+        assert x.dtype == y.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1
+        assert row_adapter.dtype == torch.int64 and row_adapter.numel() == x.shape[0] == y.shape[0]
+        self.lib.lora_apply(x.data_ptr(), x.stride(0), x.shape[1], y.data_ptr(), y.stride(0), x.shape[0],
+                            row_adapter.data_ptr(), tables, linear, torch.get_num_threads())
+
     def dequantize_rows(self, weight, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows `ids` of a quant.QuantWeight (embedding lookups)."""
         ids = ids.to(torch.int64).contiguous()
@@ -303,7 +316,8 @@ class DStepC(ctypes.Structure):
     _fields_ = [("rows", _I64), ("ids", _PTR), ("cos", ctypes.POINTER(_PTR)), ("sin", ctypes.POINTER(_PTR)),
                 ("slots", _PTR), ("tables", _PTR), ("row_seq", _PTR), ("row_len", _PTR),
                 ("table_stride", _I64), ("logit_rows", _I64), ("logit_index", _PTR), ("workspace", _PTR),
-                ("logits", _PTR), ("num_threads", _INT), ("attention_threads", _INT)]
+                ("logits", _PTR), ("num_threads", _INT), ("attention_threads", _INT), ("lora_row", _PTR),
+                ("lora", _PTR)]
 
 
 def _qlinear(plan: QuantPlan, bias: torch.Tensor | None) -> QLinearC:
@@ -343,7 +357,8 @@ class CompiledDecoder:
 
     def forward(self, ids: torch.Tensor, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
                 slots: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
-                logits_rows: torch.Tensor | None, serial: bool) -> torch.Tensor:
+                logits_rows: torch.Tensor | None, serial: bool, lora=None) -> torch.Tensor:
+        """`lora`: the step's lora.LoraStep, when a row runs with an adapter."""
         n = ids.numel()
         need = self.kernels.lib.decoder_workspace_bytes(ctypes.byref(self.c), n)
         if self._workspace.numel() < need:  # grown, never shrunk: one forward runs at a time
@@ -355,7 +370,8 @@ class CompiledDecoder:
         threads = torch.get_num_threads()
         step = DStepC(n, ids.data_ptr(), cos, sin, slots.data_ptr(), tables.data_ptr(),
                       row_seq.data_ptr(), row_len.data_ptr(), tables.shape[1], rows, _ptr(logits_rows),
-                      self._workspace.data_ptr(), logits.data_ptr(), threads, 1 if serial else threads)
+                      self._workspace.data_ptr(), logits.data_ptr(), threads, 1 if serial else threads,
+                      *((lora.row_index.data_ptr(), ctypes.addressof(lora.tables)) if lora else (None, None)))
         if self.kernels.lib.decoder_forward(ctypes.byref(self.c), ctypes.byref(step)) != 0:
             raise MemoryError("decoder forward: out of memory for the attention scores")
         return logits[: rows * self.vocab].view(rows, self.vocab)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels, quant
 from .families import ModelConfig
+from .lora import LoraStep
 from .quant import QuantWeight
 from .weights import DictWeights, WeightSource, linear_bits
 
@@ -217,8 +218,9 @@ class DecoderModel:
         return kinds
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
-                logits_rows: torch.Tensor | None) -> torch.Tensor:
-        """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids`."""
+                logits_rows: torch.Tensor | None, lora: LoraStep | None = None) -> torch.Tensor:
+        """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids`; `lora`: the
+        rows' adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         rope = [r.cos_sin(positions, self.dtype) for r in cfg.ropes]  # once per step, not per layer
         h = self.embed(input_ids)
@@ -226,12 +228,19 @@ class DecoderModel:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         nexts = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         x = _add_norm(ops, h, None, self.layers[0].input_norm, eps)
+        hook = lora.apply if lora is not None else _no_lora
         for i, layer in enumerate(self.layers):
-            delta = layer.o_proj(attention(i, *self._qkv(layer, x, *rope[layer.rope])))
+            attn = attention(i, *self._qkv(layer, x, *rope[layer.rope], hook, 4 * i))
+            delta = layer.o_proj(attn)
+            hook(4 * i + 1, attn, delta)
             if layer.post_attention_norm is not None:
                 delta = ops.add_rms_norm(delta, None, layer.post_attention_norm, eps)
             x = _add_norm(ops, h, delta, layer.pre_mlp_norm, eps)
-            delta = layer.down(ops.act_mul(layer.gate_up(x), cfg.family.activation))
+            gate_up = layer.gate_up(x)
+            hook(4 * i + 2, x, gate_up)
+            act = ops.act_mul(gate_up, cfg.family.activation)
+            delta = layer.down(act)
+            hook(4 * i + 3, act, delta)
             if layer.post_mlp_norm is not None:
                 delta = ops.add_rms_norm(delta, None, layer.post_mlp_norm, eps)
             x = _add_norm(ops, h, delta, nexts[i], eps)
@@ -239,12 +248,14 @@ class DecoderModel:
             x = x.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
         return self.lm_head(x).float()
 
-    def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [N, heads, d], k and v [N, kv_heads, d]: projected, normed where the family norms
-        them, rotated."""
+    def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             lora: Callable[[int, torch.Tensor, torch.Tensor], None], linear: int):
+        """q [N, heads, d], k and v [N, kv_heads, d]: projected (`lora` adds the adapters'
+        updates to linear number `linear`), normed where the family norms them, rotated."""
         cfg, qs, kvs, eps = self.cfg, self.q_size, self.kv_size, self.cfg.rms_norm_eps
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv = layer.qkv(x)
+        lora(linear, x, qkv)
         n = qkv.shape[0]
         if layer.q_norm is not None:  # before the rotation: per head (Qwen3, Gemma 3), or over
             per_head = cfg.family.qk_norm == "head"  # the whole q and k projections (OLMo 2)
@@ -255,6 +266,10 @@ class DecoderModel:
         self.ops.rope_(qkv[:, : qs + kvs], heads + kv_heads, d, cos, sin)  # q and k heads side by side
         return (qkv[:, :qs].view(n, heads, d), qkv[:, qs: qs + kvs].view(n, kv_heads, d),
                 qkv[:, qs + kvs:].view(n, kv_heads, d))
+
+
+def _no_lora(linear: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    pass
 
 
 def _add_norm(ops: TorchOps | cpu_kernels.CpuKernels, h: torch.Tensor, delta: torch.Tensor | None,

@@ -18,6 +18,7 @@ from . import cpu_kernels
 from .decoder import DecoderModel, dummy_model
 from .families import ModelConfig
 from .loader import open_weights, resolve_model_dir
+from .lora import Adapter, LoraStep, LoraWeights
 from .weights import SafetensorsWeights, overlay, resolve_quantization
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class BatchItem:
     start_pos: int  # tokens of this request already in its KV cache (positions start here)
     block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
     logits_start: int  # index into token_ids from which logits are needed (len: none, 0: all)
-    adapter: int = 0  # the LoRA adapter its rows run with (0: the base model)
+    adapter: int = 0  # the LoRA adapter its rows run with (add_lora's id; 0: the base model)
 
 
 @dataclass(slots=True)
@@ -134,6 +135,7 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %.2f GiB", num_blocks, block_size,
                  str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / (1 << 30))
         self._group = c.num_attention_heads // c.num_key_value_heads
+        self.loras: dict[int, Adapter] = {}  # the LoRA adapters the forward can run, by id
         self._bind_model()
         self._step: _Step | None = None
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
@@ -203,6 +205,22 @@ class ModelRunner:
         self._bind_model()
         return len(tensors)
 
+    def add_lora(self, adapter: int, weights: LoraWeights) -> None:
+        """Make `weights` (lora.read_peft's, for this model) runnable as adapter id `adapter` >= 1."""
+        if not isinstance(adapter, int) or adapter < 1:
+            raise ValueError(f"a LoRA adapter id is an int >= 1 (0 is the base model), got {adapter!r}")
+        if adapter in self.loras:
+            raise ValueError(f"LoRA adapter id {adapter} is already loaded")
+        if len(weights.layers) != self.config.num_hidden_layers:
+            raise ValueError(f"the LoRA adapter has {len(weights.layers)} layers, the model "
+                             f"{self.config.num_hidden_layers}")
+        self.loras[adapter] = Adapter(weights, self.device)
+
+    def remove_lora(self, adapter: int) -> None:
+        """Forget adapter id `adapter`; a batch item that names it afterwards is refused."""
+        if self.loras.pop(adapter, None) is None:
+            raise ValueError(f"LoRA adapter id {adapter} is not loaded")
+
     def _check_shape(self, name: str, shape: tuple[int, ...], where: str | Path) -> None:
         if tuple(shape) != self.model.weight_shapes[name]:
             raise ValueError(f"{where}: weight {name!r} is {list(shape)}, the running model's is "
@@ -258,16 +276,23 @@ class ModelRunner:
         """Float32 logits [sum(len(token_ids) - logits_start), vocab], rows in batch order."""
         if not batch:
             return torch.empty(0, self.vocab_size, device=self.device)
+        lora = self._lora_step(batch)
         ids, positions, logits_rows = self._prepare(batch)
         try:
             if self._compiled is not None:
                 p, cfg = self._step.paged, self.config
                 cos_sin = [r.cos_sin(positions, torch.float32) for r in cfg.ropes]
                 return self._compiled.forward(ids, cos_sin, self._step.slots, p.tables, p.row_seq, p.row_len,
-                                              logits_rows, self._step.serial)
-            return self.model.forward(ids, positions, self._attention, logits_rows)
+                                              logits_rows, self._step.serial, lora)
+            return self.model.forward(ids, positions, self._attention, logits_rows, lora)
         finally:
             self._step = None
+
+    def _lora_step(self, batch: list[BatchItem]) -> LoraStep | None:
+        if all(item.adapter == 0 for item in batch):
+            return None
+        rows = [item.adapter for item in batch for _ in item.token_ids]
+        return LoraStep(rows, self.loras, self._kernel, self.device)
 
     def warmup(self) -> None:
         # Warms kernels for both paths; the blocks written are rewritten before anyone reads them.

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lora.h"
+
 // ---- the kernels this calls (the other files of this shared object) ---------------------------
 
 void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t kp,
@@ -74,6 +76,8 @@ typedef struct {
     void *workspace;  // decoder_workspace_bytes(model, rows)
     float *logits;  // [logit_rows, vocab]
     int num_threads, attention_threads;
+    const int64_t *lora_row;  // each row's index into `lora` (< 0: the base model); NULL: no adapters
+    const LoraLinear *const *lora;  // the step's adapters' tables of linears, [layers * 4] each
 } DStep;
 
 // The step's buffers, carved from one workspace. Widths have room for a linear's padding
@@ -154,6 +158,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
     for (int64_t li = 0; li < m->layers; li++) {
         const DLayer *L = &m->layer[li];
         linear(&L->qkv, x, n, qkv, &b, t);
+        if (s->lora_row) lora_apply(x, H, H, qkv, qkv_w, n, s->lora_row, s->lora, 4 * li, t);
         if (m->qk_norm == 1) {
             norm_groups(qkv, qkv_w, n, m->heads, d, L->q_norm, m->eps);
             norm_groups(qkv + q, qkv_w, n, m->kv_heads, d, L->k_norm, m->eps);
@@ -169,11 +174,14 @@ int decoder_forward(const DModel *m, const DStep *s) {
                             m->attention_scale, s->attention_threads, m->kv_dtype) != 0)
             return -1;
         linear(&L->o_proj, attn, n, delta, &b, t);
+        if (s->lora_row) lora_apply(attn, q, q, delta, H, n, s->lora_row, s->lora, 4 * li + 1, t);
         if (L->post_attention_norm) add_rms_norm(delta, NULL, L->post_attention_norm, delta, n, H, m->eps, t);
         add_norm(h, delta, L->pre_mlp_norm, x, n, H, m->eps, t);
         linear(&L->gate_up, x, n, gate_up, &b, t);
+        if (s->lora_row) lora_apply(x, H, H, gate_up, 2 * I, n, s->lora_row, s->lora, 4 * li + 2, t);
         act_mul(gate_up, act, n, I, m->activation, t);
         linear(&L->down, act, n, delta, &b, t);
+        if (s->lora_row) lora_apply(act, I, I, delta, H, n, s->lora_row, s->lora, 4 * li + 3, t);
         if (L->post_mlp_norm) add_rms_norm(delta, NULL, L->post_mlp_norm, delta, n, H, m->eps, t);
         add_norm(h, delta, li + 1 < m->layers ? m->layer[li + 1].input_norm : m->norm, x, n, H, m->eps, t);
     }
