@@ -1,7 +1,8 @@
 """LoRA adapters as engine-wide state: one registry in the core, used from every frontend.
 
-The adapters are made by PEFT itself (tests/adapters.py), tiny and seeded, once per module. The
-model side (the kernel, the PEFT reader, parity with transformers + PEFT) is tests/test_lora_model.py.
+The adapters are PEFT's file format with seeded random weights (bench lora's writer: no model to
+build, so a module's adapters take a second), made once per module. The model side (the kernel,
+the PEFT reader, parity with transformers + PEFT on adapters PEFT made) is tests/test_lora_model.py.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.adapters import make_adapter
 from tests.serving import assert_openai_error, serve
 from tests.utils import wait_until
 from unison import Engine
+from unison.bench.lora import TARGETS, write_adapter
 from unison.errors import UnknownAdapterError
+from unison.model.loader import resolve_model_dir
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = [f"{i + 1}. {t}" for i, t in enumerate(
@@ -37,12 +40,11 @@ PROMPTS = [f"{i + 1}. {t}" for i, t in enumerate(
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, Path]:
     """Four good adapters (other ranks, targets and seeds) and the bad ones of the refusals."""
-    root = tmp_path_factory.mktemp("adapters")
-    made = {f"a{i}": make_adapter(root / f"a{i}", rank=(4, 8, 4, 8)[i], seed=i,
-                                  targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj") if i != 2 else ("q_proj", "v_proj"))
+    root, model_dir = tmp_path_factory.mktemp("adapters"), resolve_model_dir(None)
+    made = {f"a{i}": write_adapter(root / f"a{i}", model_dir, rank=(4, 8, 4, 8)[i], seed=i, b_std=0.05,
+                                   targets=("q_proj", "v_proj") if i == 2 else TARGETS)
             for i in range(4)}
-    made["rank16"] = make_adapter(root / "rank16", rank=16, seed=9)
+    made["rank16"] = write_adapter(root / "rank16", model_dir, rank=16, seed=9)
     made["no_weights"] = _edited(made["a0"], root / "no_weights", drop_weights=True)
     made["fc1"] = _edited(made["a0"], root / "fc1", targets=["q_proj", "fc1"])
     made["lm_head"] = _edited(made["a0"], root / "lm_head", targets=["q_proj", "lm_head"], lm_head=True)
@@ -143,9 +145,7 @@ def test_unload_lets_requests_in_flight_finish_and_refuses_new_ones(engine, adap
     assert result.success and "in flight finish with it" in result.message, result.message
     with pytest.raises(UnknownAdapterError):
         engine.generate(PROMPTS[0], GREEDY, lora_path="tmp")
-    last = first
-    for last in stream:
-        pass
+    *_, last = [first, *stream]
     assert last["output_ids"] == expected
     assert "tmp" not in _loaded(engine)
     assert not engine.unload_lora_adapter("tmp")  # gone
@@ -204,44 +204,53 @@ def server(adapters):
                      "--lora-modules", f"a0={adapters['a0']}", "--max-total-tokens", "4096", workers=2)
 
 
-def _on_other_worker(server, send, not_pid: int):
+def _client_on(server, worker_pid: int | None = None, not_pid: int | None = None) -> tuple[httpx.Client, int]:
+    """A keep-alive connection to one worker (each connection stays with the worker that took
+    it): the given one, or any but `not_pid`."""
     for _ in range(50):
-        r = send()
-        if int(r.headers["x-unison-worker-pid"]) != not_pid:
-            return r
-    raise AssertionError(f"every answer came from worker {not_pid}")
+        client = httpx.Client(base_url=server.url, headers=server.headers, timeout=60)
+        pid = int(client.get("/v1/models").headers["x-unison-worker-pid"])
+        if pid == worker_pid or (worker_pid is None and pid != not_pid):
+            return client, pid
+        client.close()
+    raise AssertionError(f"50 connections never reached the worker wanted ({worker_pid} / not {not_pid})")
 
 
 def test_an_adapter_loaded_through_one_worker_serves_from_every_frontend(server, adapters):
-    r = server.post("/load_lora_adapter", {"lora_name": "shared", "lora_path": str(adapters["a1"])})
-    assert r.status_code == 200 and r.json()["success"], r.text
-    loader = int(r.headers["x-unison-worker-pid"])
-    body = {"model": "shared", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
-    other = _on_other_worker(server, lambda: server.post("/v1/completions", body), loader)
-    assert other.status_code == 200 and other.json()["model"] == "shared", other.text
-    text = other.json()["choices"][0]["text"]
-    attached = Engine.attach_tokenizer_worker(server.proc.pid)
+    first, loader = _client_on(server)
+    second, other = _client_on(server, not_pid=loader)
     try:
-        out = attached.generate(PROMPTS[1], {"temperature": 0, "max_new_tokens": 12}, lora_path="shared")
-    finally:
-        attached.shutdown()
-    assert out["text"] == text
-    models = server.get("/v1/models").json()["data"]
-    cards = {m["id"]: m for m in models}
-    assert cards["shared"]["parent"] == cards["a0"]["parent"] == models[0]["id"]
-    assert cards["shared"]["root"] == str(adapters["a1"])
-    metrics = server.get("/metrics").text
-    served = re.search(r'unison:lora_requests_total\{lora_name="shared"\} (\S+)', metrics)
-    assert served and float(served[1]) >= 2, metrics  # the other worker's and the attached Engine's
+        r = first.post("/load_lora_adapter", json={"lora_name": "shared", "lora_path": str(adapters["a1"])})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        body = {"model": "shared", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
+        served = second.post("/v1/completions", json=body)
+        assert served.status_code == 200 and served.json()["model"] == "shared", served.text
+        assert int(served.headers["x-unison-worker-pid"]) == other
+        text = served.json()["choices"][0]["text"]
+        attached = Engine.attach_tokenizer_worker(server.proc.pid)
+        try:
+            out = attached.generate(PROMPTS[1], {"temperature": 0, "max_new_tokens": 12}, lora_path="shared")
+        finally:
+            attached.shutdown()
+        assert out["text"] == text
+        models = server.get("/v1/models").json()["data"]
+        cards = {m["id"]: m for m in models}
+        assert cards["shared"]["parent"] == cards["a0"]["parent"] == models[0]["id"]
+        assert cards["shared"]["root"] == str(adapters["a1"])
+        metrics = server.get("/metrics").text
+        count = re.search(r'unison:lora_requests_total\{lora_name="shared"\} (\S+)', metrics)
+        assert count and float(count[1]) == 2, metrics  # the second worker's and the attached Engine's
 
-    r = _on_other_worker(server, lambda: server.post("/v1/unload_lora_adapter", {"lora_name": "shared"}),
-                         loader)
-    assert r.status_code == 200, r.text
-    unloader = int(r.headers["x-unison-worker-pid"])
-    refused = _on_other_worker(server, lambda: server.post("/v1/completions", body), unloader)
-    assert_openai_error(refused, 404, "'shared'")["param"] == "model"
-    native = server.post("/generate", {"text": "Hi", "lora_path": "shared"})
-    assert assert_openai_error(native, 400, "not loaded")["param"] == "lora_path"
+        r = second.post("/v1/unload_lora_adapter", json={"lora_name": "shared"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        refused = first.post("/v1/completions", json=body)
+        assert int(refused.headers["x-unison-worker-pid"]) == loader
+        assert assert_openai_error(refused, 404, "'shared'")["param"] == "model"
+        native = first.post("/generate", json={"text": "Hi", "lora_path": "shared"})
+        assert assert_openai_error(native, 400, "not loaded")["param"] == "lora_path"
+    finally:
+        first.close()
+        second.close()
     assert server.server_info()["num_waiting"] == 0
 
 

@@ -30,8 +30,10 @@ from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapter(path: Path, model_dir: str, rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter of the model in `model_dir` over all seven modules, seeded random."""
+def write_adapter(path: Path, model_dir: str | Path, rank: int, seed: int,
+                  targets: tuple[str, ...] = TARGETS, b_std: float = 1e-3) -> Path:
+    """A PEFT LoRA adapter of the model in `model_dir` over `targets`, seeded random: A scaled
+    to keep x A near x's size, B's entries of std `b_std` (PEFT starts B at zero)."""
     import torch
     from safetensors.torch import save_file
 
@@ -45,15 +47,15 @@ def write_adapter(path: Path, model_dir: str, rank: int, seed: int) -> Path:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
-        for name, (fan_in, fan_out) in shapes.items():
-            part = "self_attn" if name in TARGETS[:4] else "mlp"
+        for name in targets:
+            (fan_in, fan_out), part = shapes[name], "self_attn" if name in TARGETS[:4] else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 1e-3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_std
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "adapter_model.safetensors")
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-              "target_modules": list(TARGETS), "bias": "none", "use_rslora": False, "lora_dropout": 0.0}
+              "target_modules": list(targets), "bias": "none", "use_rslora": False, "lora_dropout": 0.0}
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
 
