@@ -132,6 +132,9 @@ def gemma3_path() -> Path:
     return gemma3_gguf()
 
 
+WARM_HOOKS = ("hf_references", "warm_references")  # what a module declares for the warmer
+
+
 def pytest_collection_finish(session):
     """The selected modules' Hugging Face references start computing in the background, in the
     CPU time the first tests leave idle (tests/references.py)."""
@@ -139,7 +142,7 @@ def pytest_collection_finish(session):
 
     if os.environ.get("UNISON_TEST_NO_WARMER") != "1":
         start_warmer(sorted({f"tests.{Path(item.module.__file__).stem}" for item in session.items
-                             if hasattr(getattr(item, "module", None), "hf_references")}))
+                             if any(hasattr(getattr(item, "module", None), hook) for hook in WARM_HOOKS)}))
 
 
 def pytest_sessionfinish(session):

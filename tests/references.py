@@ -9,9 +9,9 @@ rename: a concurrent run waits for it instead of computing it twice, and never r
 
 On a machine without them (a CI runner, every time), a test session starts a warmer: a
 background process at the lowest priority that computes the references of the selected modules
-(each declares them in `hf_references()`) in the CPU time the other tests leave idle. A test that
-needs one waits for it, or, when the warmer holds it too long (starved by other work on the
-machine), stops the warmer and computes it itself.
+(each declares them in `hf_references()`, or computes other kinds in `warm_references()`) in the
+CPU time the other tests leave idle. A test that needs one waits for it, or, when the warmer holds
+it too long (starved by other work on the machine), stops the warmer and computes it itself.
 
     python -m tests.references tests.test_engine ...   # the warmer, by hand
 """
@@ -138,8 +138,11 @@ def warm(modules: list[str]) -> None:
 
     os.nice(19)  # only what the tests leave idle
     for name in modules:
-        for path, prompts_ids, max_new_tokens in importlib.import_module(name).hf_references():
+        module = importlib.import_module(name)
+        for path, prompts_ids, max_new_tokens in getattr(module, "hf_references", list)():
             hf_reference(prompts_ids, max_new_tokens, path)
+        if hasattr(module, "warm_references"):  # references of another kind (transformers + PEFT)
+            module.warm_references()
 
 
 def _write_json(path: Path, reference: Reference) -> None:
