@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from unison.kv_events import KVEventsConfig
+
 
 @dataclass
 class SpeculativeConfig:
@@ -103,6 +105,10 @@ class EngineConfig:
     # Speculative decoding (vLLM's option; SGLang's speculative_algorithm="NGRAM" maps onto it): a
     # SpeculativeConfig, or its dict / JSON text. None: plain decoding.
     speculative_config: SpeculativeConfig | str | None = None
+    # KV-cache events and load reports over ZMQ (vLLM's and SGLang's option): a KVEventsConfig, or
+    # its dict / JSON text. None: nothing is published.
+    kv_events_config: KVEventsConfig | str | None = None
+    data_parallel_rank: int = 0  # this core's rank among data-parallel replicas (vLLM's)
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
@@ -158,6 +164,16 @@ class EngineConfig:
                f"must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        _check(_is_int(self.data_parallel_rank) and self.data_parallel_rank >= 0, "data_parallel_rank",
+               "must be an integer >= 0")
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV events' config when they are published, else None."""
+        cfg = self.kv_events_config
+        return cfg if isinstance(cfg, KVEventsConfig) and cfg.enabled else None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -280,6 +296,11 @@ HELP = {
                         "deepseek_r1 (deepseek-r1, qwq)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 5}' (outputs stay bit-identical)",
+    "kv_events_config": "publish KV-cache events and load reports over ZMQ, vLLM's format, as JSON, "
+                        "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}'",
+    "data_parallel_rank": "this core's rank among data-parallel replicas (set by the launcher; offsets "
+                          "the KV events' ports)",
 }
 
 
