@@ -65,7 +65,7 @@ class KVEventBatch(EventBatch):
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class LoadReport(msgspec.Struct, array_like=True, gc=False):
+class LoadReport(msgspec.Struct, gc=False):
     """One replica's load, after a step with news (rate-limited): Dynamo's KvMetrics fields."""
 
     ts: float

@@ -137,7 +137,7 @@ async def generate(body: GenerateBody, request: Request):
         return_logprob=False if body.return_logprob is None else body.return_logprob,
         logprob_start_len=body.logprob_start_len, top_logprobs_num=body.top_logprobs_num,
         token_ids_logprob=body.token_ids_logprob, rid=body.rid, priority=body.priority)
-    collector = await route(request, body.text if isinstance(body.text, str) else None).submit(req)
+    collector = await route(request, body.text if isinstance(body.text, str) else None, req).submit(req)
     await collector.admitted()
     if body.stream:
         return stream(collector, collector.outputs)
