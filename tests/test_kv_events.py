@@ -21,7 +21,7 @@ from unison import Engine
 from unison.config import EngineConfig
 from unison.core.engine_core import EngineCore
 from unison.core.kv_publisher import Publisher
-from unison.kv_events import KVEventsConfig, block_hashes
+from unison.kv_events import KVEventsConfig, LoadReport, block_hashes
 from unison.kv_index import KVIndex
 from unison.model.loader import default_gguf_path
 from unison.protocol import CoreSamplingParams, Generate
@@ -83,6 +83,7 @@ class Mirror:
         self.prefix: dict[int, tuple[int, ...]] = {}  # hash -> the tokens of its whole prefix
         self.batches = 0
         self.stored: list[list[int]] = []  # each BlockStored's hashes, in order
+        self.events: list[Any] = []
         self.pump = lambda: None  # an in-process core's replay socket is served by the test
         time.sleep(0.3)  # a SUB socket receives only once connected
 
@@ -120,6 +121,7 @@ class Mirror:
     def apply(self, seq: int, payload: bytes) -> None:
         batch = self.decoder.decode(payload)
         for event in batch.events:
+            self.events.append(event)
             if isinstance(event, BlockStored):
                 self.check_chain(event)
                 self.stored.append(event.block_hashes)
@@ -168,10 +170,13 @@ def mirror(core):
 _rids = iter(range(10**9))
 
 
-def add(core: EngineCore, tokens: list[int], max_new: int) -> str:
+def add(core: EngineCore, tokens: list[int], max_new: int, adapter: int = 0) -> str:
     rid = f"r{next(_rids)}"
     params = CoreSamplingParams(max_new_tokens=max_new, ignore_eos=True, temperature=0.0)
     assert core.add(b"fe", Generate(rid, tokens, params)) is None
+    # An adapter id as a LoRA request would carry (the cache keys blocks by it; the forward
+    # here is the base model's, which is all the events depend on).
+    core.requests[rid].adapter = adapter
     return rid
 
 
@@ -199,7 +204,9 @@ def settle(core: EngineCore, mirror: Mirror) -> None:
 seen: list[list[int]] = []  # every prompt with its outputs, so far
 
 OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 3), st.integers(0, 14), st.integers(1, 24)),
+    # add: (which shared head, tail tokens, max_new_tokens, adapter id)
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(0, 14), st.integers(1, 24),
+              st.sampled_from([0, 0, 3])),
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("abort"), st.integers(0, 10)),
     st.tuples(st.just("flush")),
@@ -215,10 +222,10 @@ def test_the_mirror_equals_the_radix_cache_after_any_workload(core, mirror, ops,
     core.runner.load_weights = lambda path: None  # the same weights: the core's side of an update
     for op in ops:
         if op[0] == "add":
-            _, which, tail, max_new = op
+            _, which, tail, max_new, adapter = op
             tokens = prefixes[which][: rng.randrange(BS, len(prefixes[which]))] + \
                 [rng.randrange(1, 5000) for _ in range(tail)]
-            add(core, tokens, max_new)
+            add(core, tokens, max_new, adapter)
         elif op[0] == "step":
             for _ in range(op[1]):
                 step(core)
@@ -267,6 +274,20 @@ def test_a_dropped_subscriber_catches_up_by_replay_and_sees_the_gap(core, mirror
     settle(core, mirror)
 
 
+def test_an_adapter_s_blocks_carry_its_id_and_hash_apart(core, mirror):
+    tokens = list(range(100, 100 + 3 * BS))
+    for adapter in (0, 5):
+        add(core, tokens, 1, adapter)
+    while core.has_work:
+        step(core)
+    before = len(mirror.stored)
+    settle(core, mirror)
+    ours = [e for e in mirror.events[-8:] if isinstance(e, BlockStored) and e.token_ids[:BS] == tokens[:BS]]
+    assert {e.lora_id for e in ours} == {None, 5} and len(mirror.stored) > before
+    base, lora = (next(e for e in ours if e.lora_id == x) for x in (None, 5))
+    assert base.block_hashes[0] != lora.block_hashes[0]  # the same tokens, another adapter
+
+
 def test_the_option_is_checked_by_field():
     with pytest.raises(ValueError, match="kv_events_config.endpoint"):
         EngineConfig(kv_events_config={"enable_kv_cache_events": True, "endpoint": "localhost:5557"})
@@ -291,11 +312,19 @@ def test_two_engine_processes_hash_alike_and_a_silent_subscriber_changes_nothing
             silent.setsockopt(zmq.RCVHWM, 1)
             silent.setsockopt(zmq.SUBSCRIBE, b"")
             silent.connect(info["endpoint"])
+            load = ctx.socket(zmq.SUB)
+            load.setsockopt(zmq.SUBSCRIBE, b"")
+            load.connect(info["load_endpoint"])
             out = engine.generate(prompt, {"max_new_tokens": 2, "temperature": 0})
             ids = engine.tokenizer.encode(prompt)
             assert out["meta_info"]["finish_reason"]
             m.drain()
             hashes.append(m.stored)
+            assert load.poll(3000), "no load report within a second or so"
+            report = msgspec.msgpack.decode(load.recv(), type=LoadReport)
+            assert report.kv_blocks_total == engine.get_server_info()["num_blocks"]
+            assert report.num_running + report.num_waiting <= 1 and report.data_parallel_rank == 0
+            load.close(0)
             # flush_cache and a weight update each clear every block, in one event
             assert engine.flush_cache()
             assert engine.update_weights_from_disk(str(default_gguf_path()))[0]
