@@ -128,10 +128,13 @@ class EngineCore:
         return self.scheduler.cache.num_evicted if self.scheduler.cache else 0
 
     def load(self) -> tuple[int, int, int, int, float]:
-        """A load report's fields: running, waiting, KV blocks used and total, prefix-cache hit rate."""
+        """A load report's fields: running, waiting, KV blocks used and total, prefix-cache hit rate.
+        Blocks used are those the running requests hold, counted from their tables (the cache may
+        be far larger: kv_blocks_used walks it, too slow for every report)."""
         stats = self._stats
         rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-        return self.num_running, self.num_waiting, self.kv_blocks_used, self.num_blocks, rate
+        used = len({b for req in self.scheduler.running for b in req.block_table})
+        return self.num_running, self.num_waiting, used, self.num_blocks, rate
 
     def admissions(self) -> list[tuple[bytes, str]]:
         """(frontend, rid) of the latest admissions, oldest first."""
