@@ -21,7 +21,7 @@ from unison import Engine
 from unison.config import EngineConfig
 from unison.core.engine_core import EngineCore
 from unison.core.kv_publisher import Publisher
-from unison.kv_events import KVEventsConfig, LoadReport, block_hashes
+from unison.kv_events import KVEventsConfig, LoadReport, block_hashes, offset_port
 from unison.kv_index import KVIndex
 from unison.model.loader import default_gguf_path
 from unison.protocol import CoreSamplingParams, Generate
@@ -286,6 +286,13 @@ def test_an_adapter_s_blocks_carry_its_id_and_hash_apart(core, mirror):
     assert {e.lora_id for e in ours} == {None, 5} and len(mirror.stored) > before
     base, lora = (next(e for e in ours if e.lora_id == x) for x in (None, 5))
     assert base.block_hashes[0] != lora.block_hashes[0]  # the same tokens, another adapter
+
+
+def test_each_data_parallel_rank_publishes_on_its_own_port():
+    assert offset_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_port("tcp://*:5557", 3) == "tcp://*:5560"  # vLLM's rule: the port plus the rank
+    assert offset_port("tcp://10.0.0.1:*", 3) == "tcp://10.0.0.1:*"  # any free port, for every rank
+    assert offset_port("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
 
 
 def test_the_option_is_checked_by_field():
