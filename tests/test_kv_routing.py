@@ -6,6 +6,7 @@ prefix cached on replica 1 is served there, and a killed replica's blocks leave 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -58,6 +59,49 @@ def test_least_loaded_reads_the_engine_wide_reports_and_counts_what_it_sent_sinc
     assert picks == [1, 1, 1, 0, 1]  # 2, 3, 4 on replica 1; then 5 = 5: the lower index
     least.loads[1] = _report(1, 0)  # a new report: what was sent is in it
     assert least.pick("x") is least.workers[1]
+
+
+def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
+    """The HTTP workers' Feed against a publisher: events published before it subscribed come by
+    replay, later ones on the stream; load reports land on the board."""
+    import zmq
+
+    from unison.core.kv_publisher import EventLog, Publisher
+    from unison.kv_events import KVEventsConfig
+    from unison.kv_index import Feed, KVIndex
+
+    async def run() -> None:
+        ctx = zmq.Context()
+        log = EventLog(BS)
+        pub = Publisher(ctx, KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
+                                            replay_endpoint="tcp://127.0.0.1:*"), 1, log)
+        early = log.stored(None, tuple(range(2 * BS)), 0)
+        pub.publish()  # seq 0 (AllBlocksCleared, then these), before anyone subscribed
+        index, loads = KVIndex(), {}
+        feed = Feed(1, pub.info(), "127.0.0.1", index, loads)
+        try:
+            async def serve_until(done) -> None:
+                for _ in range(500):
+                    pub.serve_replay()
+                    pub.publish()
+                    pub.report(lambda: (2, 1, 5, 100, 0.5))
+                    if done():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("the feed did not catch up")
+
+            await serve_until(lambda: index.blocks.get(1) == set(early))
+            late = log.stored(early[-1], tuple(range(BS)), 0)
+            log.removed(early[:1])  # the index applies what it is told, chain or not
+            await serve_until(lambda: index.blocks.get(1) == {early[1], *late} and 1 in loads)
+            assert feed.gaps == 0 and loads[1].num_running == 2 and loads[1].data_parallel_rank == 1
+        finally:
+            feed.close()
+            await asyncio.sleep(0)
+            pub.close()
+            ctx.term()
+
+    asyncio.run(run())
 
 
 def _stored(hashes):
