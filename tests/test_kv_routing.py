@@ -67,7 +67,7 @@ def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
     import zmq
 
     from unison.core.kv_publisher import EventLog, Publisher
-    from unison.kv_events import KVEventsConfig
+    from unison.kv_events import KVEventBatch, KVEventsConfig
     from unison.kv_index import Feed, KVIndex
 
     async def run() -> None:
@@ -95,6 +95,13 @@ def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
             log.removed(early[:1])  # the index applies what it is told, chain or not
             await serve_until(lambda: index.blocks.get(1) == {early[1], *late} and 1 in loads)
             assert feed.gaps == 0 and loads[1].num_running == 2 and loads[1].data_parallel_rank == 1
+            # A batch PUB dropped at its high-water mark: buffered for replay, never delivered.
+            dropped = log.stored(late[-1], tuple(range(BS)), 0)
+            pub.buffer.append((pub.seq, pub.encoder.encode(KVEventBatch(0.0, log.take(), 1))))
+            pub.seq += 1
+            after = log.stored(dropped[-1], tuple(range(BS)), 0)
+            await serve_until(lambda: set(after) <= index.blocks.get(1, set()))
+            assert feed.gaps == 1 and set(dropped) <= index.blocks[1]
         finally:
             feed.close()
             await asyncio.sleep(0)
