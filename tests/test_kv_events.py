@@ -323,10 +323,13 @@ def test_two_engine_processes_hash_alike_and_a_silent_subscriber_changes_nothing
             load.setsockopt(zmq.SUBSCRIBE, b"")
             load.connect(info["load_endpoint"])
             out = engine.generate(prompt, {"max_new_tokens": 2, "temperature": 0})
-            ids = engine.tokenizer.encode(prompt)
+            ids = engine.tokenizer.encode(prompt)  # what /tokenize answers
             assert out["meta_info"]["finish_reason"]
             m.drain()
             hashes.append(m.stored)
+            first = next(e for e in m.events if isinstance(e, BlockStored))
+            whole = len(ids) // BS * BS
+            assert first.token_ids[:whole] == ids[:whole]  # the prompt's tokens, block by block
             assert load.poll(3000), "no load report within a second or so"
             report = msgspec.msgpack.decode(load.recv(), type=LoadReport)
             assert report.kv_blocks_total == engine.get_server_info()["num_blocks"]
