@@ -300,6 +300,10 @@ def test_the_option_is_checked_by_field():
         EngineConfig(kv_events_config={"enable_kv_cache_events": True, "endpoint": "localhost:5557"})
     with pytest.raises(ValueError, match="unknown key"):
         EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "port": 1}')
+    with pytest.raises(ValueError, match="kv_events_config.enable_kv_cache_events"):
+        EngineConfig(kv_events_config={"enable_kv_cache_events": "yes"})
+    with pytest.raises(ValueError, match="kv_events_config.buffer_steps"):
+        EngineConfig(kv_events_config={"enable_kv_cache_events": True, "buffer_steps": 0})
     with pytest.raises(ValueError, match="not valid JSON"):
         EngineConfig(kv_events_config="{enable")
     cfg = EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "topic": "kv"}')

@@ -126,6 +126,9 @@ class KVEventsConfig:
     load_interval_s: float = 0.05  # a replica's reports come at most this often
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false, got "
+                             f"{self.enable_kv_cache_events!r}")
         for name in ("endpoint", "replay_endpoint", "load_endpoint"):
             value = getattr(self, name)
             if value is not None and not str(value).startswith(("tcp://", "ipc://", "inproc://")):
