@@ -155,7 +155,7 @@ def _complete(dp, prompt: str) -> dict:
 def test_a_prefix_cached_on_replica_1_is_served_there_and_a_dead_replica_leaves_the_index(dp):
     rows = dp.info()["replicas"]
     assert all(KVEventsInfo(**r["kv_events"]).endpoint.startswith("tcp://") for r in rows)
-    prefix = "You are a careful assistant who answers in one short sentence. " * 8
+    prefix = "The archive of the old harbour town keeps its ledgers in one long room. " * 8
     # Replica 0 busy with a long request: the prefix's first request goes to replica 1.
     long = {"prompt": "Count to a thousand.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", dp.url + "/v1/completions", timeout=60, json=long) as s:
