@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+import zmq
 
 from tests.serving import FIGURES, Server, serve
 from unison import Engine, registry
@@ -21,6 +22,11 @@ from unison import Engine, registry
 COMP = "/v1/completions"
 PROMPT = "Remember the passphrase zebra-4471 and tell me a story:"  # must never reach a log
 KEY = "sk-faults-test-key"
+# Every fault here is handled with KV events published (no one subscribes to the servers'; the
+# engine's below has a subscriber that never reads): they change nothing.
+KV_EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+             "replay_endpoint": "tcp://127.0.0.1:*"}
+EVENTS = ("--kv-events-config", json.dumps(KV_EVENTS))
 
 
 class Stream:
@@ -63,7 +69,7 @@ def test_http_worker_killed_mid_stream():
     """kill -9 of one uvicorn worker: its client gets an error at once, its request is aborted in
     the core, the other worker's stream runs to the end, and uvicorn starts a new worker that
     attaches in the dead one's place."""
-    server = Server("--chunked-prefill-size", "64", workers=2, api_key=KEY)
+    server = Server("--chunked-prefill-size", "64", *EVENTS, workers=2, api_key=KEY)
     try:
         streams = streams_on_each_worker(server, max_tokens=200)
         victim, survivor = sorted(streams)
@@ -110,7 +116,7 @@ def test_http_worker_killed_mid_stream():
 def test_launcher_killed_leaves_nothing():
     """kill -9 of `unison serve` itself: its core sees the owner gone and exits, the workers see
     the core gone and exit, the registry and runtime dir go with the core."""
-    server = Server("--chunked-prefill-size", "64", workers=2)
+    server = Server("--chunked-prefill-size", "64", *EVENTS, workers=2)
     try:
         stream = Stream(server, max_tokens=2000)
         t0 = time.monotonic()
@@ -133,7 +139,7 @@ def test_launcher_killed_leaves_nothing():
 def _health_after_core_kill() -> list[tuple[float, str, int]]:
     """Kill -9 a server's core and poll /health until the launcher exits: (seconds after the
     kill, worker pid, status) of each answer."""
-    server = Server("--chunked-prefill-size", "64", workers=2)
+    server = Server("--chunked-prefill-size", "64", *EVENTS, workers=2)
     try:
         assert server.get("/health").status_code == 200
         os.kill(server.core_pid, signal.SIGKILL)
@@ -174,7 +180,7 @@ def test_health_is_503_once_the_core_is_gone():
 
 @pytest.fixture(scope="module")
 def server():
-    yield from serve("faults", "--chunked-prefill-size", "64")
+    yield from serve("faults", "--chunked-prefill-size", "64", *EVENTS)
 
 
 def test_slow_reader_gets_everything_and_slows_no_one(server):
@@ -213,7 +219,12 @@ def test_far_more_long_requests_than_kv_memory():
     """200 long requests against a KV cache that holds a few of them: they queue or are preempted
     and resumed, none fails, every one gets its tokens, and the pool is whole afterwards."""
     with Engine(load_format="dummy", max_total_tokens=2048, chunked_prefill_size=256,
-                max_running_requests=64, num_threads=1) as engine:
+                max_running_requests=64, num_threads=1, kv_events_config=KV_EVENTS) as engine, \
+            zmq.Context() as ctx, ctx.socket(zmq.SUB) as silent:
+        silent.setsockopt(zmq.RCVHWM, 1)
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.setsockopt(zmq.SUBSCRIBE, b"")
+        silent.connect(engine.get_server_info()["kv_events"]["endpoint"])
         prompts = [[100 + (i * 7 + j) % 3000 for j in range(40 + i % 50)] for i in range(200)]
         t0 = time.monotonic()
         outs = engine.generate(input_ids=prompts, sampling_params={

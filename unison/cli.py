@@ -124,9 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ray-address", default=None,
                      help="an existing Ray cluster for the replicas (left running); default: a "
                           "local Ray instance, started and stopped with the server")
-    srv.add_argument("--routing", choices=["least_loaded", "prefix"], default="least_loaded",
-                     help="which replica takes a request: least outstanding requests, or by a hash "
-                          "of the prompt's first characters (prefix-cache hits survive scale-out)")
+    srv.add_argument("--routing", choices=["least_loaded", "prefix", "kv"], default="least_loaded",
+                     help="which replica takes a request: least_loaded (engine-wide, from the "
+                          "replicas' load reports), prefix (a hash of the prompt's first characters) "
+                          "or kv (the most of the prompt's blocks cached, from the replicas' KV "
+                          "events, weighed against load)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)")
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API")

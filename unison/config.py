@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from unison.kv_events import KVEventsConfig
+
 
 @dataclass
 class SpeculativeConfig:
@@ -134,6 +136,10 @@ class EngineConfig:
     max_loras_per_batch: int = 8  # distinct adapters in one step (the base model not counted)
     max_lora_rank: int = 64
     max_loaded_loras: int | None = None  # past it, idle unpinned adapters are evicted (LRU); None: no limit
+    # KV-cache events and load reports over ZMQ (vLLM's and SGLang's option): a KVEventsConfig, or
+    # its dict / JSON text. None: nothing is published.
+    kv_events_config: KVEventsConfig | str | None = None
+    data_parallel_rank: int = 0  # this core's rank among data-parallel replicas (vLLM's)
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
@@ -189,6 +195,10 @@ class EngineConfig:
                f"must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        _check(_is_int(self.data_parallel_rank) and self.data_parallel_rank >= 0, "data_parallel_rank",
+               "must be an integer >= 0")
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -213,6 +223,12 @@ class EngineConfig:
         """lora_paths as (name, path, pinned): SGLang's "name=path" / path / dict, vLLM's
         --lora-modules JSON ({"name", "path"})."""
         return [LoraModule.parse(entry, f"lora_paths[{i}]") for i, entry in enumerate(self.lora_paths)]
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV events' config when they are published, else None."""
+        cfg = self.kv_events_config
+        return cfg if isinstance(cfg, KVEventsConfig) and cfg.enabled else None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -345,6 +361,11 @@ HELP = {
     "max_lora_rank": "the largest adapter rank that may be loaded",
     "max_loaded_loras": "adapters kept loaded; past it idle unpinned ones are evicted, least recently "
                         "used first (default: no limit)",
+    "kv_events_config": "publish KV-cache events and load reports over ZMQ, vLLM's format, as JSON, "
+                        "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}'",
+    "data_parallel_rank": "this core's rank among data-parallel replicas (set by the launcher; offsets "
+                          "the KV events' ports)",
 }
 
 

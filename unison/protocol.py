@@ -17,6 +17,7 @@ from typing import ClassVar, Generic, TypeVar, Union, cast, get_args
 import msgspec
 
 from unison.config import EngineConfig
+from unison.kv_events import KVEventsInfo
 from unison.sampling import CoreSamplingParams
 from unison.version import __version__
 
@@ -87,6 +88,7 @@ class CoreInfo(msgspec.Struct):
     max_queued_requests: int | None = None  # when set, Generate asks to hear it was queued
     tcp_address: str | None = None  # where remote frontends attach (listen), as bound
     server_key: str | None = None  # the core's CURVE public key (Z85), for them
+    kv_events: KVEventsInfo | None = None  # where KV events and load reports are published, as bound
 
 
 class Welcome(msgspec.Struct, tag=True):

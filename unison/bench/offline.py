@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -206,6 +208,9 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
         per_draft = spec["num_accepted_tokens"] / max(spec["num_drafts"], 1)
         lines.append(f"speculative decoding: {spec['num_drafts']} drafts, acceptance rate {rate:.2f}, "
                      f"{per_draft:.2f} tokens accepted per draft")
+    if ours.get("kv_events"):
+        lines.append(f"KV events read by a subscriber: {ours['kv_events']['batches']} batches, "
+                     f"{ours['kv_events']['events']} events")
     if "ceiling_s" in ours:
         tok_s = ours["output_tokens"] / ours["ceiling_s"]
         lines.append(f"linear-layer ceiling: {tok_s:.1f} output tok/s (the GEMMs alone take "
@@ -216,9 +221,54 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a benchmark was given (the rest keep the engine's defaults)."""
-    names = ("device", "num_threads", "quantization", "dtype", "kv_cache_dtype", "speculative_config")
+    names = ("device", "num_threads", "quantization", "dtype", "kv_cache_dtype", "speculative_config",
+             "kv_events_config")
     return {"model_path": args.model_path,
             **{n: getattr(args, n) for n in names if getattr(args, n, None) is not None}}
+
+
+@contextlib.contextmanager
+def _subscriber(engine: Engine, attach: bool):
+    """A thread that reads the engine's KV events into an index, as a router would; yields the
+    counts (filled in once the run ends)."""
+    counts: dict[str, int] = {}
+    if not attach:
+        yield counts
+        return
+    import msgspec
+    import zmq
+
+    from unison.kv_events import KVEventBatch
+    from unison.kv_index import KVIndex
+
+    info = engine.get_server_info().get("kv_events")
+    if info is None:
+        raise ValueError("--kv-events-subscriber needs --kv-events-config with events enabled")
+    stop, index, decoder = threading.Event(), KVIndex(), msgspec.msgpack.Decoder(KVEventBatch)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(info["endpoint"])
+
+    def read() -> None:
+        while not stop.is_set():
+            if sub.poll(50):
+                batch = decoder.decode(sub.recv_multipart()[2])
+                index.apply(0, batch.events)
+                counts["batches"] = counts.get("batches", 0) + 1
+                counts["events"] = counts.get("events", 0) + len(batch.events)
+
+    thread = threading.Thread(target=read, daemon=True, name="bench-kv-subscriber")
+    thread.start()
+    time.sleep(0.3)  # connected before the run starts
+    try:
+        yield counts
+    finally:
+        time.sleep(0.3)
+        stop.set()
+        thread.join()
+        sub.close(linger=0)
+        ctx.term()
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -235,6 +285,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache elements (default: auto)")
     p.add_argument("--speculative-config", default=None,
                    help='as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    p.add_argument("--kv-events-config", default=None,
+                   help='publish KV events, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+                        '"tcp://127.0.0.1:*"}\'')
+    p.add_argument("--kv-events-subscriber", action="store_true",
+                   help="with --kv-events-config: a subscriber in this process reads every event "
+                        "into an index while the benchmark runs (its cost shows in the figures)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -247,7 +303,9 @@ def main(args: argparse.Namespace) -> int:
             ours = unison_latency(engine, args.prompt_len, args.output_len, args.seed)
         else:
             reqs = load_requests(args, engine)
-            ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
+            with _subscriber(engine, getattr(args, "kv_events_subscriber", False)) as events:
+                ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
+            ours["kv_events"] = events
         info = engine.get_server_info()
         ours["quantization"], ours["device"] = info["quantization"], info["device"]
         ours["spec_decode"] = info["stats"]["spec_decode"]

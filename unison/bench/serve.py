@@ -352,6 +352,10 @@ def main(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
     samples = load_samples(args)
+    if args.routings:
+        return _compare_routings(args, samples)
+    if not args.base_url:
+        raise ValueError("--base-url is required (or --routings, which starts the servers)")
     out = asyncio.run(run_benchmark(
         samples, args.base_url, args.endpoint, args.model, args.request_rate, args.max_concurrency,
         args.seed, args.api_key, args.ignore_eos, args.quiet))
@@ -374,9 +378,28 @@ def main(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] else 1
 
 
+def _compare_routings(args: argparse.Namespace, samples: list[SampleRequest]) -> int:
+    from unison.bench.routing import compare, format_table
+
+    def run(url: str) -> dict[str, Any]:
+        out = asyncio.run(run_benchmark(samples, url, args.endpoint, args.model, args.request_rate,
+                                        args.max_concurrency, args.seed, args.api_key, args.ignore_eos,
+                                        quiet=True, test_request=False))
+        return out["summary"]
+
+    rows = compare(samples, args.routings.split(","), args.data_parallel_size, args.trials,
+                   args.serve_args, run)
+    print(format_table(rows))
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "routings": rows,
+                       "argv": {k: v for k, v in vars(args).items() if k != "func"}}, f, indent=1)
+    return 0
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL)")
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000")
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:30000")
     p.add_argument("--endpoint", choices=[COMPLETIONS, CHAT], default=COMPLETIONS)
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -404,4 +427,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
     p.add_argument("--result-file", default=None, help="write per-request data and the summary")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--routings", default=None,
+                   help="compare data-parallel routing modes, e.g. least_loaded,prefix,kv: a server "
+                        "is started for each (--base-url is not used)")
+    p.add_argument("--data-parallel-size", type=int, default=2, help="--routings: replicas")
+    p.add_argument("--trials", type=int, default=2, help="--routings: runs per mode (medians)")
+    p.add_argument("--serve-args", default="", help="--routings: more `unison serve` options")
     p.set_defaults(func=main)

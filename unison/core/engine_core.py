@@ -13,6 +13,7 @@ import torch
 from unison.config import EngineConfig
 from unison.core.block_pool import BlockPool
 from unison.core.grammar import Grammars
+from unison.core.kv_publisher import EventLog
 from unison.core.lora import LoraRegistry
 from unison.core.metrics import LatencyMetrics
 from unison.core.radix_cache import RadixCache
@@ -48,7 +49,10 @@ class EngineCore:
         self.context_length = min(config.context_length or model_limit, model_limit)
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
         self.pool = BlockPool(self.runner.num_blocks)
-        cache = None if config.disable_radix_cache else RadixCache(self.pool, config.block_size)
+        # The radix cache's changes as KV events, when they are published (core/kv_publisher.py)
+        self.kv_events = EventLog(config.block_size) if config.kv_events is not None else None
+        cache = None if config.disable_radix_cache else \
+            RadixCache(self.pool, config.block_size, self.kv_events)
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
@@ -131,6 +135,15 @@ class EngineCore:
     @property
     def num_evicted_blocks(self) -> int:
         return self.scheduler.cache.num_evicted if self.scheduler.cache else 0
+
+    def load(self) -> tuple[int, int, int, int, float]:
+        """A load report's fields: running, waiting, KV blocks used and total, prefix-cache hit rate.
+        Blocks used are those the running requests hold, counted from their tables (the cache may
+        be far larger: kv_blocks_used walks it, too slow for every report)."""
+        stats = self._stats
+        rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        used = len({b for req in self.scheduler.running for b in req.block_table})
+        return self.num_running, self.num_waiting, used, self.num_blocks, rate
 
     def admissions(self) -> list[tuple[bytes, str]]:
         """(frontend, rid) of the latest admissions, oldest first."""

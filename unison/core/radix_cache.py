@@ -7,6 +7,10 @@ reference (BlockPool.share) on each of its blocks; a request using a cached pref
 more, and locks the path so it is not evicted.
 Unlocked leaves are evicted in least-recently-used order when the pool runs short.
 
+An observer (`events`, core/kv_publisher.EventLog) hears each change of the cached block set:
+stored(parent hash, tokens, adapter) -> the new blocks' hashes, which the nodes keep (they name
+what leaves later); removed(hashes); cleared(). Without one, nothing is hashed.
+
 Contract:
   match(tokens, adapter)   -> (blocks, node): the longest cached prefix in whole blocks; the
                               caller takes a reference on each block and lock()s the node.
@@ -21,28 +25,40 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from typing import Protocol
 
 from unison.core.block_pool import BlockPool
 
 _clock = itertools.count()  # a logical clock: deterministic LRU order, even within one step
 
 
-class Node:
-    __slots__ = ("parent", "tokens", "blocks", "children", "lock_ref", "last_access")
+class CacheEvents(Protocol):
+    def stored(self, parent: int | None, tokens: tuple[int, ...], adapter: int) -> list[int]: ...
 
-    def __init__(self, parent: Node | None, tokens: tuple[int, ...], blocks: list[int]) -> None:
+    def removed(self, hashes: list[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+class Node:
+    __slots__ = ("parent", "tokens", "blocks", "hashes", "children", "lock_ref", "last_access")
+
+    def __init__(self, parent: Node | None, tokens: tuple[int, ...], blocks: list[int],
+                 hashes: list[int] | None = None) -> None:
         self.parent = parent
         self.tokens = tokens
         self.blocks = blocks
+        self.hashes = hashes or []  # one per block, when the cache has an observer
         self.children: dict[tuple[int, ...], Node] = {}  # keyed by the child's first block
         self.lock_ref = 0
         self.last_access = next(_clock)
 
 
 class RadixCache:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, events: CacheEvents | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.events = events
         self.roots: dict[int, Node] = {}  # adapter id -> its tree's root (never evicted)
         self.num_evicted = 0  # blocks evicted so far (a statistic)
 
@@ -95,12 +111,13 @@ class RadixCache:
     def _split(self, node: Node, n_blocks: int) -> Node:
         """Cut `node` after n_blocks: a new parent holds the head, `node` keeps the tail."""
         cut = n_blocks * self.block_size
-        head = Node(node.parent, node.tokens[:cut], node.blocks[:n_blocks])
+        head = Node(node.parent, node.tokens[:cut], node.blocks[:n_blocks], node.hashes[:n_blocks])
         head.lock_ref = node.lock_ref
         head.last_access = node.last_access
         node.parent.children[self._key(head.tokens)] = head
         node.parent = head
         node.tokens, node.blocks = node.tokens[cut:], node.blocks[n_blocks:]
+        node.hashes = node.hashes[n_blocks:]
         head.children[self._key(node.tokens)] = node
         return head
 
@@ -111,8 +128,11 @@ class RadixCache:
         matched, node = self.match(tokens[: n_full * bs], adapter)
         have = len(matched)
         if have < n_full:
-            rest = tokens[have * bs: n_full * bs]
-            child = Node(node, tuple(rest), list(blocks[have:n_full]))
+            rest = tuple(tokens[have * bs: n_full * bs])
+            hashes = None
+            if self.events is not None:
+                hashes = self.events.stored(node.hashes[-1] if node.hashes else None, rest, adapter)
+            child = Node(node, rest, list(blocks[have:n_full]), hashes)
             node.children[self._key(child.tokens)] = child
             self.pool.share(child.blocks)  # the tree's own reference
         return have
@@ -128,8 +148,9 @@ class RadixCache:
             assert node.lock_ref >= 0, "radix cache: unlock without lock"
             node = node.parent
 
-    def evict(self, n_blocks: int) -> int:
-        """Free up to n_blocks by evicting unlocked leaves, least recently used first."""
+    def evict(self, n_blocks: int, quiet: bool = False) -> int:
+        """Free up to n_blocks by evicting unlocked leaves, least recently used first (`quiet`:
+        the caller reports what left)."""
         heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -138,6 +159,8 @@ class RadixCache:
             self.pool.release(leaf.blocks)
             freed += sum(1 for b in leaf.blocks if self.pool.refcount(b) == 0)
             self.num_evicted += len(leaf.blocks)
+            if self.events is not None and not quiet:
+                self.events.removed(leaf.hashes)
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens)]
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
@@ -145,7 +168,16 @@ class RadixCache:
         return freed
 
     def reset(self) -> None:
-        self.evict(self.num_blocks)
+        """Evict everything unlocked (all of it, when no request holds KV: then one event says so)."""
+        if self.events is None:
+            self.evict(self.num_blocks)
+            return
+        before = set(self.block_hashes())
+        self.evict(self.num_blocks, quiet=True)
+        if self.num_blocks == 0:
+            self.events.cleared()
+        elif gone := before - set(self.block_hashes()):
+            self.events.removed(sorted(gone))
 
     def _nodes(self) -> Iterator[Node]:
         stack = [child for root in self.roots.values() for child in root.children.values()]
@@ -164,12 +196,16 @@ class RadixCache:
     def blocks(self) -> list[int]:
         return [b for n in self._nodes() for b in n.blocks]
 
+    def block_hashes(self) -> list[int]:
+        return [h for n in self._nodes() for h in n.hashes]
+
     def num_evictable(self) -> int:
         return sum(len(n.blocks) for n in self._nodes() if n.lock_ref == 0)
 
     def check_integrity(self) -> None:
         for node in self._nodes():
             assert len(node.tokens) == len(node.blocks) * self.block_size, "edge length mismatch"
+            assert self.events is None or len(node.hashes) == len(node.blocks), "a block without its hash"
             assert node.parent.children.get(self._key(node.tokens)) is node, "broken parent link"
             locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= locks, f"node locked less ({node.lock_ref}) than its children ({locks})"

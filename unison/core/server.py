@@ -24,6 +24,7 @@ from unison import registry
 from unison.core.controls import Controls
 from unison.core.engine_core import EngineCore
 from unison.core.frontends import Frontends, Peer
+from unison.core.kv_publisher import Publisher
 from unison.core.metrics import StepShapes
 from unison.model.loader import tokenizer_files
 from unison.protocol import (
@@ -103,10 +104,18 @@ class CoreServer:
             self.poller.register(self.owner_pidfd, zmq.POLLIN)
         self.frontends = Frontends(core, self.config, self.poller, self.owner_pidfd)
         self.controls = Controls(self)
+        self.kv = None  # KV events and load reports (kv_events_config)
+        if core.kv_events is not None:
+            self.kv = Publisher(self.ctx, self.config.kv_events, self.config.data_parallel_rank,
+                                core.kv_events)
+            if self.kv.replay is not None:
+                self.poller.register(self.kv.replay, zmq.POLLIN)
+            log.info("KV events on %s", self.kv.info())
 
     def info(self) -> CoreInfo:
         return msgspec.structs.replace(self.core.info(), tcp_address=self.tcp_address,
-                                       server_key=self.server_key)
+                                       server_key=self.server_key,
+                                       kv_events=self.kv.info() if self.kv is not None else None)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -127,6 +136,9 @@ class CoreServer:
                 if self.core.has_work and not self.controls.paused:
                     self.frontends.send_outputs(self.core.step())
                     self.log_stats()
+                if self.kv is not None:  # what the step or a control changed
+                    self.kv.publish()
+                    self.kv.report(self.core.load)
         finally:
             self.close()
 
@@ -147,6 +159,8 @@ class CoreServer:
         registry.unlink(self.args.registry_path)
         shutil.rmtree(self.args.runtime_dir, ignore_errors=True)
         self.frontends.close()
+        if self.kv is not None:
+            self.kv.close()
         self.sock.close(linger=0)
         if self.tcp is not None:
             self.tcp.close(linger=0)
@@ -165,6 +179,8 @@ class CoreServer:
         for what, _ in self.poller.poll(timeout):
             if what is self.sock or what is self.tcp:
                 self.drain(what)
+            elif self.kv is not None and what is self.kv.replay:
+                self.kv.serve_replay()
             elif what == self.owner_pidfd:
                 log.warning("owner process %d exited; the core shuts down", self.args.owner_pid)
                 self.stopping = True

@@ -24,6 +24,7 @@ import msgspec
 from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess, curve_keypair
+from unison.kv_events import KVEventsConfig
 from unison.server.replicas import ReplicaAddress, ReplicaSet, write_replica_set
 
 log = logging.getLogger("unison.server")
@@ -54,8 +55,13 @@ class CoreActor:
         import ray
 
         cfg = msgspec.msgpack.decode(config, type=EngineConfig)
-        cfg.listen = f"tcp://{ray.util.get_node_ip_address()}:*"
+        node = ray.util.get_node_ip_address()
+        cfg.listen = f"tcp://{node}:*"
         cfg.trusted_client_keys = (trusted_key,)
+        cfg.data_parallel_rank = index
+        if cfg.kv_events_config is None:  # the HTTP workers route by the load reports (and events)
+            cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://{node}:*",
+                                                  replay_endpoint=f"tcp://{node}:*")
         self.index, self.stopping = index, False
         self.core = CoreProcess(cfg, publish=True)  # the registry tells the address it bound
         self.core.wait_published(cfg.startup_timeout)

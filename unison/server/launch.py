@@ -82,6 +82,9 @@ def _serve_data_parallel(config: EngineConfig, size: int, ray_address: str | Non
     """N cores in Ray actors; the same HTTP workers, each attached to every core over TCP."""
     from unison.server.data_parallel import RayReplicas
 
+    if routing == "kv" and config.kv_events_config is not None and config.kv_events is None:
+        raise ValueError("--routing kv reads the replicas' KV events: leave --kv-events-config out "
+                         "(each replica then publishes on a free port) or enable it")
     workers = config.tokenizer_worker_num
     runtime = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")  # 0700: the replicas file holds a key
     failure: list[str] = []

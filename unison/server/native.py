@@ -166,7 +166,7 @@ async def generate(body: GenerateBody, request: Request):
         logprob_start_len=body.logprob_start_len, top_logprobs_num=body.top_logprobs_num,
         token_ids_logprob=body.token_ids_logprob, rid=body.rid, priority=body.priority,
         lora_path=body.lora_path)
-    collector = await route(request, body.text if isinstance(body.text, str) else None).submit(req)
+    collector = await route(request, body.text if isinstance(body.text, str) else None, req).submit(req)
     await collector.admitted()
     if body.stream:
         return stream(collector, collector.outputs)

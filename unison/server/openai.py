@@ -205,7 +205,7 @@ async def _submit(request: Request, worker: TokenizerWorker, text: str | None, *
     """Check with any replica's frontend, then queue on the one routing picks for `text`."""
     req = worker.make_request(**call)  # an InvalidParam: the app's handler names the field
     req.batch = True  # choices are indexed whatever the prompt's form
-    collector = await route(request, text).submit(req)
+    collector = await route(request, text, req).submit(req)
     try:
         await collector.admitted()  # a full engine queue is a 503 now, not an error inside a stream
     except UnknownAdapterError as e:  # OpenAI names an adapter as the model (vLLM's)

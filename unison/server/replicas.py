@@ -3,10 +3,16 @@
 One core: the registry's, attached over IPC. Data parallel (`unison serve --data-parallel-size
 N`): N cores in Ray actors anywhere in the cluster, each attached over TCP with CURVE keys; the
 launcher keeps a replicas file (ReplicaSet) current as Ray restarts them, and every HTTP worker
-follows it, re-attaching to a core that came back. Routing is least outstanding requests (this
-worker's own, per replica), or prefix-affine: a hash of the prompt text's first characters picks
-the replica (rendezvous hashing, so a dead replica only moves its own prefixes), so that prefix
-cache hits survive scale-out and the router never tokenizes.
+follows it, re-attaching to a core that came back. Each worker also follows every replica's load
+reports, and with `kv` routing its KV events (unison/kv_index.py), so that every worker sees the
+same engine-wide load and what each replica has cached. Routing:
+
+  least_loaded  the fewest running + waiting requests, engine-wide (the load reports, plus what
+                this worker sent since the last one; its own outstanding count until one came)
+  prefix        a hash of the prompt text's first characters picks the replica (rendezvous
+                hashing, so a dead replica only moves its own prefixes); never tokenizes
+  kv            the replica whose cache holds most of the prompt's leading blocks, less a
+                penalty per request of load (the prompt's token ids, hashed as the cores hash)
 """
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ import msgspec
 
 from unison.errors import EngineDeadError
 from unison.frontend.worker import TokenizerWorker
+from unison.kv_events import KVEventsInfo, LoadReport, block_hashes
+from unison.kv_index import Feed, KVIndex
 from unison.protocol import ControlRequest, ReplyT, ServerInfo
 
 log = logging.getLogger("unison.server")
 
-ROUTINGS = ("least_loaded", "prefix")
+ROUTINGS = ("least_loaded", "prefix", "kv")
+# kv: a replica's cost is the share of the prompt's blocks it must compute, plus this per request
+# running or waiting there: a whole prompt cached outweighs ten requests more of load.
+LOAD_WEIGHT = 0.1
 PREFIX_CHARS = 256  # of the rendered prompt, hashed for prefix-affine routing (SGLang's router: 256)
 FOLLOW_S = 0.5  # how often a worker looks at the replicas file and retries a dead replica
 ATTACH_S = 5.0  # a new replica's core has this long to welcome a worker
@@ -52,6 +63,9 @@ class ReplicaRow(msgspec.Struct, frozen=True):
     host: str
     pid: int  # its core's
     state: dict[str, Any]  # its core's own state: the replica's `internal_states` entry, as SGLang's
+    kv_events: KVEventsInfo | None = None  # where its core publishes KV events and load reports
+    indexed_blocks: int = 0  # its cached blocks as this worker's index has them (kv routing)
+    load: LoadReport | None = None  # its latest load report, as this worker has it
 
 
 class ReplicaSet(msgspec.Struct):
@@ -76,6 +90,11 @@ class Replicas:
         self.routing = routing
         self.replicas_path = replicas_path
         self.addresses: list[ReplicaAddress | None] = [None] * len(workers)
+        self.index = KVIndex()  # what each replica has cached (kv routing)
+        self.loads: dict[int, LoadReport] = {}  # each replica's latest load report
+        self.sent: dict[int, int] = {}  # requests this worker sent each replica since its last report
+        self.feeds: dict[int, Feed] = {}
+        self._seen: dict[int, LoadReport] = {}  # the report `sent` counts from
         self._follow: asyncio.Task | None = None
         self._on_dead = on_dead  # one core, no replicas file: the worker stops with it
 
@@ -118,6 +137,7 @@ class Replicas:
         if old is not None:
             await old.close(goodbye=old.dead is None)
         self.workers[addr.index], self.addresses[addr.index] = new, addr
+        self._feed(addr.index, new, addr.address.removeprefix("tcp://").rpartition(":")[0])
         log.info("attached to replica %d (core pid %d on %s)", addr.index, addr.core_pid, addr.host)
 
     async def _follow_file(self) -> None:
@@ -128,7 +148,23 @@ class Replicas:
             except Exception:  # a half-written file, a replica mid-restart: look again soon
                 log.exception("following the replicas file failed")
 
+    def _feed(self, index: int, worker: TokenizerWorker, host: str) -> None:
+        """Follow a (new) replica's load reports and, for kv routing, its events; forget what its
+        predecessor had cached (it died with its core, whose events say nothing more)."""
+        if (old := self.feeds.pop(index, None)) is not None:
+            old.close()
+        if worker.info.kv_events is not None:
+            self.feeds[index] = Feed(index, worker.info.kv_events, host, self.index, self.loads,
+                                     events=self.routing == "kv")
+        worker.on_dead = lambda: self._lost(index, worker)
+
+    def _lost(self, index: int, worker: TokenizerWorker) -> None:
+        if self.workers[index] is worker and (feed := self.feeds.pop(index, None)) is not None:
+            feed.close()
+
     async def close(self) -> None:
+        for feed in self.feeds.values():
+            feed.close()
         if self._follow is not None:
             self._follow.cancel()
         for worker in self.workers:
@@ -149,15 +185,34 @@ class Replicas:
             raise EngineDeadError(self._why_dead())
         return live[0][1]
 
-    def pick(self, prompt: str | None = None) -> TokenizerWorker:
-        """The replica for a request: prefix-affine on `prompt`'s head, else least outstanding."""
+    def pick(self, prompt: str | None = None, input_ids: list[int] | None = None) -> TokenizerWorker:
+        """The replica for a request whose prompt is `prompt` (text) or `input_ids` (tokenized)."""
         live = self.live
         if not live:
             raise EngineDeadError(self._why_dead())
         if self.routing == "prefix" and prompt:
             head = prompt[:PREFIX_CHARS].encode()
-            return max(live, key=lambda iw: hashlib.blake2b(head + bytes([iw[0]]), digest_size=8).digest())[1]
-        return min(live, key=lambda iw: (len(iw[1].states), iw[0]))[1]
+            i = max(live, key=lambda iw: hashlib.blake2b(head + bytes([iw[0]]), digest_size=8).digest())[0]
+        elif self.routing == "kv" and input_ids:
+            hashes = block_hashes(input_ids, live[0][1].info.block_size)
+            n = max(len(hashes), 1)
+            i = min(live, key=lambda iw: ((len(hashes) - self.index.overlap(iw[0], hashes)) / n
+                                          + LOAD_WEIGHT * self.load(*iw), iw[0]))[0]
+        else:
+            i = min(live, key=lambda iw: (self.load(*iw), len(iw[1].states), iw[0]))[0]
+        if i in self.loads:
+            self.sent[i] = self.sent.get(i, 0) + 1
+        return self.workers[i]
+
+    def load(self, index: int, worker: TokenizerWorker) -> float:
+        """A replica's requests, engine-wide: its last load report's running + waiting, and what
+        this worker sent it since; without reports, this worker's own outstanding requests."""
+        report = self.loads.get(index)
+        if report is None:
+            return len(worker.states)
+        if report is not self._seen.get(index):  # a new report counts what was sent before it
+            self._seen[index], self.sent[index] = report, 0
+        return report.num_running + report.num_waiting + self.sent.get(index, 0)
 
     def _why_dead(self) -> str:
         dead = [w.dead for w in self.workers if w is not None and w.dead is not None]
@@ -180,8 +235,10 @@ class Replicas:
         rows = []
         for i, info in infos:
             where = self.addresses[i]
+            report = self.loads.get(i)
             rows.append(ReplicaRow(i, where.address, where.host, where.core_pid,
-                                   info.to_dict()["internal_states"][0]))
+                                   info.to_dict()["internal_states"][0], info.core.kv_events,
+                                   len(self.index.blocks.get(i, ())), report))
         return rows
 
 

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from unison.errors import EngineDeadError
 from unison.frontend.collector import Collector
+from unison.frontend.request import GenerateRequest
 from unison.frontend.worker import TokenizerWorker
 from unison.server.errors import HTTPError, error_body
 
@@ -48,7 +49,7 @@ class Settings:
     max_request_bytes: int | None = None
     # Data parallel: the launcher's replicas file (replicas.ReplicaSet) instead of the registry.
     replicas_path: str | None = None
-    routing: str = "least_loaded"  # or "prefix" (see replicas.py)
+    routing: str = "least_loaded"  # or "prefix", "kv" (see replicas.py)
     ui: bool = True  # the web page at / (--disable-ui turns it off)
 
 
@@ -60,10 +61,12 @@ def worker_of(request: Request) -> TokenizerWorker:
         raise HTTPError(503, f"the engine is not running: {e}") from None
 
 
-def route(request: Request, text: str | None) -> TokenizerWorker:
-    """The frontend of the replica that serves a request whose prompt text is `text`."""
+def route(request: Request, text: str | None, req: GenerateRequest | None = None) -> TokenizerWorker:
+    """The frontend of the replica that serves a request whose prompt text is `text` (and, once
+    tokenized, `req`: kv routing reads its token ids; nothing is tokenized twice)."""
+    ids = req.prompts[0].input_ids if req is not None and req.prompts else None
     try:
-        return request.app.state.replicas.pick(text)
+        return request.app.state.replicas.pick(text, ids)
     except EngineDeadError as e:
         raise HTTPError(503, f"the engine is not running: {e}") from None
 

@@ -1,0 +1,187 @@
+"""KV-cache events and load reports on the wire: vLLM's format, so its subscribers work unchanged.
+
+A core publishes on a ZMQ PUB socket; each message is three frames: the topic, an 8-byte
+big-endian sequence number and a msgpack KVEventBatch. The structs below are vLLM's
+(`vllm/distributed/kv_events.py`): array-like, tagged by class name. A ROUTER replay socket
+answers a start sequence number (8 bytes, big-endian) with the buffered messages since it, as
+[seq, payload] pairs, then [-1, b""]. Load reports go out on a second PUB socket (a vLLM
+subscriber of the first never sees a message it cannot decode).
+
+Block hashes chain, so one hash names a whole prefix: a block's hash covers its parent's hash,
+its tokens and its adapter id (block_hash). They are sha256 over msgpack, never Python's salted
+hash(), so every process and every restart computes the same ones. This module imports neither
+torch nor zmq: the core, the HTTP workers' router and any subscriber share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgspec
+
+MEDIUM = "CPU"  # where the blocks live, in vLLM's words (GPU, CPU): Unison's KV cache is in RAM
+HASH_MASK = (1 << 63) - 1  # non-negative and below 2**63: an int64 or a uint64 to any consumer
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message: [END_SEQ, b""]
+
+
+# ---- vLLM's structs --------------------------------------------------------------------------
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the KV-cache events."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None  # None: the first block of a prompt
+    token_ids: list[int]  # block_size per hash, in order
+    block_size: int
+    lora_id: int | None  # None: the base model
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class LoadReport(msgspec.Struct, gc=False):
+    """One replica's load, after a step with news (rate-limited): Dynamo's KvMetrics fields."""
+
+    ts: float
+    data_parallel_rank: int
+    num_running: int  # Dynamo: request_active_slots
+    num_waiting: int  # num_requests_waiting
+    kv_blocks_used: int  # kv_active_blocks: held by requests
+    kv_blocks_total: int  # kv_total_blocks
+    prefix_cache_hit_rate: float  # gpu_prefix_cache_hit_rate: cached / prompt tokens, so far
+
+    @property
+    def load(self) -> float:
+        """One number to compare replicas by: what runs and waits, and how full the KV is."""
+        return self.num_running + self.num_waiting + self.kv_blocks_used / max(self.kv_blocks_total, 1)
+
+
+# ---- block hashes ----------------------------------------------------------------------------
+
+
+def block_hash(parent: int | None, tokens: list[int] | tuple[int, ...], lora_id: int | None) -> int:
+    """sha256(msgpack([parent hash or None, [token ids], lora id or None])), its first 8 bytes
+    big-endian, masked to 63 bits."""
+    data = msgspec.msgpack.encode((parent, tokens, lora_id))
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") & HASH_MASK
+
+
+def block_hashes(tokens: list[int], block_size: int, lora_id: int | None = None,
+                 parent: int | None = None) -> list[int]:
+    """The chained hashes of `tokens`' whole blocks (a partial last block has none)."""
+    out = []
+    for i in range(0, len(tokens) // block_size * block_size, block_size):
+        parent = block_hash(parent, tokens[i: i + block_size], lora_id)
+        out.append(parent)
+    return out
+
+
+def lora_id_of(adapter: int) -> int | None:
+    return adapter or None  # adapter 0 is the base model: vLLM says None
+
+
+# ---- the option --------------------------------------------------------------------------------
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's and SGLang's --kv-events-config. A port of "*" binds any free port (what was bound
+    is in get_server_info); a numbered port is offset by the data-parallel rank, as vLLM does."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"  # zmq | null
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # a ROUTER answering replay requests
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark: past it a slow subscriber loses messages
+    max_queue_size: int = 100_000  # vLLM's; accepted (Unison publishes from the step, unqueued)
+    topic: str = ""
+    load_endpoint: str | None = None  # load reports' PUB; None: the endpoint's host, any port
+    load_interval_s: float = 0.05  # a replica's reports come at most this often
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false, got "
+                             f"{self.enable_kv_cache_events!r}")
+        for name in ("endpoint", "replay_endpoint", "load_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not str(value).startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events_config.{name} must be tcp://HOST:PORT, ipc:// or "
+                                 f"inproc://, got {value!r}")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kv_events_config.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.load_interval_s, (int, float)) or self.load_interval_s < 0:
+            raise ValueError(f"kv_events_config.load_interval_s must be >= 0, got {self.load_interval_s!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, given: KVEventsConfig | dict | str) -> KVEventsConfig:
+        """From a dict or its JSON text."""
+        if isinstance(given, KVEventsConfig):
+            return given
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"kv_events_config must be a dict or JSON object, got {type(given).__name__}")
+        known = sorted(f.name for f in fields(cls))
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {known}")
+        return cls(**given)
+
+
+def offset_port(endpoint: str | None, rank: int) -> str | None:
+    """vLLM's rule: a data-parallel rank's tcp port is the given one plus the rank (ipc and
+    inproc paths get a suffix); a "*" port is any free one, for every rank."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if port in ("*", "0") else f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+class KVEventsInfo(msgspec.Struct, frozen=True):
+    """Where a core publishes, as bound (get_server_info's kv_events)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    load_endpoint: str
+    topic: str
+    data_parallel_rank: int
