@@ -2,7 +2,8 @@
 copied below as vLLM's example subscriber copies them) mirrors the core's radix cache exactly.
 
 The randomized workload drives an in-process EngineCore with a tiny KV cache (shared prefixes,
-evictions, preemption, aborts, flushes, a weight update); the engine tests run real processes.
+evictions, preemption, aborts, flushes, a weight update, requests on a LoRA adapter); the engine
+tests run real processes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unison import Engine
+from unison.bench.lora import write_adapter
 from unison.config import EngineConfig
 from unison.core.engine_core import EngineCore
 from unison.core.kv_publisher import Publisher
@@ -146,10 +148,13 @@ class Mirror:
 
 
 @pytest.fixture(scope="module")
-def core(model_dir):
+def core(model_dir, tmp_path_factory):
     config = EngineConfig(num_threads=1, block_size=BS, max_total_tokens=24 * BS, chunked_prefill_size=24,
-                          max_running_requests=4, kv_events_config=LOCAL)
+                          max_running_requests=4, kv_events_config=LOCAL, enable_lora=True, max_lora_rank=2)
     core = EngineCore(config, str(model_dir))
+    for name in ADAPTERS:  # LoRA requests key their blocks by adapter: events carry its id
+        path = write_adapter(tmp_path_factory.mktemp(name), model_dir, rank=2, seed=len(name))
+        assert core.loras.load(name, str(path))
     ctx = zmq.Context()
     core.publisher = Publisher(ctx, config.kv_events, 0, core.kv_events)
     yield core
@@ -168,15 +173,13 @@ def mirror(core):
 
 
 _rids = iter(range(10**9))
+ADAPTERS = ("sql", "chat")
 
 
-def add(core: EngineCore, tokens: list[int], max_new: int, adapter: int = 0) -> str:
+def add(core: EngineCore, tokens: list[int], max_new: int, lora: str | None = None) -> str:
     rid = f"r{next(_rids)}"
     params = CoreSamplingParams(max_new_tokens=max_new, ignore_eos=True, temperature=0.0)
-    assert core.add(b"fe", Generate(rid, tokens, params)) is None
-    # An adapter id as a LoRA request would carry (the cache keys blocks by it; the forward
-    # here is the base model's, which is all the events depend on).
-    core.requests[rid].adapter = adapter
+    assert core.add(b"fe", Generate(rid, tokens, params, lora_name=lora)) is None
     return rid
 
 
@@ -204,9 +207,9 @@ def settle(core: EngineCore, mirror: Mirror) -> None:
 seen: list[list[int]] = []  # every prompt with its outputs, so far
 
 OPS = st.lists(st.one_of(
-    # add: (which shared head, tail tokens, max_new_tokens, adapter id)
+    # add: (which shared head, tail tokens, max_new_tokens, LoRA adapter)
     st.tuples(st.just("add"), st.integers(0, 3), st.integers(0, 14), st.integers(1, 24),
-              st.sampled_from([0, 0, 3])),
+              st.sampled_from([None, None, ADAPTERS[0]])),
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("abort"), st.integers(0, 10)),
     st.tuples(st.just("flush")),
@@ -222,10 +225,10 @@ def test_the_mirror_equals_the_radix_cache_after_any_workload(core, mirror, ops,
     core.runner.load_weights = lambda path: None  # the same weights: the core's side of an update
     for op in ops:
         if op[0] == "add":
-            _, which, tail, max_new, adapter = op
+            _, which, tail, max_new, lora = op
             tokens = prefixes[which][: rng.randrange(BS, len(prefixes[which]))] + \
                 [rng.randrange(1, 5000) for _ in range(tail)]
-            add(core, tokens, max_new, adapter)
+            add(core, tokens, max_new, lora)
         elif op[0] == "step":
             for _ in range(op[1]):
                 step(core)
@@ -276,15 +279,16 @@ def test_a_dropped_subscriber_catches_up_by_replay_and_sees_the_gap(core, mirror
 
 def test_an_adapter_s_blocks_carry_its_id_and_hash_apart(core, mirror):
     tokens = list(range(100, 100 + 3 * BS))
-    for adapter in (0, 5):
-        add(core, tokens, 1, adapter)
+    for lora in (None, ADAPTERS[1]):
+        add(core, tokens, 1, lora)
     while core.has_work:
         step(core)
     before = len(mirror.stored)
     settle(core, mirror)
     ours = [e for e in mirror.events[-8:] if isinstance(e, BlockStored) and e.token_ids[:BS] == tokens[:BS]]
-    assert {e.lora_id for e in ours} == {None, 5} and len(mirror.stored) > before
-    base, lora = (next(e for e in ours if e.lora_id == x) for x in (None, 5))
+    lora_id = core.loras.by_name[ADAPTERS[1]].id
+    assert {e.lora_id for e in ours} == {None, lora_id} and len(mirror.stored) > before
+    base, lora = (next(e for e in ours if e.lora_id == x) for x in (None, lora_id))
     assert base.block_hashes[0] != lora.block_hashes[0]  # the same tokens, another adapter
 
 

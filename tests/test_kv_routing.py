@@ -14,6 +14,7 @@ import time
 
 import conftest
 import httpx
+import msgspec
 import pytest
 
 from tests.test_data_parallel import DPServer, _marked
@@ -50,6 +51,23 @@ def test_kv_routing_weighs_the_cached_prefix_against_load():
     kv.index.forget(1)
     kv.loads.update({0: _report(0, 0), 1: _report(1, 0)})
     assert kv.pick(None, prompt) is kv.workers[0]  # its blocks forgotten: a tie, the lower index
+
+
+def test_kv_routing_hashes_an_adapters_prompt_with_each_replicas_id_for_it():
+    """Each core numbers its adapters itself: the same adapter may be 1 on one replica and 2 on
+    the other, and the router hashes the prompt with each one's id (from its load reports)."""
+    kv = Replicas([_Fake(), _Fake()], routing="kv")
+    prompt = list(range(1, 8 * BS + 5))
+    kv.index.apply(0, [_stored(block_hashes(prompt, BS, lora_id=1))])  # "sql" is 1 on replica 0
+    kv.index.apply(1, [_stored(block_hashes(prompt, BS, lora_id=1))])  # ... and 1 is "chat" on 1
+    kv.loads.update({0: _with_loras(_report(0, 2), sql=1), 1: _with_loras(_report(1, 0), chat=1, sql=2)})
+    assert kv.pick(None, prompt, "sql") is kv.workers[0]
+    assert kv.pick(None, prompt, "chat") is kv.workers[1]
+    assert kv.pick(None, prompt) is kv.workers[1]  # the base model's blocks: cached nowhere
+
+
+def _with_loras(report: LoadReport, **ids: int) -> LoadReport:
+    return msgspec.structs.replace(report, lora_ids=ids)
 
 
 def test_least_loaded_reads_the_engine_wide_reports_and_counts_what_it_sent_since():

@@ -75,6 +75,7 @@ class LoadReport(msgspec.Struct, gc=False):
     kv_blocks_used: int  # kv_active_blocks: held by requests
     kv_blocks_total: int  # kv_total_blocks
     prefix_cache_hit_rate: float  # gpu_prefix_cache_hit_rate: cached / prompt tokens, so far
+    lora_ids: dict[str, int] = {}  # loaded LoRA adapters: name -> the lora_id its blocks hash with
 
     @property
     def load(self) -> float:

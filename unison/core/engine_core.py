@@ -136,14 +136,16 @@ class EngineCore:
     def num_evicted_blocks(self) -> int:
         return self.scheduler.cache.num_evicted if self.scheduler.cache else 0
 
-    def load(self) -> tuple[int, int, int, int, float]:
-        """A load report's fields: running, waiting, KV blocks used and total, prefix-cache hit rate.
+    def load(self) -> tuple[int, int, int, int, float, dict[str, int]]:
+        """A load report's fields: running, waiting, KV blocks used and total, prefix-cache hit rate,
+        and the loaded LoRA adapters' ids (a router hashes an adapter's prompts with it).
         Blocks used are those the running requests hold, counted from their tables (the cache may
         be far larger: kv_blocks_used walks it, too slow for every report)."""
         stats = self._stats
         rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         used = len({b for req in self.scheduler.running for b in req.block_table})
-        return self.num_running, self.num_waiting, used, self.num_blocks, rate
+        lora_ids = {name: adapter.id for name, adapter in self.loras.by_name.items()}
+        return self.num_running, self.num_waiting, used, self.num_blocks, rate, lora_ids
 
     def admissions(self) -> list[tuple[bytes, str]]:
         """(frontend, rid) of the latest admissions, oldest first."""

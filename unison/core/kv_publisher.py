@@ -120,7 +120,8 @@ class Publisher:
             except zmq.Again:
                 log.warning("a replay client stopped reading; its replay was cut short")
 
-    def report(self, state: Callable[[], tuple[int, int, int, int, float]], force: bool = False) -> None:
+    def report(self, state: Callable[[], tuple[int, int, int, int, float, dict[str, int]]],
+               force: bool = False) -> None:
         """A LoadReport when the load changed (at most every load_interval_s), or once a second."""
         now = time.monotonic()
         if now - self.reported_at < self.config.load_interval_s and not force:

@@ -18,6 +18,7 @@ same engine-wide load and what each replica has cached. Routing:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
@@ -185,8 +186,10 @@ class Replicas:
             raise EngineDeadError(self._why_dead())
         return live[0][1]
 
-    def pick(self, prompt: str | None = None, input_ids: list[int] | None = None) -> TokenizerWorker:
-        """The replica for a request whose prompt is `prompt` (text) or `input_ids` (tokenized)."""
+    def pick(self, prompt: str | None = None, input_ids: list[int] | None = None,
+             lora_name: str | None = None) -> TokenizerWorker:
+        """The replica for a request whose prompt is `prompt` (text) or `input_ids` (tokenized),
+        run with LoRA adapter `lora_name` (None: the base model)."""
         live = self.live
         if not live:
             raise EngineDeadError(self._why_dead())
@@ -194,15 +197,26 @@ class Replicas:
             head = prompt[:PREFIX_CHARS].encode()
             i = max(live, key=lambda iw: hashlib.blake2b(head + bytes([iw[0]]), digest_size=8).digest())[0]
         elif self.routing == "kv" and input_ids:
-            hashes = block_hashes(input_ids, live[0][1].info.block_size)
-            n = max(len(hashes), 1)
-            i = min(live, key=lambda iw: ((len(hashes) - self.index.overlap(iw[0], hashes)) / n
-                                          + LOAD_WEIGHT * self.load(*iw), iw[0]))[0]
+            block_size = live[0][1].info.block_size
+            hashes = functools.cache(lambda lora_id: block_hashes(input_ids, block_size, lora_id))
+
+            def cost(iw: tuple[int, TokenizerWorker]) -> tuple[float, int]:
+                # An adapter's blocks hash with the id that replica's core gave it (its reports say).
+                ours = hashes(self._lora_id(iw[0], lora_name))
+                missing = (len(ours) - self.index.overlap(iw[0], ours)) / max(len(ours), 1)
+                return missing + LOAD_WEIGHT * self.load(*iw), iw[0]
+            i = min(live, key=cost)[0]
         else:
             i = min(live, key=lambda iw: (self.load(*iw), len(iw[1].states), iw[0]))[0]
         if i in self.loads:
             self.sent[i] = self.sent.get(i, 0) + 1
         return self.workers[i]
+
+    def _lora_id(self, index: int, lora_name: str | None) -> int | None:
+        report = self.loads.get(index)
+        if lora_name is None or report is None:
+            return None
+        return report.lora_ids.get(lora_name, -1)  # -1: not loaded there, so nothing cached either
 
     def load(self, index: int, worker: TokenizerWorker) -> float:
         """A replica's requests, engine-wide: its last load report's running + waiting, and what

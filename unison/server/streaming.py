@@ -64,9 +64,9 @@ def worker_of(request: Request) -> TokenizerWorker:
 def route(request: Request, text: str | None, req: GenerateRequest | None = None) -> TokenizerWorker:
     """The frontend of the replica that serves a request whose prompt text is `text` (and, once
     tokenized, `req`: kv routing reads its token ids; nothing is tokenized twice)."""
-    ids = req.prompts[0].input_ids if req is not None and req.prompts else None
+    first = req.prompts[0] if req is not None and req.prompts else None
     try:
-        return request.app.state.replicas.pick(text, ids)
+        return request.app.state.replicas.pick(text, first and first.input_ids, first and first.lora_name)
     except EngineDeadError as e:
         raise HTTPError(503, f"the engine is not running: {e}") from None
 
