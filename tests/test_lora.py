@@ -136,6 +136,7 @@ def test_an_unknown_adapter_is_refused_by_name_and_nothing_queued(engine):
 
 
 def test_unload_lets_requests_in_flight_finish_and_refuses_new_ones(engine, adapters):
+    cached = engine.get_server_info()["kv_blocks_cached"]
     assert engine.load_lora_adapter("tmp", str(adapters["a0"])).success
     params = {**GREEDY, "max_new_tokens": 48}
     expected = _ids(engine.generate(PROMPTS[3], params, lora_path="tmp"))
@@ -148,6 +149,8 @@ def test_unload_lets_requests_in_flight_finish_and_refuses_new_ones(engine, adap
     *_, last = [first, *stream]
     assert last["output_ids"] == expected
     assert "tmp" not in _loaded(engine)
+    # Freed with its last request: its cached prefixes too, which nothing could reuse.
+    wait_until(lambda: engine.get_server_info()["kv_blocks_cached"] == cached, 10)
     assert not engine.unload_lora_adapter("tmp")  # gone
 
 

@@ -60,7 +60,7 @@ class EngineCore:
             max_adapters=config.max_loras_per_batch,
         )
         self.loras = LoraRegistry(self.runner, max_rank=config.max_lora_rank,
-                                  max_loaded=config.max_loaded_loras)
+                                  max_loaded=config.max_loaded_loras, on_free=cache and cache.drop)
         for module in config.lora_modules():  # a bad one fails the start, naming it
             try:
                 self.loras.load(module.name, module.path, module.pinned)

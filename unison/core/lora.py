@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,8 +43,10 @@ class Adapter:
 
 
 class LoraRegistry:
-    def __init__(self, runner: ModelRunner, *, max_rank: int, max_loaded: int | None) -> None:
-        self.runner, self.max_rank, self.max_loaded = runner, max_rank, max_loaded
+    def __init__(self, runner: ModelRunner, *, max_rank: int, max_loaded: int | None,
+                 on_free: Callable[[int], None] | None = None) -> None:
+        """`on_free(id)`: an adapter's weights are gone (the prefix cache drops its blocks)."""
+        self.runner, self.max_rank, self.max_loaded, self.on_free = runner, max_rank, max_loaded, on_free
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}  # also adapters unloaded while requests still hold them
         self._ids = itertools.count(1)  # 0 is the base model
@@ -98,6 +101,8 @@ class LoraRegistry:
             del self.by_name[adapter.name]
         del self.by_id[adapter.id]
         self.runner.remove_lora(adapter.id)
+        if self.on_free is not None:
+            self.on_free(adapter.id)
 
     def acquire(self, name: str) -> int:
         """The id a new request runs with (the name is loaded), held until release()."""

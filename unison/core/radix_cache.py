@@ -18,6 +18,7 @@ Contract:
                               of those are duplicates it simply releases); the rest are adopted.
   lock(node) / unlock(node)
   evict(n)                 -> blocks freed, at most n.
+  drop(adapter)            -> frees a (gone) adapter's whole tree.
 """
 
 from __future__ import annotations
@@ -178,6 +179,20 @@ class RadixCache:
             self.events.cleared()
         elif gone := before - set(self.block_hashes()):
             self.events.removed(sorted(gone))
+
+    def drop(self, adapter: int) -> None:
+        """Free an adapter's whole tree: the adapter is gone, so nothing can reuse those blocks
+        (the registry frees an adapter only once no request holds it: nothing here is locked)."""
+        root = self.roots.pop(adapter, None)
+        stack = list(root.children.values()) if root is not None else []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            assert node.lock_ref == 0, "radix cache: dropping an adapter's tree a request holds"
+            self.pool.release(node.blocks)
+            self.num_evicted += len(node.blocks)
+            if self.events is not None:
+                self.events.removed(node.hashes)
 
     def _nodes(self) -> Iterator[Node]:
         stack = [child for root in self.roots.values() for child in root.children.values()]
