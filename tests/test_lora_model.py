@@ -205,7 +205,7 @@ def test_adapters_are_added_and_removed_by_id(runners, adapter_dirs):
     weights = read_peft(adapter_dirs["q-v"], runner.config, MAX_RANK)
     assert (weights.rank, weights.alpha, weights.scale) == (4, 16.0, 4.0)
     assert weights.targets == ("q_proj", "v_proj")
-    assert weights.nbytes == 4 * 4 * runner.config.num_hidden_layers * (576 + 576 + 576 + 192)
+    assert weights.nbytes == 4 * runner.config.num_hidden_layers * (8 * 576 * 2 + 4 * (576 + 192))  # A padded
     with pytest.raises(ValueError, match="already loaded"):
         runner.add_lora(IDS["q-v"], weights)
     with pytest.raises(ValueError, match="0 is the base model"):
@@ -249,6 +249,7 @@ def test_target_regex_rank_and_alpha_patterns_and_layers_are_honoured(cfg, adapt
         "alpha_pattern": {"v_proj": 32}}, narrow_q0), cfg, MAX_RANK)
     q0, v0 = patterned.layers[0][0]
     assert q0.rank == 2 and torch.equal(q0.b, plain.layers[0][0][0].b[:2] * 2)  # scale 16 / 2, not 16 / 4
+    assert torch.equal(q0.a[0, :, :2], plain.layers[0][0][0].a[0, :, :2]) and not q0.a[0, :, 2:].any()
     assert torch.equal(v0.b, plain.layers[0][0][1].b * 2) and v0.offset == 576 + 192
     assert patterned.rank == 4 and patterned.targets == ("q_proj", "v_proj")
 

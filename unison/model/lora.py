@@ -36,13 +36,15 @@ _REFUSED_NAMES = ("lm_head", "embed_tokens")  # the vocabulary's modules: not ad
 class LoraPart:
     """One module's update inside its (maybe fused) linear: out[:, offset:offset + n] += (x a) b."""
 
-    a: Tensor  # [in, rank] float32 contiguous: PEFT's lora_A transposed, row i input i's weights
+    # [ceil(rank / 8), in, 8] float32: PEFT's lora_A transposed, in panels of 8 ranks (zeros past
+    # the rank), so that a piece of the C kernel's work reads whole cache lines of it
+    a: Tensor
     b: Tensor  # [rank, n] float32 contiguous: PEFT's lora_B transposed, times the module's scale
     offset: int  # the part's first column in the linear's output
 
     @property
     def rank(self) -> int:
-        return self.a.shape[1]
+        return self.b.shape[0]
 
 
 @dataclass(slots=True)
@@ -51,7 +53,7 @@ class LoraWeights:
     alpha: float  # lora_alpha
     scale: float  # alpha / rank (alpha / sqrt(rank) with use_rslora); a pattern may set a module's
     targets: tuple[str, ...]  # which of LORA_TARGETS it adapts, in that order
-    nbytes: int  # of the float32 A and B
+    nbytes: int  # of A and B as stored (float32, A's rank padded to a multiple of 8)
     # Per layer, per linear (LINEARS order), the parts it adapts, in output order ((): none).
     layers: list[tuple[tuple[LoraPart, ...], ...]]
 
@@ -213,9 +215,9 @@ def _build(config: dict, modules: list[tuple[int, str]], tensors: dict[str, Tens
         # the output; exact when the scale is a power of two, as alpha = 2 r makes it).
         linear, index = PLACES[name]
         offset = sum(shapes[t][1] for t, (li, i) in PLACES.items() if li == linear and i < index)
-        part = LoraPart(a.float().t().contiguous(), (b.float() * scale).t().contiguous(), offset)
+        part = LoraPart(_panels(a.float()), (b.float() * scale).t().contiguous(), offset)
         layers[layer][linear].append((index, part))
-        nbytes += 4 * (a.numel() + b.numel())
+        nbytes += 4 * (part.a.numel() + part.b.numel())
         rank = max(rank, r)
     adapted = {name for _, name in modules}
     r, alpha = config["r"], float(config["lora_alpha"])
@@ -224,6 +226,14 @@ def _build(config: dict, modules: list[tuple[int, str]], tensors: dict[str, Tens
         targets=tuple(t for t in LORA_TARGETS if t in adapted), nbytes=nbytes,
         layers=[tuple(tuple(p for _, p in sorted(parts, key=lambda ip: ip[0])) for parts in layer)
                 for layer in layers])
+
+
+def _panels(a: Tensor) -> Tensor:
+    """lora_A [r, in] as [ceil(r / 8), in, 8]: panel p holds ranks 8p .. 8p + 7 of every input."""
+    r, n_in = a.shape
+    padded = torch.zeros(-(-r // 8) * 8, n_in)
+    padded[:r] = a
+    return padded.view(-1, 8, n_in).transpose(1, 2).contiguous()
 
 
 def _check_shapes(a: Tensor, b: Tensor, r: int, shape: tuple[int, int], module: str, max_rank: int,
@@ -297,5 +307,6 @@ class LoraStep:
                 continue
             xs = x.index_select(0, rows).to(parts[0].a.dtype)
             for p in parts:
-                delta = (xs @ p.a) @ p.b
+                t = (xs @ p.a).transpose(0, 1).reshape(len(rows), -1)[:, : p.rank]  # x A, from the panels
+                delta = t @ p.b
                 y[:, p.offset: p.offset + p.b.shape[1]].index_add_(0, rows, delta.to(y.dtype))
