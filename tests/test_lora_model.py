@@ -206,6 +206,10 @@ def test_adapters_are_added_and_removed_by_id(runners, adapter_dirs):
     assert (weights.rank, weights.alpha, weights.scale) == (4, 16.0, 4.0)
     assert weights.targets == ("q_proj", "v_proj")
     assert weights.nbytes == 4 * runner.config.num_hidden_layers * (8 * 576 * 2 + 4 * (576 + 192))  # A padded
+    a, b = weights.layers[0][0][1].plain()  # v_proj
+    peft = load_file(adapter_dirs["q-v"] / "adapter_model.safetensors")
+    v = "base_model.model.model.layers.0.self_attn.v_proj.lora_{}.weight"
+    assert torch.equal(a, peft[v.format("A")].t()) and torch.equal(b, peft[v.format("B")].t() * 4.0)
     with pytest.raises(ValueError, match="already loaded"):
         runner.add_lora(IDS["q-v"], weights)
     with pytest.raises(ValueError, match="0 is the base model"):
@@ -248,9 +252,9 @@ def test_target_regex_rank_and_alpha_patterns_and_layers_are_honoured(cfg, adapt
         "target_modules": r".*\.(q_proj|v_proj)", "rank_pattern": {"layers.0.self_attn.q_proj": 2},
         "alpha_pattern": {"v_proj": 32}}, narrow_q0), cfg, MAX_RANK)
     q0, v0 = patterned.layers[0][0]
-    assert q0.rank == 2 and torch.equal(q0.b, plain.layers[0][0][0].b[:2] * 2)  # scale 16 / 2, not 16 / 4
-    assert torch.equal(q0.a[0, :, :2], plain.layers[0][0][0].a[0, :, :2]) and not q0.a[0, :, 2:].any()
-    assert torch.equal(v0.b, plain.layers[0][0][1].b * 2) and v0.offset == 576 + 192
+    (qa, qb), (pa, pb) = q0.plain(), plain.layers[0][0][0].plain()
+    assert q0.rank == 2 and torch.equal(qb, pb[:2] * 2) and torch.equal(qa, pa[:, :2])  # scale 16 / 2
+    assert torch.equal(v0.plain()[1], plain.layers[0][0][1].plain()[1] * 2) and v0.offset == 576 + 192
     assert patterned.rank == 4 and patterned.targets == ("q_proj", "v_proj")
 
     def layers_0_1(state):

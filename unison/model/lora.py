@@ -36,15 +36,17 @@ _REFUSED_NAMES = ("lm_head", "embed_tokens")  # the vocabulary's modules: not ad
 class LoraPart:
     """One module's update inside its (maybe fused) linear: out[:, offset:offset + n] += (x a) b."""
 
-    # [ceil(rank / 8), in, 8] float32: PEFT's lora_A transposed, in panels of 8 ranks (zeros past
-    # the rank), so that a piece of the C kernel's work reads whole cache lines of it
-    a: Tensor
-    b: Tensor  # [rank, n] float32 contiguous: PEFT's lora_B transposed, times the module's scale
-    offset: int  # the part's first column in the linear's output
+    # Laid out for the C kernel (csrc/lora.h), whose pieces of work then read whole cache lines:
+    a: Tensor  # [ceil(rank / 8), in, 8] float32: lora_A in panels of 8 ranks (zeros past the rank)
+    b: Tensor  # [ceil(n / 16), rank, 16] float32: lora_B times the scale, in tiles of 16 columns
+    rank: int
+    n: int  # the part's columns, from `offset` on in the linear's output
+    offset: int
 
-    @property
-    def rank(self) -> int:
-        return self.b.shape[0]
+    def plain(self) -> tuple[Tensor, Tensor]:
+        """(A [in, rank], B [rank, n]) as plain matrices: x A B is the update (torch's path)."""
+        a = self.a.transpose(0, 1).reshape(self.a.shape[1], -1)[:, : self.rank]
+        return a, self.b.transpose(0, 1).reshape(self.rank, -1)[:, : self.n]
 
 
 @dataclass(slots=True)
@@ -215,7 +217,7 @@ def _build(config: dict, modules: list[tuple[int, str]], tensors: dict[str, Tens
         # the output; exact when the scale is a power of two, as alpha = 2 r makes it).
         linear, index = PLACES[name]
         offset = sum(shapes[t][1] for t, (li, i) in PLACES.items() if li == linear and i < index)
-        part = LoraPart(_panels(a.float()), (b.float() * scale).t().contiguous(), offset)
+        part = LoraPart(_tiles(a.float(), 8), _tiles(b.float() * scale, 16), r, b.shape[0], offset)
         layers[layer][linear].append((index, part))
         nbytes += 4 * (part.a.numel() + part.b.numel())
         rank = max(rank, r)
@@ -228,12 +230,13 @@ def _build(config: dict, modules: list[tuple[int, str]], tensors: dict[str, Tens
                 for layer in layers])
 
 
-def _panels(a: Tensor) -> Tensor:
-    """lora_A [r, in] as [ceil(r / 8), in, 8]: panel p holds ranks 8p .. 8p + 7 of every input."""
-    r, n_in = a.shape
-    padded = torch.zeros(-(-r // 8) * 8, n_in)
-    padded[:r] = a
-    return padded.view(-1, 8, n_in).transpose(1, 2).contiguous()
+def _tiles(m: Tensor, size: int) -> Tensor:
+    """m [rows, cols] as [ceil(rows / size), cols, size]: tile i holds rows size i .. size i +
+    size - 1 (zeros past the last), column by column."""
+    rows, cols = m.shape
+    padded = torch.zeros(-(-rows // size) * size, cols)
+    padded[:rows] = m
+    return padded.view(-1, size, cols).transpose(1, 2).contiguous()
 
 
 def _check_shapes(a: Tensor, b: Tensor, r: int, shape: tuple[int, int], module: str, max_rank: int,
@@ -270,13 +273,21 @@ class Adapter:
 
     def __init__(self, weights: LoraWeights, device: torch.device) -> None:
         self.weights = weights
-        self.linears = [tuple(LoraPart(p.a.to(device), p.b.to(device), p.offset) for p in parts)
-                        for layer in weights.layers for parts in layer]  # [layer * 4 + linear]
+        self.device = device
+        self.linears = [parts for layer in weights.layers for parts in layer]  # [layer * 4 + linear]
         self.table = (LoraLinearC * len(self.linears))()
         for c, parts in zip(self.table, self.linears):
             c.parts = len(parts)
             for i, p in enumerate(parts):
-                c.part[i] = LoraPartC(p.a.data_ptr(), p.b.data_ptr(), p.rank, p.b.shape[1], p.offset)
+                c.part[i] = LoraPartC(p.a.data_ptr(), p.b.data_ptr(), p.rank, p.n, p.offset)
+        self._plain: list[tuple[tuple[Tensor, Tensor, int], ...]] | None = None
+
+    def plain(self, linear: int) -> tuple[tuple[Tensor, Tensor, int], ...]:
+        """(A, B, offset) of each part of linear `linear`, plain and on the device: torch's path."""
+        if self._plain is None:
+            self._plain = [tuple((*(m.to(self.device) for m in p.plain()), p.offset) for p in parts)
+                           for parts in self.linears]
+        return self._plain[linear]
 
 
 class LoraStep:
@@ -302,11 +313,9 @@ class LoraStep:
             self.kernels.lora_apply(x, y, self.row_index, self.tables, linear)
             return
         for adapter, rows in zip(self.adapters, self.rows):
-            parts = adapter.linears[linear]
+            parts = adapter.plain(linear)
             if not parts:
                 continue
-            xs = x.index_select(0, rows).to(parts[0].a.dtype)
-            for p in parts:
-                t = (xs @ p.a).transpose(0, 1).reshape(len(rows), -1)[:, : p.rank]  # x A, from the panels
-                delta = t @ p.b
-                y[:, p.offset: p.offset + p.b.shape[1]].index_add_(0, rows, delta.to(y.dtype))
+            xs = x.index_select(0, rows).float()
+            for a, b, offset in parts:
+                y[:, offset: offset + b.shape[1]].index_add_(0, rows, ((xs @ a) @ b).to(y.dtype))

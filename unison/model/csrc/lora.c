@@ -10,11 +10,12 @@
 // Work: rows run in groups of up to 4 on one adapter, which share each load of A and B. First
 // t = x A for every group, part (q, k, v of a fused linear) and 8 or 16 ranks; then y += t B for
 // every group, part and 64 columns: enough pieces for every thread at batch 1, where the bytes
-// of A and B are the cost. A is stored in panels of 8 ranks, [rank8 / 8, k, 8], so a piece reads
-// whole cache lines. AVX2 + FMA where the compiler targets it, portable C (fmaf, the same
-// roundings) otherwise. Called by decoder.c after each of a layer's four linears, and by the
-// Python forward (decoder.py) the same way. Built with the other kernels by
-// unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+// of A and B are the cost. So that a piece reads whole cache lines, in order, A is stored in
+// panels of 8 ranks, [ceil(rank / 8), k, 8], and B in tiles of 16 columns, [ceil(n / 16), rank,
+// 16]. AVX2 + FMA where the compiler targets it, portable C (fmaf, the same roundings) otherwise.
+// Called by decoder.c after each of a layer's four linears, and by the Python forward
+// (decoder.py) the same way. Built with the other kernels by unison/model/cpu_kernels.py
+// (-O3 -march=native -fopenmp).
 
 #include <math.h>
 #include <stdint.h>
@@ -24,7 +25,10 @@
 #include "lora.h"
 
 #define GROUP 4  // rows that share A's and B's loads
-#define CHUNK 64  // output columns per piece of y += t B
+#define CHUNK 64  // output columns per piece of y += t B (a multiple of 16)
+// Floats ahead to prefetch: at batch 1 A and B stream from memory in short runs, too short for the
+// hardware prefetchers to reach full speed (as quant_linear.c found for its weights).
+#define PREFETCH 256
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -54,6 +58,8 @@ INLINE void down(const int G, const int NP, const float *const *x, int64_t k, co
     for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = vzero();
     const float *a0 = a + q * k * 8, *a1 = a0 + k * 8;
     for (int64_t i = 0; i < k; i++) {
+        __builtin_prefetch(a0 + 8 * i + PREFETCH);
+        if (NP > 1) __builtin_prefetch(a1 + 8 * i + PREFETCH);
         const vec w0 = vload(a0 + 8 * i), w1 = NP > 1 ? vload(a1 + 8 * i) : vzero();
         for (int g = 0; g < G; g++) {
             const vec xi = vbroadcast(x[g] + i);
@@ -80,15 +86,17 @@ static void down_any(int G, int NP, const float *const *x, int64_t k, const floa
     }
 }
 
-// y[g][offset + c0 .. c1) += t[g] B: per column one chain over the rank in order, then one add.
+// y[g][offset + c0 .. c1) += t[g] B, c0 and c1 on tiles of 16 columns: per column one chain over
+// the rank in order, then one add. A last tile past n is computed whole and written in part.
 INLINE void up(const int G, const float *const *t, const LoraPart *p, int64_t c0, int64_t c1, float *const *y) {
-    const int64_t R = p->rank, n = p->n;
-    int64_t c = c0;
-    for (; c + 16 <= c1; c += 16) {
+    const int64_t R = p->rank;
+    for (int64_t c = c0; c < c1; c += 16) {
+        const float *b = p->b + c * R;  // the tile: [R, 16]
         vec acc[GROUP][2];
         for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = vzero();
         for (int64_t j = 0; j < R; j++) {
-            const vec b0 = vload(p->b + j * n + c), b1 = vload(p->b + j * n + c + 8);
+            __builtin_prefetch(b + 16 * j + PREFETCH);
+            const vec b0 = vload(b + 16 * j), b1 = vload(b + 16 * j + 8);
             for (int g = 0; g < G; g++) {
                 const vec tj = vbroadcast(t[g] + j);
                 acc[g][0] = vfma(tj, b0, acc[g][0]);
@@ -96,16 +104,18 @@ INLINE void up(const int G, const float *const *t, const LoraPart *p, int64_t c0
             }
         }
         for (int g = 0; g < G; g++) {
-            vadd_to(y[g] + p->offset + c, acc[g][0]);
-            vadd_to(y[g] + p->offset + c + 8, acc[g][1]);
+            float *out = y[g] + p->offset + c;
+            if (c + 16 <= p->n) {
+                vadd_to(out, acc[g][0]);
+                vadd_to(out + 8, acc[g][1]);
+            } else {
+                float tile[16];
+                vstore(tile, acc[g][0]);
+                vstore(tile + 8, acc[g][1]);
+                for (int64_t i = 0; i < p->n - c; i++) out[i] += tile[i];
+            }
         }
     }
-    for (; c < c1; c++)  // a width that is not a multiple of 16: the same chains, one column at a time
-        for (int g = 0; g < G; g++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < R; j++) acc = fmaf(t[g][j], p->b[j * n + c], acc);
-            y[g][p->offset + c] += acc;
-        }
 }
 
 static void up_any(int G, const float *const *t, const LoraPart *p, int64_t c0, int64_t c1, float *const *y) {
@@ -211,7 +221,7 @@ void lora_apply(const float *x, int64_t x_stride, int64_t k, float *y, int64_t y
             float *ys[GROUP];
             for (int64_t g = 0; g < s->count; g++)
                 ts[g] = t + s->rows[g] * width + t_offset(s->linear, s->part), ys[g] = y + s->rows[g] * y_stride;
-            const int64_t c0 = s->index, c1 = many || c0 + CHUNK > p->n ? p->n : c0 + CHUNK;
+            const int64_t c0 = s->index, c1 = many || c0 + CHUNK > p->n ? (p->n + 15) / 16 * 16 : c0 + CHUNK;
             up_any((int)s->count, ts, p, c0, c1, ys);
         }
     }
