@@ -344,3 +344,41 @@ def test_missing_files_are_refused(cfg, adapter_dirs, tmp_path):
 
 def test_every_target_is_known():
     assert LORA_TARGETS == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---- every family: the hooks sit where PEFT's updates do ----------------------------------------
+
+@pytest.mark.parametrize("kind", ["qwen2-qkv-bias", "qwen3-qk-norm", "gemma3-window-across-chunks",
+                                  "olmo2-post-norms"])
+def test_every_family_matches_peft_and_both_forwards_agree(kind: str, tmp_path: Path, monkeypatch):
+    """Tiny random models of the families whose layers differ (q/k/v bias, q/k norms, sandwich and
+    post norms): float logits as PEFT's, and int4 steps with an adapter bit-identical on the
+    compiled and the Python forward."""
+    import transformers
+
+    from tests.adapters import peft_model
+    from tests.test_model import TINY, assert_logits_close
+
+    name, extra = TINY[kind]
+    torch.manual_seed(0)
+    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(shape | extra)))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    hf.save_pretrained(tmp_path / "model")
+    adapter = make_adapter(tmp_path / "lora", rank=4, seed=5, model_dir=tmp_path / "model")
+    ids = torch.randint(0, 256, (20,)).tolist()
+    with torch.inference_mode():
+        ref = peft_model(adapter, tmp_path / "model")(torch.tensor([ids])).logits[0]
+    for quantization in ("none", "int4") if KERNELS is not None else ("none",):
+        runner = ModelRunner(tmp_path / "model", quantization=quantization, num_blocks=16, block_size=4)
+        runner.add_lora(1, read_peft(adapter, runner.config, MAX_RANK))
+        batch = [BatchItem(ids[:13], 0, [0, 1, 2, 3], 0, 0), BatchItem(ids, 0, list(range(4, 9)), 0, 1)]
+        got = runner.forward(batch)
+        if quantization == "none":
+            assert_logits_close(got[13:], ref, kind)
+            continue
+        monkeypatch.setattr(runner, "_compiled", None)
+        assert torch.equal(runner.forward(batch), got)
