@@ -26,7 +26,6 @@ LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the model's linears per layer,
 # Each target's (linear, part index): parts keep this order inside a fused linear's output.
 PLACES = {"q_proj": (0, 0), "k_proj": (0, 1), "v_proj": (0, 2), "o_proj": (1, 0), "gate_proj": (2, 0),
           "up_proj": (2, 1), "down_proj": (3, 0)}
-MAX_RANK = 512  # csrc/lora.h LORA_MAX_RANK: the kernel's stack buffers
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 _REFUSED_NAMES = ("lm_head", "embed_tokens")  # the vocabulary's modules: not adapted here
@@ -247,9 +246,9 @@ def _check_shapes(a: Tensor, b: Tensor, r: int, shape: tuple[int, int], module: 
                          "[r, in] and [out, r]")
     if a.shape[0] != r:
         raise ValueError(f"{file}: {module} has rank {a.shape[0]}; {where} says r={r}")
-    if r > min(max_rank, MAX_RANK):
-        raise ValueError(f"{where}: {module} has rank {r}, above the maximum LoRA rank "
-                         f"{min(max_rank, MAX_RANK)} (max_lora_rank)")
+    if r > max_rank:
+        raise ValueError(f"{where}: {module} has rank {r}, above the maximum LoRA rank {max_rank} "
+                         "(max_lora_rank)")
     if a.shape[1] != n_in or b.shape[0] != n_out:
         raise ValueError(f"{file}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
                          f"the base model's linear ({n_out} x {n_in}): expected [{r}, {n_in}] and "

@@ -2,8 +2,6 @@
 #pragma once
 #include <stdint.h>
 
-#define LORA_MAX_RANK 512  // a module's rank; lora.py refuses more
-
 typedef struct {  // one part of a fused linear: y[:, offset : offset + n] += (x a) b
     const float *a;  // [ceil(rank / 8), k, 8]: panels of 8 ranks, input by input (zeros past rank)
     const float *b;  // [ceil(n / 16), rank, 16]: tiles of 16 columns (zeros past n), the scale folded in
