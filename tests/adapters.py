@@ -9,6 +9,8 @@ The base is the embedded model's float checkpoint: the tensors transformers' GGU
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import json
 from pathlib import Path
@@ -21,7 +23,12 @@ RELATIVE_DELTA = 0.05
 
 def base_model(model_dir: str | Path | None = None):
     """A fresh float32 transformers model of `model_dir` (None: the embedded model's dequantized
-    GGUF), never a cached instance: PEFT rewrites the model it wraps."""
+    GGUF): a copy, as PEFT rewrites the model it wraps, of one built once per process."""
+    return copy.deepcopy(_base_model(str(model_dir) if model_dir else None))
+
+
+@functools.cache
+def _base_model(model_dir: str | None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,7 +90,7 @@ def peft_reference(adapter_dir: str | Path, prompts_ids: list[list[int]], max_ne
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     if isinstance(config.get("target_modules"), list):  # saved from a set: in any order
         config["target_modules"] = sorted(config["target_modules"])
-    code = "\n".join([inspect.getsource(base_model), inspect.getsource(peft_model),
+    code = "\n".join([inspect.getsource(_base_model), inspect.getsource(peft_model),
                       inspect.getsource(_hf_greedy), json.dumps(config, sort_keys=True),
                       file_sha256(base) if base.is_file() else str(model_dir)])
     return cached_reference(adapter_dir / "adapter_model.safetensors", code, prompts_ids, max_new_tokens,

@@ -205,7 +205,11 @@ def test_adapters_are_added_and_removed_by_id(runners, adapter_dirs):
     weights = read_peft(adapter_dirs["q-v"], runner.config, MAX_RANK)
     assert (weights.rank, weights.alpha, weights.scale) == (4, 16.0, 4.0)
     assert weights.targets == ("q_proj", "v_proj")
-    assert weights.nbytes == 4 * 4 * runner.config.num_hidden_layers * (576 + 576 + 576 + 192)
+    assert weights.nbytes == 4 * runner.config.num_hidden_layers * (8 * 576 * 2 + 4 * (576 + 192))  # A padded
+    a, b = weights.layers[0][0][1].plain()  # v_proj
+    peft = load_file(adapter_dirs["q-v"] / "adapter_model.safetensors")
+    v = "base_model.model.model.layers.0.self_attn.v_proj.lora_{}.weight"
+    assert torch.equal(a, peft[v.format("A")].t()) and torch.equal(b, peft[v.format("B")].t() * 4.0)
     with pytest.raises(ValueError, match="already loaded"):
         runner.add_lora(IDS["q-v"], weights)
     with pytest.raises(ValueError, match="0 is the base model"):
@@ -248,8 +252,9 @@ def test_target_regex_rank_and_alpha_patterns_and_layers_are_honoured(cfg, adapt
         "target_modules": r".*\.(q_proj|v_proj)", "rank_pattern": {"layers.0.self_attn.q_proj": 2},
         "alpha_pattern": {"v_proj": 32}}, narrow_q0), cfg, MAX_RANK)
     q0, v0 = patterned.layers[0][0]
-    assert q0.rank == 2 and torch.equal(q0.b, plain.layers[0][0][0].b[:2] * 2)  # scale 16 / 2, not 16 / 4
-    assert torch.equal(v0.b, plain.layers[0][0][1].b * 2) and v0.offset == 576 + 192
+    (qa, qb), (pa, pb) = q0.plain(), plain.layers[0][0][0].plain()
+    assert q0.rank == 2 and torch.equal(qb, pb[:2] * 2) and torch.equal(qa, pa[:, :2])  # scale 16 / 2
+    assert torch.equal(v0.plain()[1], plain.layers[0][0][1].plain()[1] * 2) and v0.offset == 576 + 192
     assert patterned.rank == 4 and patterned.targets == ("q_proj", "v_proj")
 
     def layers_0_1(state):
@@ -339,3 +344,41 @@ def test_missing_files_are_refused(cfg, adapter_dirs, tmp_path):
 
 def test_every_target_is_known():
     assert LORA_TARGETS == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---- every family: the hooks sit where PEFT's updates do ----------------------------------------
+
+@pytest.mark.parametrize("kind", ["qwen2-qkv-bias", "qwen3-qk-norm", "gemma3-window-across-chunks",
+                                  "olmo2-post-norms"])
+def test_every_family_matches_peft_and_both_forwards_agree(kind: str, tmp_path: Path, monkeypatch):
+    """Tiny random models of the families whose layers differ (q/k/v bias, q/k norms, sandwich and
+    post norms): float logits as PEFT's, and int4 steps with an adapter bit-identical on the
+    compiled and the Python forward."""
+    import transformers
+
+    from tests.adapters import peft_model
+    from tests.test_model import TINY, assert_logits_close
+
+    name, extra = TINY[kind]
+    torch.manual_seed(0)
+    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(shape | extra)))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    hf.save_pretrained(tmp_path / "model")
+    adapter = make_adapter(tmp_path / "lora", rank=4, seed=5, model_dir=tmp_path / "model")
+    ids = torch.randint(0, 256, (20,)).tolist()
+    with torch.inference_mode():
+        ref = peft_model(adapter, tmp_path / "model")(torch.tensor([ids])).logits[0]
+    for quantization in ("none", "int4") if KERNELS is not None else ("none",):
+        runner = ModelRunner(tmp_path / "model", quantization=quantization, num_blocks=16, block_size=4)
+        runner.add_lora(1, read_peft(adapter, runner.config, MAX_RANK))
+        batch = [BatchItem(ids[:13], 0, [0, 1, 2, 3], 0, 0), BatchItem(ids, 0, list(range(4, 9)), 0, 1)]
+        got = runner.forward(batch)
+        if quantization == "none":
+            assert_logits_close(got[13:], ref, kind)
+            continue
+        monkeypatch.setattr(runner, "_compiled", None)
+        assert torch.equal(runner.forward(batch), got)

@@ -26,7 +26,6 @@ LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the model's linears per layer,
 # Each target's (linear, part index): parts keep this order inside a fused linear's output.
 PLACES = {"q_proj": (0, 0), "k_proj": (0, 1), "v_proj": (0, 2), "o_proj": (1, 0), "gate_proj": (2, 0),
           "up_proj": (2, 1), "down_proj": (3, 0)}
-MAX_RANK = 512  # csrc/lora.h LORA_MAX_RANK: the kernel's stack buffers
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 _REFUSED_NAMES = ("lm_head", "embed_tokens")  # the vocabulary's modules: not adapted here
@@ -36,13 +35,17 @@ _REFUSED_NAMES = ("lm_head", "embed_tokens")  # the vocabulary's modules: not ad
 class LoraPart:
     """One module's update inside its (maybe fused) linear: out[:, offset:offset + n] += (x a) b."""
 
-    a: Tensor  # [in, rank] float32 contiguous: PEFT's lora_A transposed, row i input i's weights
-    b: Tensor  # [rank, n] float32 contiguous: PEFT's lora_B transposed, times the module's scale
-    offset: int  # the part's first column in the linear's output
+    # Laid out for the C kernel (csrc/lora.h), whose pieces of work then read whole cache lines:
+    a: Tensor  # [ceil(rank / 8), in, 8] float32: lora_A in panels of 8 ranks (zeros past the rank)
+    b: Tensor  # [ceil(n / 16), rank, 16] float32: lora_B times the scale, in tiles of 16 columns
+    rank: int
+    n: int  # the part's columns, from `offset` on in the linear's output
+    offset: int
 
-    @property
-    def rank(self) -> int:
-        return self.a.shape[1]
+    def plain(self) -> tuple[Tensor, Tensor]:
+        """(A [in, rank], B [rank, n]) as plain matrices: x A B is the update (torch's path)."""
+        a = self.a.transpose(0, 1).reshape(self.a.shape[1], -1)[:, : self.rank]
+        return a, self.b.transpose(0, 1).reshape(self.rank, -1)[:, : self.n]
 
 
 @dataclass(slots=True)
@@ -51,7 +54,7 @@ class LoraWeights:
     alpha: float  # lora_alpha
     scale: float  # alpha / rank (alpha / sqrt(rank) with use_rslora); a pattern may set a module's
     targets: tuple[str, ...]  # which of LORA_TARGETS it adapts, in that order
-    nbytes: int  # of the float32 A and B
+    nbytes: int  # of A and B as stored (float32, A's rank padded to a multiple of 8)
     # Per layer, per linear (LINEARS order), the parts it adapts, in output order ((): none).
     layers: list[tuple[tuple[LoraPart, ...], ...]]
 
@@ -213,9 +216,9 @@ def _build(config: dict, modules: list[tuple[int, str]], tensors: dict[str, Tens
         # the output; exact when the scale is a power of two, as alpha = 2 r makes it).
         linear, index = PLACES[name]
         offset = sum(shapes[t][1] for t, (li, i) in PLACES.items() if li == linear and i < index)
-        part = LoraPart(a.float().t().contiguous(), (b.float() * scale).t().contiguous(), offset)
+        part = LoraPart(_tiles(a.float(), 8), _tiles(b.float() * scale, 16), r, b.shape[0], offset)
         layers[layer][linear].append((index, part))
-        nbytes += 4 * (a.numel() + b.numel())
+        nbytes += 4 * (part.a.numel() + part.b.numel())
         rank = max(rank, r)
     adapted = {name for _, name in modules}
     r, alpha = config["r"], float(config["lora_alpha"])
@@ -226,6 +229,15 @@ def _build(config: dict, modules: list[tuple[int, str]], tensors: dict[str, Tens
                 for layer in layers])
 
 
+def _tiles(m: Tensor, size: int) -> Tensor:
+    """m [rows, cols] as [ceil(rows / size), cols, size]: tile i holds rows size i .. size i +
+    size - 1 (zeros past the last), column by column."""
+    rows, cols = m.shape
+    padded = torch.zeros(-(-rows // size) * size, cols)
+    padded[:rows] = m
+    return padded.view(-1, size, cols).transpose(1, 2).contiguous()
+
+
 def _check_shapes(a: Tensor, b: Tensor, r: int, shape: tuple[int, int], module: str, max_rank: int,
                   path: Path, where: Path) -> None:
     file, (n_in, n_out) = path / ADAPTER_WEIGHTS, shape
@@ -234,9 +246,9 @@ def _check_shapes(a: Tensor, b: Tensor, r: int, shape: tuple[int, int], module: 
                          "[r, in] and [out, r]")
     if a.shape[0] != r:
         raise ValueError(f"{file}: {module} has rank {a.shape[0]}; {where} says r={r}")
-    if r > min(max_rank, MAX_RANK):
-        raise ValueError(f"{where}: {module} has rank {r}, above the maximum LoRA rank "
-                         f"{min(max_rank, MAX_RANK)} (max_lora_rank)")
+    if r > max_rank:
+        raise ValueError(f"{where}: {module} has rank {r}, above the maximum LoRA rank {max_rank} "
+                         "(max_lora_rank)")
     if a.shape[1] != n_in or b.shape[0] != n_out:
         raise ValueError(f"{file}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
                          f"the base model's linear ({n_out} x {n_in}): expected [{r}, {n_in}] and "
@@ -260,13 +272,21 @@ class Adapter:
 
     def __init__(self, weights: LoraWeights, device: torch.device) -> None:
         self.weights = weights
-        self.linears = [tuple(LoraPart(p.a.to(device), p.b.to(device), p.offset) for p in parts)
-                        for layer in weights.layers for parts in layer]  # [layer * 4 + linear]
+        self.device = device
+        self.linears = [parts for layer in weights.layers for parts in layer]  # [layer * 4 + linear]
         self.table = (LoraLinearC * len(self.linears))()
         for c, parts in zip(self.table, self.linears):
             c.parts = len(parts)
             for i, p in enumerate(parts):
-                c.part[i] = LoraPartC(p.a.data_ptr(), p.b.data_ptr(), p.rank, p.b.shape[1], p.offset)
+                c.part[i] = LoraPartC(p.a.data_ptr(), p.b.data_ptr(), p.rank, p.n, p.offset)
+        self._plain: list[tuple[tuple[Tensor, Tensor, int], ...]] | None = None
+
+    def plain(self, linear: int) -> tuple[tuple[Tensor, Tensor, int], ...]:
+        """(A, B, offset) of each part of linear `linear`, plain and on the device: torch's path."""
+        if self._plain is None:
+            self._plain = [tuple((*(m.to(self.device) for m in p.plain()), p.offset) for p in parts)
+                           for parts in self.linears]
+        return self._plain[linear]
 
 
 class LoraStep:
@@ -292,10 +312,9 @@ class LoraStep:
             self.kernels.lora_apply(x, y, self.row_index, self.tables, linear)
             return
         for adapter, rows in zip(self.adapters, self.rows):
-            parts = adapter.linears[linear]
+            parts = adapter.plain(linear)
             if not parts:
                 continue
-            xs = x.index_select(0, rows).to(parts[0].a.dtype)
-            for p in parts:
-                delta = (xs @ p.a) @ p.b
-                y[:, p.offset: p.offset + p.b.shape[1]].index_add_(0, rows, delta.to(y.dtype))
+            xs = x.index_select(0, rows).float()
+            for a, b, offset in parts:
+                y[:, offset: offset + b.shape[1]].index_add_(0, rows, ((xs @ a) @ b).to(y.dtype))

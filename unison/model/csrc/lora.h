@@ -2,11 +2,9 @@
 #pragma once
 #include <stdint.h>
 
-#define LORA_MAX_RANK 512  // a module's rank; lora.py refuses more
-
 typedef struct {  // one part of a fused linear: y[:, offset : offset + n] += (x a) b
-    const float *a;  // [k, rank]: row i holds input i's weight for every rank
-    const float *b;  // [rank, n], the adapter's scale folded in
+    const float *a;  // [ceil(rank / 8), k, 8]: panels of 8 ranks, input by input (zeros past rank)
+    const float *b;  // [ceil(n / 16), rank, 16]: tiles of 16 columns (zeros past n), the scale folded in
     int64_t rank, n, offset;
 } LoraPart;
 
