@@ -62,18 +62,21 @@ def write_adapter(path: Path, model_dir: str | Path, rank: int, seed: int,
 
 def run_trial(engine: Engine, args: argparse.Namespace, reqs: list, names: list[str],
               prompts: list[list[int]], adapter_dir: Path) -> dict[str, float]:
-    n = len(reqs)
-    fig = {"offline base": unison_throughput(engine, reqs)["output_tok_s"],
-           "offline 1 adapter": unison_throughput(engine, reqs, loras=[names[0]] * n)["output_tok_s"],
-           f"offline {len(names)} adapters": unison_throughput(
-               engine, reqs, loras=[names[i % len(names)] for i in range(n)])["output_tok_s"]}
-    fig["single base"] = decode_rate(engine, prompts, args.output_len)
-    fig["single 1 adapter"] = _decode_rate_with(engine, prompts, args.output_len, names[0])
-    t0 = time.perf_counter()
-    loaded = engine.load_lora_adapter("timed", str(adapter_dir))
-    fig["load s"] = time.perf_counter() - t0
-    assert loaded, loaded.message
-    engine.unload_lora_adapter("timed")
+    n, fig, workloads = len(reqs), {}, args.workloads.split(",")
+    if "offline" in workloads:
+        fig["offline base"] = unison_throughput(engine, reqs)["output_tok_s"]
+        fig["offline 1 adapter"] = unison_throughput(engine, reqs, loras=[names[0]] * n)["output_tok_s"]
+        fig[f"offline {len(names)} adapters"] = unison_throughput(
+            engine, reqs, loras=[names[i % len(names)] for i in range(n)])["output_tok_s"]
+    if "single" in workloads:
+        fig["single base"] = decode_rate(engine, prompts, args.output_len)
+        fig["single 1 adapter"] = _decode_rate_with(engine, prompts, args.output_len, names[0])
+    if "load" in workloads:
+        t0 = time.perf_counter()
+        loaded = engine.load_lora_adapter("timed", str(adapter_dir))
+        fig["load s"] = time.perf_counter() - t0
+        assert loaded, loaded.message
+        engine.unload_lora_adapter("timed")
     return fig
 
 
@@ -115,18 +118,23 @@ def main(args: argparse.Namespace) -> int:
 
 
 def report(trials: list[dict[str, float]], args: argparse.Namespace, info: dict[str, Any]) -> str:
-    med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
+    """Medians over trials; each ratio is the median of the trials' own ratios (a trial runs the
+    base and the adapters back to back, so the machine's drift between trials cancels)."""
     lines = [f"linears: {info['quantization']}; adapters: rank {args.rank} over {', '.join(TARGETS)}; "
              f"offline: {args.num_prompts} x {args.input_len}/{args.output_len}; "
              f"medians of {len(trials)} trials",
-             f"{'workload':<24}{'tok/s':>10}{'over base':>11}"]
-    for key, value in med.items():
+             f"{'workload':<24}{'tok/s':>10}{'over base':>11}   per trial"]
+    for key in trials[0]:
         if key == "load s":
             continue
-        base = med["offline base"] if key.startswith("offline") else med["single base"]
-        lines.append(f"{key:<24}{value:>10.1f}{value / base:>10.2f}x")
-    loads = ", ".join(f"{t['load s']:.3f}" for t in trials)
-    lines.append(f"load a rank-{args.rank} adapter: {med['load s']:.3f} s (trials: {loads})")
+        base = "offline base" if key.startswith("offline") else "single base"
+        ratios = [t[key] / t[base] for t in trials]
+        lines.append(f"{key:<24}{statistics.median(t[key] for t in trials):>10.1f}"
+                     f"{statistics.median(ratios):>10.2f}x   {', '.join(f'{r:.2f}' for r in ratios)}")
+    if "load s" in trials[0]:
+        loads = [t["load s"] for t in trials]
+        lines.append(f"load a rank-{args.rank} adapter: {statistics.median(loads):.3f} s "
+                     f"(trials: {', '.join(f'{x:.3f}' for x in loads)})")
     return "\n".join(lines)
 
 
@@ -139,6 +147,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--single-streams", type=int, default=2, help="prompts decoded one at a time")
+    p.add_argument("--workloads", default="offline,single,load",
+                   help="comma-separated: offline, single, load")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main)
