@@ -48,6 +48,20 @@ class _Adapters(dict):
         return self[name]
 
 
+def warm_references() -> None:
+    """The background warmer's (tests/references.py): the PARITY adapters, made as the tests make
+    them (seeded: the same bytes, so the same cache keys), and their transformers + PEFT references."""
+    import tempfile
+
+    from unison.model.loader import resolve_model_dir
+
+    ids = prompt_ids(resolve_model_dir(None))
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = _Adapters(Path(tmp))
+        for name in PARITY:
+            peft_reference(adapters[name], [ids[0], ids[2], ids[3], ids[6]], NEW_TOKENS)
+
+
 @pytest.fixture(scope="module")
 def adapter_dirs(tmp_path_factory) -> dict[str, Path]:
     return _Adapters(tmp_path_factory.mktemp("adapters"))
@@ -61,7 +75,7 @@ def cfg(model_dir: Path) -> ModelConfig:
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
     ids = prompt_ids(model_dir)
-    return [ids[0], ids[2], ids[3], ids[6]]  # plain text and a chat
+    return [ids[0], ids[2], ids[3], ids[6]]  # plain text and a chat (warm_references' too)
 
 
 @pytest.fixture(scope="module")
