@@ -11,8 +11,8 @@ import time
 
 import zmq
 
+from unison.config import KVEventsConfig
 from unison.core.kv_publisher import EventLog, Publisher
-from unison.kv_events import KVEventsConfig
 
 cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
                      replay_endpoint="tcp://127.0.0.1:*")

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from unison import Engine
 from unison.bench.lora import write_adapter
-from unison.config import EngineConfig
+from unison.config import EngineConfig, KVEventsConfig
 from unison.core.engine_core import EngineCore
 from unison.core.kv_publisher import Publisher
-from unison.kv_events import KVEventsConfig, LoadReport, block_hashes, offset_port
+from unison.kv_events import LoadReport, block_hashes, offset_port
 from unison.kv_index import KVIndex
 from unison.model.loader import default_gguf_path
 from unison.protocol import CoreSamplingParams, Generate

@@ -84,8 +84,9 @@ def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
     replay, later ones on the stream; load reports land on the board."""
     import zmq
 
+    from unison.config import KVEventsConfig
     from unison.core.kv_publisher import EventLog, Publisher
-    from unison.kv_events import KVEventBatch, KVEventsConfig
+    from unison.kv_events import KVEventBatch
     from unison.kv_index import Feed, KVIndex
 
     async def run() -> None:

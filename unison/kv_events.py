@@ -16,8 +16,6 @@ torch nor zmq: the core, the HTTP workers' router and any subscriber share it.
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
@@ -107,64 +105,7 @@ def lora_id_of(adapter: int) -> int | None:
     return adapter or None  # adapter 0 is the base model: vLLM says None
 
 
-# ---- the option --------------------------------------------------------------------------------
-
-
-@dataclass
-class KVEventsConfig:
-    """vLLM's and SGLang's --kv-events-config. A port of "*" binds any free port (what was bound
-    is in get_server_info); a numbered port is offset by the data-parallel rank, as vLLM does."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "zmq"  # zmq | null
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None  # a ROUTER answering replay requests
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # the PUB socket's high-water mark: past it a slow subscriber loses messages
-    max_queue_size: int = 100_000  # vLLM's; accepted (Unison publishes from the step, unqueued)
-    topic: str = ""
-    load_endpoint: str | None = None  # load reports' PUB; None: the endpoint's host, any port
-    load_interval_s: float = 0.05  # a replica's reports come at most this often
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false, got "
-                             f"{self.enable_kv_cache_events!r}")
-        for name in ("endpoint", "replay_endpoint", "load_endpoint"):
-            value = getattr(self, name)
-            if value is not None and not str(value).startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"kv_events_config.{name} must be tcp://HOST:PORT, ipc:// or "
-                                 f"inproc://, got {value!r}")
-        if self.publisher not in ("zmq", "null"):
-            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"kv_events_config.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.load_interval_s, (int, float)) or self.load_interval_s < 0:
-            raise ValueError(f"kv_events_config.load_interval_s must be >= 0, got {self.load_interval_s!r}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def parse(cls, given: KVEventsConfig | dict | str) -> KVEventsConfig:
-        """From a dict or its JSON text."""
-        if isinstance(given, KVEventsConfig):
-            return given
-        if isinstance(given, str):
-            try:
-                given = json.loads(given)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(given, dict):
-            raise ValueError(f"kv_events_config must be a dict or JSON object, got {type(given).__name__}")
-        known = sorted(f.name for f in fields(cls))
-        unknown = sorted(set(given) - set(known))
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {known}")
-        return cls(**given)
+# ---- endpoints per data-parallel rank (the option: config.KVEventsConfig) ----------------------
 
 
 def offset_port(endpoint: str | None, rank: int) -> str | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from unison.config import KVEventsConfig
 from unison.kv_events import (
     END_SEQ,
     MEDIUM,
@@ -25,7 +26,6 @@ from unison.kv_events import (
     BlockStored,
     Event,
     KVEventBatch,
-    KVEventsConfig,
     KVEventsInfo,
     LoadReport,
     block_hashes,

@@ -22,9 +22,8 @@ from typing import Any
 import msgspec
 
 from unison import registry
-from unison.config import EngineConfig
+from unison.config import EngineConfig, KVEventsConfig
 from unison.core_process import CoreProcess, curve_keypair
-from unison.kv_events import KVEventsConfig
 from unison.server.replicas import ReplicaAddress, ReplicaSet, write_replica_set
 
 log = logging.getLogger("unison.server")
