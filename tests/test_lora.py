@@ -22,6 +22,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.serving import assert_openai_error, serve
+from tests.test_quant import INVARIANCE_PROMPTS
 from tests.utils import wait_until
 from unison import Engine
 from unison.bench.lora import TARGETS, write_adapter
@@ -29,12 +30,7 @@ from unison.errors import UnknownAdapterError
 from unison.model.loader import resolve_model_dir
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-PROMPTS = [f"{i + 1}. {t}" for i, t in enumerate(
-    ["The capital of France is", "Water boils at", "Once upon a time", "List three fruits:",
-     "The three primary colors are", "def add(a, b):", "In 1969, the first person on the moon was",
-     "My favourite book is", "The speed of light is", "A haiku about rain:", "SELECT * FROM",
-     "Dear diary, today", "The largest planet is", "Roses are red,", "import numpy as np",
-     "Q: What is 2 + 2? A:"])]
+PROMPTS = INVARIANCE_PROMPTS  # 16 short, different prompts
 
 
 @pytest.fixture(scope="module")

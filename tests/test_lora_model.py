@@ -368,20 +368,10 @@ def test_every_family_matches_peft_and_both_forwards_agree(kind: str, tmp_path: 
     """Tiny random models of the families whose layers differ (q/k/v bias, q/k norms, sandwich and
     post norms): float logits as PEFT's, and int4 steps with an adapter bit-identical on the
     compiled and the Python forward."""
-    import transformers
-
     from tests.adapters import peft_model
-    from tests.test_model import TINY, assert_logits_close
+    from tests.test_model import assert_logits_close, tiny_model
 
-    name, extra = TINY[kind]
-    torch.manual_seed(0)
-    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(shape | extra)))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
-    hf.save_pretrained(tmp_path / "model")
+    tiny_model(kind, tmp_path / "model")
     adapter = make_adapter(tmp_path / "lora", rank=4, seed=5, model_dir=tmp_path / "model")
     ids = torch.randint(0, 256, (20,)).tolist()
     with torch.inference_mode():

@@ -230,11 +230,8 @@ TINY = {  # small random models of each supported kind, saved by transformers
 }
 
 
-@pytest.mark.parametrize("path", ["kernels", "torch"])
-@pytest.mark.parametrize("kind", TINY)
-def test_architectures_match_transformers(kind: str, path: str, tmp_path: Path):
-    """Each architecture, prefilled in chunks of 5 (across any window's edge) then decoded token
-    by token, gives transformers' logits at every position; through the C kernels and torch."""
+def tiny_model(kind: str, path: Path):
+    """TINY[kind] with seeded random weights, saved by transformers in `path`; returns the model."""
     import transformers
 
     name, extra = TINY[kind]
@@ -246,7 +243,16 @@ def test_architectures_match_transformers(kind: str, path: str, tmp_path: Path):
     with torch.no_grad():  # random init is near-zero; widen it so positions and heads matter
         for p in hf.parameters():
             p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
-    hf.save_pretrained(tmp_path)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+@pytest.mark.parametrize("kind", TINY)
+def test_architectures_match_transformers(kind: str, path: str, tmp_path: Path):
+    """Each architecture, prefilled in chunks of 5 (across any window's edge) then decoded token
+    by token, gives transformers' logits at every position; through the C kernels and torch."""
+    hf = tiny_model(kind, tmp_path)
     ids = torch.randint(0, 256, (24,)).tolist()
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]

@@ -442,19 +442,9 @@ def test_quantization_on_cuda_is_a_clear_error():
 def test_compiled_forward_is_the_python_forward(kind: str, tmp_path: Path):
     """Quantized models run each step as one C call (csrc/decoder.c): the same kernels in the
     same order as decoder.py's forward, so the logits are bit-identical, family by family."""
-    import transformers
+    from tests.test_model import tiny_model
 
-    from tests.test_model import TINY
-
-    name, extra = TINY[kind]
-    torch.manual_seed(0)
-    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**(shape | extra)))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
-    hf.save_pretrained(tmp_path)
+    tiny_model(kind, tmp_path)
     runner = ModelRunner(tmp_path, quantization="int4", num_blocks=16, block_size=4)
     assert runner._compiled is not None
     ids = torch.randint(0, 256, (30,)).tolist()
