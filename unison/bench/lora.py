@@ -27,6 +27,8 @@ from unison.bench.offline import add_engine_arguments, engine_options, unison_th
 from unison.bench.speculative import decode_rate
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 
+# model/lora.py's LORA_TARGETS, spelled here: importing that module imports torch, and the CLI
+# imports this one for its --help.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -38,12 +40,10 @@ def write_adapter(path: Path, model_dir: str | Path, rank: int, seed: int,
     from safetensors.torch import save_file
 
     from unison.model.families import ModelConfig
+    from unison.model.lora import module_shapes
 
     cfg = ModelConfig.from_dir(model_dir)
-    q, kv, hidden, inter = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
-                            cfg.hidden_size, cfg.intermediate_size)
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = module_shapes(cfg)  # (in, out) of each target
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):

@@ -120,10 +120,6 @@ class LoraRegistry:
         if adapter.requests == 0 and adapter.unloaded:
             self._free(adapter)
 
-    def name_of(self, adapter_id: int) -> str | None:
-        adapter = self.by_id.get(adapter_id)
-        return None if adapter is None else adapter.name
-
     def infos(self, running: Counter[int], waiting: Counter[int]) -> list[LoraAdapterInfo]:
         """Every loaded adapter, with how many requests run and wait with it (by adapter id)."""
         return [LoraAdapterInfo(a.name, a.id, a.path, a.rank, list(a.targets), a.pinned, running[a.id],
