@@ -1,11 +1,12 @@
-"""`unison bench make-model`: a Llama-shaped GGUF of a real size, for speed figures only.
+"""`unison bench make-model`: a GGUF of a real size, for speed figures only.
 
 Speed at 135M parameters is not speed at 1B: per-step overheads and the LM head dominate a small
 model, the linears a large one. No 1B or 3B GGUF ships on PyPI, so this writes one: the shapes
-of Llama 3.2 1B / 3B, random Q4_0 linears, a Q8_0 embedding (tied to the LM head), float32
-norms, and the embedded model's tokenizer, so both Unison and llama.cpp read it and any client
-can send it text. The weights are random bytes: what it generates is meaningless text, at the
-speed real weights of that size would run.
+of Llama 3.2 1B / 3B, or of Qwen3-30B-A3B (a mixture of 128 experts, 8 per token), random Q4_0
+linears and experts, a Q8_0 embedding (tied to the LM head), float32 norms and router, and the
+embedded model's tokenizer, so both Unison and llama.cpp read it and any client can send it
+text. The weights are random bytes: what it generates is meaningless text, at the speed real
+weights of that size would run. Tensors are written one at a time, never all in memory.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
-# Llama 3.2's shapes (vocabulary: the embedded tokenizer's).
+# Llama 3.2's shapes and Qwen3-30B-A3B's (vocabulary: the embedded tokenizer's).
 SHAPES = {
     "1b": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "ffn": 8192},
     "3b": {"hidden": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "ffn": 8192},
+    "30b-a3b": {"hidden": 2048, "layers": 48, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
+                "top_k": 8, "ffn": 768},
 }
 
 
@@ -47,58 +50,121 @@ def _copy_tokenizer(writer: Any, source: Any) -> None:
 
 def write_model(shape: dict[str, int], out: Path, seed: int = 0) -> Path:
     """Writes a model of `shape` (as SHAPES holds them) to `out`; returns `out`."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGUFReader, GGUFWriter
 
     from unison.model.loader import default_gguf_path
 
     s, rng, tokenizer = shape, np.random.default_rng(seed), GGUFReader(default_gguf_path())
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
-    head_dim = s["hidden"] // s["heads"]
-    w = GGUFWriter(out, "llama")
-    w.add_name(f"unison-bench-llama-{s['layers']}x{s['hidden']}-random")
+    moe = "experts" in s
+    head_dim = s.get("head_dim", s["hidden"] // s["heads"])
+    w = GGUFWriter(out, "qwen3moe" if moe else "llama")
+    w.add_name(f"unison-bench-{'qwen3moe' if moe else 'llama'}-{s['layers']}x{s['hidden']}-random")
     w.add_block_count(s["layers"])
     w.add_context_length(8192)
     w.add_embedding_length(s["hidden"])
     w.add_feed_forward_length(s["ffn"])
     w.add_head_count(s["heads"])
     w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)
+    if moe:
+        w.add_expert_count(s["experts"])
+        w.add_expert_used_count(s["top_k"])
+        w.add_expert_feed_forward_length(s["ffn"])
     w.add_file_type(2)  # mostly Q4_0
     _copy_tokenizer(w, tokenizer)
-    q4, q8 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
-    w.add_tensor("token_embd.weight", _blocks(rng, vocab, s["hidden"], "Q8_0"), raw_dtype=q8)
-    w.add_tensor("output_norm.weight", np.ones(s["hidden"], np.float32))
-    kv = s["kv_heads"] * head_dim
-    linears = {"attn_q": (s["hidden"], s["hidden"]), "attn_k": (kv, s["hidden"]),
-               "attn_v": (kv, s["hidden"]), "attn_output": (s["hidden"], s["hidden"]),
-               "ffn_gate": (s["ffn"], s["hidden"]), "ffn_up": (s["ffn"], s["hidden"]),
-               "ffn_down": (s["hidden"], s["ffn"])}
-    for i in range(s["layers"]):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(s["hidden"], np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(s["hidden"], np.float32))
-        for name, (rows, cols) in linears.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", _blocks(rng, rows, cols, "Q4_0"), raw_dtype=q4)
+    tensors = _tensors(s, vocab, head_dim)
+    for name, (rows, cols, kind) in tensors.items():
+        _add_info(w, name, rows, cols, kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for rows, cols, kind in tensors.values():
+        w.write_tensor_data(_data(rng, rows, cols, kind))
     w.close()
     return out
 
 
+# name -> (rows, cols, kind): rows is a tuple (experts, rows) for stacked experts; kind F32 for
+# norms (all ones) and routers (random), Q4_0 / Q8_0 random blocks otherwise.
+_Spec = tuple[int | tuple[int, int], int, str]
+
+
+def _tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _Spec]:
+    hidden, q, kv = s["hidden"], s["heads"] * head_dim, s["kv_heads"] * head_dim
+    specs: dict[str, _Spec] = {"token_embd.weight": (vocab, hidden, "Q8_0"),
+                               "output_norm.weight": (1, hidden, "F32")}
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        specs |= {b + "attn_norm.weight": (1, hidden, "F32"), b + "ffn_norm.weight": (1, hidden, "F32"),
+                  b + "attn_q.weight": (q, hidden, "Q4_0"), b + "attn_k.weight": (kv, hidden, "Q4_0"),
+                  b + "attn_v.weight": (kv, hidden, "Q4_0"), b + "attn_output.weight": (hidden, q, "Q4_0")}
+        if "experts" not in s:
+            specs |= {b + "ffn_gate.weight": (s["ffn"], hidden, "Q4_0"),
+                      b + "ffn_up.weight": (s["ffn"], hidden, "Q4_0"),
+                      b + "ffn_down.weight": (hidden, s["ffn"], "Q4_0")}
+            continue
+        e = s["experts"]
+        specs |= {b + "attn_q_norm.weight": (1, head_dim, "F32"),
+                  b + "attn_k_norm.weight": (1, head_dim, "F32"),
+                  b + "ffn_gate_inp.weight": (e, hidden, "router"),
+                  b + "ffn_gate_exps.weight": ((e, s["ffn"]), hidden, "Q4_0"),
+                  b + "ffn_up_exps.weight": ((e, s["ffn"]), hidden, "Q4_0"),
+                  b + "ffn_down_exps.weight": ((e, hidden), s["ffn"], "Q4_0")}
+    return specs
+
+
+def _add_info(w: Any, name: str, rows: int | tuple[int, int], cols: int, kind: str) -> None:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if isinstance(rows, tuple):
+        shape = (*rows, cols)
+    else:  # norms: one row, written as a vector
+        shape = (rows, cols) if rows > 1 or kind != "F32" else (cols,)
+    count = int(np.prod(shape))
+    if kind in ("F32", "router"):
+        w.add_tensor_info(name, shape, np.dtype(np.float32), count * 4)
+        return
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    byte_shape = (*shape[:-1], cols // block * size)
+    w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), count // block * size, raw_dtype=qtype)
+
+
+def _data(rng: np.random.Generator, rows: int | tuple[int, int], cols: int, kind: str) -> np.ndarray:
+    if kind == "F32":
+        return np.ones(rows * cols, np.float32)
+    if kind == "router":  # logits of spread ~1, so tokens spread over the experts
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    if isinstance(rows, tuple):
+        return _blocks(rng, rows[0] * rows[1], cols, kind).reshape(rows[0], rows[1], -1)
+    return _blocks(rng, rows, cols, kind)
+
+
 def main(args: argparse.Namespace) -> int:
-    out = write_model(SHAPES[args.size], Path(args.out), args.seed)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB): Llama {args.size} shape, random Q4_0 "
-          f"weights; serve it with: unison serve --model-path {out}")
+    shape = dict(SHAPES[args.size])
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit("--layers must be >= 1")
+        shape["layers"] = args.layers
+    out = write_model(shape, Path(args.out), args.seed)
+    family = "Qwen3-MoE" if "experts" in shape else "Llama"
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB): {family} {args.size} shape, "
+          f"{shape['layers']} layers, random Q4_0 weights; serve it with: unison serve --model-path {out}")
     return 0
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("make-model", help="write a Llama-shaped GGUF of a real size (random weights) "
-                                          "for speed figures")
-    p.add_argument("--size", choices=sorted(SHAPES), default="1b")
+    p = sub.add_parser("make-model", help="write a GGUF of a real size (random weights) for speed figures")
+    p.add_argument("--size", choices=sorted(SHAPES), default="1b",
+                   help="Llama 3.2 1B / 3B, or Qwen3-30B-A3B (a mixture of experts)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="fewer layers than the shape's (30b-a3b with 12: about 4.5 GB)")
     p.add_argument("--out", required=True, help="the .gguf file to write")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main)

@@ -8,6 +8,7 @@ linears (see model/quant.py). csrc/fused_ops.c does each of the model's small pe
 operations (residual add + RMSNorm, rotary embedding, the KV-cache write) in one call instead of
 several torch ops, which at decode batch sizes cost more in dispatch than in arithmetic.
 csrc/lora.c adds LoRA adapters' updates to a linear's output, each row with its own adapter.
+csrc/moe.c runs a mixture of experts' MLP: routing, the experts grouped by the rows they got.
 
 The sources are plain C (no torch headers), so building takes about a second; the shared object
 is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flags and the CPU's
@@ -36,8 +37,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c",
-                                    "lora.c")]
-HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h", CSRC / "lora.h"]
+                                    "lora.c", "moe.c")]
+HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h", CSRC / "lora.h", CSRC / "moe.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _loaded: CpuKernels | None | bool = False  # False: not tried yet
@@ -134,6 +135,13 @@ class CpuKernels:
         lib.dequantize_columns.restype = None
         lib.lora_apply.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
         lib.lora_apply.restype = None
+        lib.moe_forward.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _INT]
+        lib.moe_forward.restype = None
+        lib.moe_workspace_bytes.argtypes = [_PTR, _I64]
+        lib.moe_workspace_bytes.restype = _I64
+        lib.moe_route.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR]
+        lib.moe_route.restype = None
+        self._moe_scratch = torch.empty(0, dtype=torch.uint8)
         lib.decoder_workspace_bytes.argtypes = [_PTR, _I64]
         lib.decoder_workspace_bytes.restype = _I64
         lib.decoder_forward.argtypes = [_PTR, _PTR]
@@ -264,6 +272,28 @@ class CpuKernels:
         self.lib.lora_apply(x.data_ptr(), x.stride(0), x.shape[1], y.data_ptr(), y.stride(0), x.shape[0],
                             row_adapter.data_ptr(), tables, linear, torch.get_num_threads())
 
+    def moe(self, x: torch.Tensor, layer: MoeLayerC) -> torch.Tensor:
+        """The mixture of experts `layer` (moe.QuantMoe builds it) on x [rows, hidden] float32
+        (rows contiguous, may be strided): [rows, hidden]."""
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == layer.hidden
+        rows = x.shape[0]
+        need = self.lib.moe_workspace_bytes(ctypes.byref(layer), rows)
+        if self._moe_scratch.numel() < need:  # grown, never shrunk: one forward runs at a time
+            self._moe_scratch = torch.empty(need, dtype=torch.uint8)
+        out = torch.empty(rows, layer.hidden)
+        self.lib.moe_forward(ctypes.byref(layer), x.data_ptr(), x.stride(0), rows, out.data_ptr(),
+                             layer.hidden, self._moe_scratch.data_ptr(), torch.get_num_threads())
+        return out
+
+    def moe_route(self, x: torch.Tensor, layer: MoeLayerC) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts [rows, top_k] (increasing) and weights the kernel routes x's rows to."""
+        assert x.dtype == torch.float32 and x.stride(1) == 1
+        top = torch.empty(x.shape[0], layer.top_k, dtype=torch.int32)
+        weight = torch.empty(x.shape[0], layer.top_k)
+        self.lib.moe_route(ctypes.byref(layer), x.data_ptr(), x.stride(0), x.shape[0], top.data_ptr(),
+                           weight.data_ptr())
+        return top, weight
+
     def dequantize_rows(self, weight, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows `ids` of a quant.QuantWeight (embedding lookups)."""
         ids = ids.to(torch.int64).contiguous()
@@ -297,11 +327,21 @@ class QLinearC(ctypes.Structure):
                 ("k", _I64), ("kp", _I64), ("n", _I64), ("out_cols", _I64), ("bias", _PTR)]
 
 
+class ExpertLinearC(ctypes.Structure):
+    _fields_ = [("bits", _I64), ("w", _PTR), ("n", _I64), ("k", _I64)]
+
+
+class MoeLayerC(ctypes.Structure):
+    _fields_ = [("experts", _I64), ("top_k", _I64), ("hidden", _I64), ("inter", _I64), ("norm_topk", _INT),
+                ("activation", _INT), ("router", _PTR), ("gate", ExpertLinearC), ("up", ExpertLinearC),
+                ("down", ExpertLinearC)]
+
+
 class DLayerC(ctypes.Structure):
     _fields_ = [("qkv", QLinearC), ("o_proj", QLinearC), ("gate_up", QLinearC), ("down", QLinearC),
                 ("input_norm", _PTR), ("post_attention_norm", _PTR), ("pre_mlp_norm", _PTR),
                 ("post_mlp_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("rope", _I64), ("window", _I64),
-                ("k_cache", _PTR), ("v_cache", _PTR)]
+                ("k_cache", _PTR), ("v_cache", _PTR), ("moe", ctypes.POINTER(MoeLayerC))]
 
 
 class DModelC(ctypes.Structure):
@@ -340,15 +380,19 @@ class CompiledDecoder:
         layers = (DLayerC * len(model.layers))()
         for i, (layer, c) in enumerate(zip(model.layers, layers)):
             c.qkv, c.o_proj = _qlinear(layer.qkv.plan, layer.qkv.bias), _qlinear(layer.o_proj.plan, None)
-            c.gate_up, c.down = _qlinear(layer.gate_up.plan, None), _qlinear(layer.down.plan, None)
+            if layer.moe is not None:
+                c.moe = ctypes.pointer(layer.moe.c)
+            else:
+                c.gate_up, c.down = _qlinear(layer.gate_up.plan, None), _qlinear(layer.down.plan, None)
             for name in NORMS:
                 setattr(c, name, _ptr(getattr(layer, name)))
             c.rope, c.window = layer.rope, cfg.layer_window[i] or 0
             c.k_cache, c.v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
         head, embed = model.lm_head, model.embed.quant
+        mlp = cfg.moe.intermediate_size if cfg.moe else cfg.intermediate_size  # sizes the dense buffers
         self.c = DModelC(
             len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, k_cache.shape[2], cfg.rms_norm_eps,
+            cfg.head_dim, mlp, cfg.vocab_size, k_cache.shape[2], cfg.rms_norm_eps,
             cfg.attention_scale, model.embed_scale or 0.0, ACTIVATIONS[cfg.family.activation],
             QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.bits, embed.kp,
             embed.packed.data_ptr(), model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)

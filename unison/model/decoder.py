@@ -1,7 +1,8 @@
 """The decoder, plain PyTorch plus the C kernels: every family of families.py with one forward.
 
 Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (qk-norm), Gemma 3
-(sandwich norms, GELU, windowed and global layers with their own rope), OLMo 2 (post-norms).
+(sandwich norms, GELU, windowed and global layers with their own rope), OLMo 2 (post-norms), and
+the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (a sparse MLP: moe.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from . import cpu_kernels, quant
 from .families import ModelConfig
 from .lora import LoraStep
+from .moe import FloatMoe, QuantMoe, load_moe
 from .quant import QuantWeight
 from .weights import DictWeights, WeightSource, linear_bits
 
@@ -124,15 +126,17 @@ class Embedding:
         return self.quant.nbytes if self.quant is not None else self.table.numel() * self.table.element_size()
 
 
-def _nbytes(linear: Linear | QuantLinear) -> int:
+def _nbytes(linear: Linear | QuantLinear | FloatMoe | QuantMoe) -> int:
+    if isinstance(linear, FloatMoe | QuantMoe):
+        return linear.nbytes
     if isinstance(linear, QuantLinear):
         return sum(p.nbytes for p in linear.parts)
     w = linear.weight if linear.weight is not None else linear.packed
     return w.numel() * w.element_size() + (0 if linear.bias is None else linear.bias.numel() * 4)
 
 
-def _kind(linear: Linear | QuantLinear) -> str:
-    if isinstance(linear, QuantLinear):
+def _kind(linear: Linear | QuantLinear | FloatMoe | QuantMoe) -> str:
+    if isinstance(linear, QuantLinear | FloatMoe | QuantMoe):
         return linear.kind
     return str((linear.weight if linear.weight is not None else linear.packed).dtype).removeprefix("torch.")
 
@@ -141,8 +145,8 @@ def _kind(linear: Linear | QuantLinear) -> str:
 class Layer:
     qkv: Linear | QuantLinear  # q, k, v projections fused: [(heads + 2 * kv_heads) * head_dim, hidden]
     o_proj: Linear | QuantLinear
-    gate_up: Linear | QuantLinear  # gate and up projections fused: [2 * intermediate, hidden]
-    down: Linear | QuantLinear
+    gate_up: Linear | QuantLinear | None  # gate and up projections fused: [2 * intermediate, hidden]
+    down: Linear | QuantLinear | None  # (None where a mixture of experts is the MLP)
     # The norms a family has (families.Family.norms), None where it has none.
     input_norm: torch.Tensor | None
     post_attention_norm: torch.Tensor | None
@@ -151,6 +155,13 @@ class Layer:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     rope: int  # index into the model's ropes
+    moe: FloatMoe | QuantMoe | None = None  # the MLP of a mixture-of-experts family
+
+    @property
+    def linears(self) -> dict[str, Linear | QuantLinear | FloatMoe | QuantMoe]:
+        """The layer's weight-holding parts by name, in forward order."""
+        mlp = {"experts": self.moe} if self.moe is not None else {"gate_up": self.gate_up, "down": self.down}
+        return {"qkv": self.qkv, "o_proj": self.o_proj, **mlp}
 
 
 class DecoderModel:
@@ -188,12 +199,14 @@ class DecoderModel:
         norms = {role: get.norm(p + name + ".weight") for role, name in self.cfg.family.norms.items()}
         optional = {x: get.norm(a + x + ".weight") if get.has(a + x + ".weight") else None
                     for x in ("q_norm", "k_norm")}
+        sparse = self.cfg.moe is not None
         return Layer(
             qkv=get.linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                            bias if get.has(bias[0]) else None),
             o_proj=get.linear([a + "o_proj.weight"]),
-            gate_up=get.linear([m + "gate_proj.weight", m + "up_proj.weight"]),
-            down=get.linear([m + "down_proj.weight"]),
+            gate_up=None if sparse else get.linear([m + "gate_proj.weight", m + "up_proj.weight"]),
+            down=None if sparse else get.linear([m + "down_proj.weight"]),
+            moe=load_moe(get, self.cfg, i) if sparse else None,
             input_norm=norms.get("input"), post_attention_norm=norms.get("post_attention"),
             pre_mlp_norm=norms.get("pre_mlp"), post_mlp_norm=norms.get("post_mlp"),
             rope=self.cfg.layer_rope[i], **optional,
@@ -205,16 +218,16 @@ class DecoderModel:
                   layer.q_norm, layer.k_norm) for layer in self.layers]
         tensors = [self.norm] + [t for group in norms for t in group if t is not None]
         total = sum(t.numel() * t.element_size() for t in tensors) + self.embed.nbytes
-        linears = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o_proj", "gate_up", "down")]
-        tied = isinstance(self.lm_head, QuantLinear) and self.lm_head.parts == [self.embed.quant]
+        linears = [x for layer in self.layers for x in layer.linears.values()]
+        tied = isinstance(self.lm_head, QuantLinear) and self.lm_head.parts[0] is self.embed.quant
         return total + sum(_nbytes(x) for x in linears) + (0 if tied else _nbytes(self.lm_head))
 
     def linear_kinds(self) -> dict[str, str]:
         """What each linear (and the embedding) runs as: float32, int8, int4 or a mix."""
         kinds = {"embed_tokens": self.embed.kind, "lm_head": _kind(self.lm_head)}
         for i, layer in enumerate(self.layers):
-            for name in ("qkv", "o_proj", "gate_up", "down"):
-                kinds[f"layers.{i}.{name}"] = _kind(getattr(layer, name))
+            for name, linear in layer.linears.items():
+                kinds[f"layers.{i}.{name}"] = _kind(linear)
         return kinds
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
@@ -236,11 +249,14 @@ class DecoderModel:
             if layer.post_attention_norm is not None:
                 delta = ops.add_rms_norm(delta, None, layer.post_attention_norm, eps)
             x = _add_norm(ops, h, delta, layer.pre_mlp_norm, eps)
-            gate_up = layer.gate_up(x)
-            hook(4 * i + 2, x, gate_up)
-            act = ops.act_mul(gate_up, cfg.family.activation)
-            delta = layer.down(act)
-            hook(4 * i + 3, act, delta)
+            if layer.moe is not None:  # (LoRA adapters never target the experts: refused at load)
+                delta = layer.moe(x)
+            else:
+                gate_up = layer.gate_up(x)
+                hook(4 * i + 2, x, gate_up)
+                act = ops.act_mul(gate_up, cfg.family.activation)
+                delta = layer.down(act)
+                hook(4 * i + 3, act, delta)
             if layer.post_mlp_norm is not None:
                 delta = ops.add_rms_norm(delta, None, layer.post_mlp_norm, eps)
             x = _add_norm(ops, h, delta, nexts[i], eps)
@@ -354,6 +370,14 @@ class _WeightGetter:
     def _bits(self, name: str, head: bool = False) -> int | None:
         return linear_bits(self.quantization, self.weights.source_type(name), head=head,
                            from_gguf=self.from_gguf)
+
+    def bits_of(self, names: list[str]) -> int | None:
+        """The bits the weights `names` run at together (a mixture's experts of one projection):
+        ValueError where they differ, as no GGUF writes them so."""
+        bits = {self._bits(self._fetched(n)) for n in names}
+        if len(bits) > 1:
+            raise ValueError(f"{names[0]} and the tensors beside it would run at different widths {bits}")
+        return bits.pop()
 
     def linear(self, names: list[str], bias: list[str] | None = None, head: bool = False
                ) -> Linear | QuantLinear:

@@ -7,6 +7,12 @@ residual. A family says which norms exist and what the checkpoint calls them, th
 activation, whether norm weights are stored as w for a (1 + w) scale, how embeddings are scaled,
 and which layers attend within a window. decoder.py runs them all with one forward.
 
+A mixture-of-experts family (Qwen3-MoE, Mixtral, OLMoE) replaces the gated MLP by a sparse one:
+a router picks each token's top-k experts, each expert is a gated MLP of its own, and their
+outputs are summed with the router's weights (moe.py). The family says where its checkpoint keeps
+the router and the experts (`MoeNames`); the config says how many and how they combine
+(`MoeConfig`).
+
 Adding a family is a `Family` entry and, when its config spells things its own way, a few
 lines in `ModelConfig.from_hf` (see Gemma 3's layer types and rope parameters).
 """
@@ -22,6 +28,24 @@ from .rope import Rope
 
 
 @dataclass(frozen=True)
+class MoeNames:
+    """Where a sparse MLP lives in a family's checkpoint, under model.layers.N."""
+
+    router: str  # the router's linear: [experts, hidden]
+    experts: str  # expert e's projections are under f"{experts}.{e}."
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    def expert(self, layer: int, e: int, proj: str) -> str:
+        """The checkpoint name of expert e's `proj` (gate, up or down) weight in `layer`."""
+        return f"model.layers.{layer}.{self.experts}.{e}.{getattr(self, proj)}.weight"
+
+    def router_weight(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.router}.weight"
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     hf_architecture: str
@@ -33,6 +57,7 @@ class Family:
     norm_plus_one: bool = False  # weights stored as w, applied as (1 + w): Gemma
     embed_scale: bool = False  # embeddings times sqrt(hidden_size): Gemma
     qk_norm: str | None = None  # per "head" (Qwen3, Gemma 3) or over the "full" projection (OLMo 2)
+    moe: MoeNames | None = None  # a sparse MLP in every layer instead of the dense one
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", "llama")
@@ -47,6 +72,12 @@ FAMILIES = [
                   "pre_mlp": "pre_feedforward_layernorm", "post_mlp": "post_feedforward_layernorm"}),
     Family("olmo2", "Olmo2ForCausalLM", None, qk_norm="full",
            norms={"post_attention": "post_attention_layernorm", "post_mlp": "post_feedforward_layernorm"}),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", qk_norm="head",
+           moe=MoeNames("mlp.gate", "mlp.experts")),
+    # GGUF writes Mixtral as "llama" with expert tensors (gguf.py tells them apart).
+    Family("mixtral", "MixtralForCausalLM", None,
+           moe=MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")),
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", qk_norm="full", moe=MoeNames("mlp.gate", "mlp.experts")),
 ]
 BY_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
 BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
@@ -60,6 +91,47 @@ def family_of(architectures: list[str] | None, where: str = "") -> Family:
             return BY_ARCHITECTURE[arch]
     at = f" in {where}" if where else ""
     raise ValueError(f"unsupported model architecture {architectures}{at}; supported: {SUPPORTED}")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A sparse MLP's shape: each token runs `top_k` of `num_experts` gated MLPs of
+    `intermediate_size`, weighted by the router's softmax (renormalized over the chosen
+    experts when `norm_topk_prob`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+
+    @classmethod
+    def from_hf(cls, family: Family, hf: dict[str, Any]) -> MoeConfig:
+        arch = family.hf_architecture
+        # Variants with parts this MLP lacks are refused by name rather than run wrongly.
+        for key in ("shared_expert_intermediate_size", "n_shared_experts", "n_group", "topk_group"):
+            if hf.get(key):
+                raise ValueError(f"{arch} with {key}={hf[key]!r} is not supported (shared experts and "
+                                 "grouped routing are not run)")
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"{arch} with dense layers (mlp_only_layers={hf.get('mlp_only_layers')}, "
+                             f"decoder_sparse_step={hf.get('decoder_sparse_step')}) is not supported")
+        experts = hf.get("num_experts") or hf.get("num_local_experts")
+        top_k = hf.get("num_experts_per_tok")
+        size = hf.get("moe_intermediate_size") or hf.get("intermediate_size")
+        for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                            ("moe_intermediate_size", size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arch}: {name} must be a positive integer, got {value!r}")
+        if experts > 1024:  # the kernel's bound (csrc/moe.c); no released model comes near it
+            raise ValueError(f"{arch}: num_experts ({experts}) is over 1024, which is not supported")
+        if top_k > experts:
+            raise ValueError(f"{arch}: num_experts_per_tok ({top_k}) exceeds num_experts ({experts})")
+        if size % 8 or hf["hidden_size"] % 8:
+            raise ValueError(f"{arch}: the experts' sizes (moe_intermediate_size {size}, hidden_size "
+                             f"{hf['hidden_size']}) must be multiples of 8")
+        # Mixtral always renormalizes the top-k weights; Qwen3-MoE and OLMoE say so in the config.
+        norm = True if family.name == "mixtral" else bool(hf.get("norm_topk_prob", False))
+        return cls(experts, top_k, size, norm)
 
 
 @dataclass(slots=True)
@@ -82,6 +154,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts family
 
     @property
     def architecture(self) -> str:
@@ -106,7 +179,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
         family = family_of(hf.get("architectures"))
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"):
             if hf.get(key) is not None:
                 raise ValueError(f"{family.hf_architecture} with {key} is not supported")
         heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
@@ -133,6 +206,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_ids(hf.get("eos_token_id")) + _ids((gen or {}).get("eos_token_id")),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            moe=MoeConfig.from_hf(family, hf) if family.moe else None,
         )
 
     def __post_init__(self) -> None:
@@ -165,9 +239,10 @@ def _attention_layout(family: Family, hf: dict[str, Any], head_dim: int, layers:
     rope = Rope.from_params(head_dim, params, positions)
     if factors is not None:
         rope = Rope(rope.head_dim, rope.theta, rope.scaling, factors, positions)
-    if hf.get("use_sliding_window") and family.name != "mistral":
+    windowed = family.name in ("mistral", "mixtral")
+    if hf.get("use_sliding_window") and not windowed:
         raise ValueError(f"{family.hf_architecture} with use_sliding_window=true is not supported")
-    window = hf.get("sliding_window") if family.name == "mistral" else None
+    window = hf.get("sliding_window") if windowed else None
     return [rope], [0] * layers, [window] * layers
 
 

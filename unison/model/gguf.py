@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import quant
-from .families import BY_GGUF
+from .families import BY_ARCHITECTURE, BY_GGUF, Family
 from .quant import BlockQuant, QuantWeight
 
 _GLOBAL_NAMES = {
@@ -47,6 +47,9 @@ _GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# A mixture of experts keeps each projection of all its experts in one tensor [experts, rows, k].
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_SHARED_EXPERT_RE = re.compile(r"blk\.\d+\.ffn_\w+_(shexp|chexps)\.weight")
 
 
 # ---- the header, read without the gguf package's reader ----------------------------------------
@@ -154,6 +157,15 @@ def gguf_architecture(header: GGUFHeader) -> str:
     return arch
 
 
+def gguf_family(header: GGUFHeader) -> Family:
+    """The family of the file: its architecture's, except that llama.cpp writes Mixtral as
+    "llama" with experts."""
+    arch = gguf_architecture(header)
+    if arch == "llama" and _field(header, "llama.expert_count"):
+        return BY_ARCHITECTURE["MixtralForCausalLM"]
+    return BY_GGUF[arch]
+
+
 def hf_config(header: GGUFHeader) -> dict[str, Any]:
     """A Hugging Face config.json for the file, as transformers' GGUF loader builds it."""
     arch = gguf_architecture(header)
@@ -165,12 +177,12 @@ def hf_config(header: GGUFHeader) -> dict[str, Any]:
     hidden = int(a("embedding_length"))
     names = {t.name for t in header.tensors}
     vocab = a("vocab_size") or _field(header, "tokenizer.ggml.tokens")  # an array: its length
-    family = BY_GGUF[arch]
+    family = gguf_family(header)
     config = {
         "architectures": [family.hf_architecture],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(a("feed_forward_length")),
+        "intermediate_size": int(a("feed_forward_length", 0) or a("expert_feed_forward_length", 0)),
         "num_hidden_layers": int(a("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(a("attention.head_count_kv", heads)),
@@ -201,9 +213,29 @@ def hf_config(header: GGUFHeader) -> dict[str, Any]:
                       rope_parameters={"full_attention": {"rope_type": "default",
                                                           "rope_theta": config.pop("rope_theta")},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
-    elif a("attention.sliding_window"):  # Mistral, written as llama
-        config.update(architectures=["MistralForCausalLM"], model_type="mistral",
-                      sliding_window=int(a("attention.sliding_window")))
+    elif a("attention.sliding_window"):  # Mistral (or Mixtral), written as llama
+        if family.moe is None:
+            config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+        config.update(sliding_window=int(a("attention.sliding_window")))
+    if family.moe is not None:
+        config.update(_moe_config(family, a))
+    return config
+
+
+def _moe_config(family: Family, a: Any) -> dict[str, Any]:
+    """A mixture of experts' fields, as the family's HF config names them. llama.cpp
+    renormalizes the top-k weights of Qwen3-MoE and Mixtral and not OLMoE's, unless the file
+    says (expert_weights_norm)."""
+    if a("expert_shared_count") or a("expert_shared_feed_forward_length"):
+        raise ValueError(f"GGUF {family.name} with shared experts is not supported")
+    if a("expert_gating_func") not in (None, 1):  # 1: softmax; 2: sigmoid (DeepSeek V3's routing)
+        raise ValueError(f"GGUF expert_gating_func {a('expert_gating_func')} is not supported (softmax only)")
+    config = {"num_experts": int(a("expert_count")), "num_experts_per_tok": int(a("expert_used_count", 0)),
+              "norm_topk_prob": bool(a("expert_weights_norm", family.name != "olmoe"))}
+    if a("expert_feed_forward_length"):
+        config["moe_intermediate_size"] = int(a("expert_feed_forward_length"))
+    if family.name == "mixtral":
+        config["num_local_experts"] = config.pop("num_experts")
     return config
 
 
@@ -214,10 +246,14 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str, arch: str) -> str:
+def _hf_name(name: str, family: Family) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA3_NAMES if family.name == "gemma3" else _LAYER_NAMES
+    if family.moe is not None:
+        names = {**names, "ffn_gate_inp": family.moe.router}
+    if _SHARED_EXPERT_RE.fullmatch(name):
+        raise ValueError(f"GGUF tensor {name!r}: shared experts are not supported")
     m = _LAYER_RE.fullmatch(name)
     if m is None or m[2] not in names:
         raise ValueError(f"unexpected tensor {name!r} in GGUF file")
@@ -247,7 +283,7 @@ class GGUFWeights:
         self.path = Path(path)
         header = open_gguf(self.path)
         config = config or hf_config(header)
-        arch = _field(header, "general.architecture")
+        arch, family = _field(header, "general.architecture"), gguf_family(header)
         # llama.cpp permutes q/k rows for its rope on llama only (the others use NeoX rope).
         permute = arch == "llama"
         # llama.cpp's converter stores Gemma's norms as (1 + w): served as w, as transformers does.
@@ -268,14 +304,23 @@ class GGUFWeights:
             shape = tuple(reversed(info.dims))
             dtype = _NUMPY_TYPES.get(kind.name, np.uint8)
             if dtype is np.uint8:  # quantized: rows of blocks
+                if shape[-1] % block:
+                    raise ValueError(f"GGUF tensor {info.name!r}: {shape[-1]} columns are not whole "
+                                     f"{kind.name} blocks of {block}")
                 shape = (*shape[:-1], shape[-1] // block * type_size)
             n_bytes = n * type_size // block
+            if info.offset + n_bytes > len(self._map):
+                raise ValueError(f"GGUF tensor {info.name!r} runs past the end of {self.path} (truncated?)")
             data = self._map[info.offset: info.offset + n_bytes].view(dtype).reshape(shape)
+            tensor = _Tensor(info.name, kind.name, info.dims, info.offset, n_bytes, data)
             if info.name == "rope_freqs.weight":
                 self.rope_freqs = np.array(data, dtype=np.float32)
-                continue
-            self.tensors[_hf_name(info.name, arch)] = _Tensor(info.name, kind.name, info.dims, info.offset,
-                                                              n_bytes, data)
+            elif (m := _EXPERT_RE.fullmatch(info.name)) and family.moe is not None:
+                self.tensors |= _split_experts(tensor, int(m[1]), m[2], family)
+            else:
+                self.tensors[_hf_name(info.name, family)] = tensor
+        if family.moe is not None:
+            _check_experts(self, header, family, config)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -341,6 +386,38 @@ class GGUFWeights:
             mm.madvise(mmap.MADV_DONTNEED, start, min(len(mm), t.offset + t.n_bytes) - start)
         except (OSError, ValueError, AttributeError):
             pass
+
+
+def _split_experts(t: _Tensor, layer: int, proj: str, family: Family) -> dict[str, _Tensor]:
+    """A stacked expert tensor [experts, rows, k] as one 2-D tensor per expert, under the names
+    the family's checkpoints give them: views of the file, nothing copied."""
+    if len(t.dims) != 3:
+        raise ValueError(f"GGUF tensor {t.name!r} has dims {list(t.dims)}: expected 3 (k, rows, experts)")
+    experts, per_expert = t.dims[2], t.n_bytes // t.dims[2]
+    return {family.moe.expert(layer, e, proj): _Tensor(
+        f"{t.name}[{e}]", t.type_name, t.dims[:2], t.offset + e * per_expert, per_expert, t.data[e])
+        for e in range(experts)}
+
+
+def _check_experts(weights: GGUFWeights, header: GGUFHeader, family: Family, config: dict[str, Any]) -> None:
+    """Every layer's router and expert tensors, present and of the shapes the metadata gives,
+    or a ValueError naming the tensor (before anything is converted)."""
+    hidden = config["hidden_size"]
+    experts = config.get("num_experts") or config["num_local_experts"]
+    size = config.get("moe_intermediate_size") or config["intermediate_size"]
+    present = {t.name: t for t in header.tensors}
+    expected = {"ffn_gate_inp": (hidden, experts), "ffn_gate_exps": (hidden, size, experts),
+                "ffn_up_exps": (hidden, size, experts), "ffn_down_exps": (size, hidden, experts)}
+    for layer in range(config["num_hidden_layers"]):
+        for kind, dims in expected.items():
+            name = f"blk.{layer}.{kind}.weight"
+            if name not in present:
+                raise ValueError(f"{weights.path}: GGUF tensor {name!r} is missing (a {family.name} "
+                                 f"layer needs its router and its experts' gate, up and down)")
+            if tuple(present[name].dims) != dims:
+                raise ValueError(f"{weights.path}: GGUF tensor {name!r} has dims {list(present[name].dims)}, "
+                                 f"expected {list(dims)} (hidden {hidden}, expert_feed_forward_length "
+                                 f"{size}, expert_count {experts})")
 
 
 def _dequantize(t: _Tensor, raw: np.ndarray) -> np.ndarray:
@@ -457,9 +534,14 @@ def _generation_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> None:
     # transformers is used only here, once per file: it turns vocab + merges into tokenizer.json.
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except ValueError as e:  # an architecture transformers' GGUF loader lacks (OLMoE): the
+        if "not supported" not in str(e):  # tokenizer alone, which does not depend on it
+            raise
+        tok = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tok.save_pretrained(out_dir)
     path = out_dir / "tokenizer_config.json"
     cfg = json.loads(path.read_text())

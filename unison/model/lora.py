@@ -60,11 +60,20 @@ class LoraWeights:
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each target module of a layer, as the base model has them."""
+    """(in, out) of each target module of a layer, as the base model has them (attention only
+    in a mixture of experts: adapters on the experts are not run)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-            "up_proj": (h, i), "down_proj": (i, h)}
+    attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    if cfg.moe is not None:
+        return attention
+    return attention | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def _refuse_experts(cfg: ModelConfig, name: str, where: str) -> None:
+    if cfg.moe is not None and (name in ("gate_proj", "up_proj", "down_proj") or "experts" in name):
+        raise ValueError(f"{where} {name!r} targets the MLP of a mixture of experts ({cfg.architecture}), "
+                         "which LoRA does not adapt here: target the attention modules (q/k/v/o_proj)")
 
 
 # ---- reading PEFT's files --------------------------------------------------------------------
@@ -82,7 +91,7 @@ def read_peft(path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraWeights:
     config = _read_config(path / ADAPTER_CONFIG)
     tensors = _read_tensors(path / ADAPTER_WEIGHTS)
     modules = _modules(tensors, cfg, path)
-    _check_targets(config, {m for _, m in modules}, path)
+    _check_targets(config, {m for _, m in modules}, path, cfg)
     _check_layers(config, {layer for layer, _ in modules}, path)
     return _build(config, modules, tensors, cfg, max_rank, path)
 
@@ -128,6 +137,7 @@ def _modules(tensors: dict[str, Tensor], cfg: ModelConfig, path: Path) -> list[t
     """(layer, target) of every module the file adapts, each with its A and B, checked to exist."""
     file, found = path / ADAPTER_WEIGHTS, set()
     for key, tensor in tensors.items():
+        _refuse_experts(cfg, key if ".experts." in key else key.split(".")[-3], f"{file}:")
         refused = next((n for n in _REFUSED_NAMES if f".{n}." in key), None)
         if refused:
             raise ValueError(f"{file}: {key!r} adapts {refused}, which is not supported (only the "
@@ -165,7 +175,7 @@ def _check_layers(config: dict, layers: set[int], path: Path) -> None:
                          f"layers_to_transform {config['layers_to_transform']} excludes")
 
 
-def _check_targets(config: dict, adapted: set[str], path: Path) -> None:
+def _check_targets(config: dict, adapted: set[str], path: Path, cfg: ModelConfig) -> None:
     where, targets = f"{config['_file']}:", config.get("target_modules")
     if isinstance(targets, str):  # a regex over module names, or PEFT's shorthand
         if targets != "all-linear":
@@ -178,6 +188,7 @@ def _check_targets(config: dict, adapted: set[str], path: Path) -> None:
         raise ValueError(f"{where} target_modules must be a list of names or a regex string, got {targets!r}")
     for target in targets:
         name = target.rsplit(".", 1)[-1]
+        _refuse_experts(cfg, name, f"{where} target_modules names")
         if name in _REFUSED_NAMES:
             raise ValueError(f"{where} target_modules names {target!r}, which is not supported (only the "
                              f"layers' {', '.join(LORA_TARGETS)})")

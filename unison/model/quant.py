@@ -165,3 +165,11 @@ def concat(parts: Sequence[QuantWeight]) -> QuantWeight:
     first = parts[0]
     assert all(p.bits == first.bits and p.k == first.k and p.n % TILE == 0 for p in parts[:-1])
     return QuantWeight(first.bits, torch.cat([p.packed for p in parts]), sum(p.n for p in parts), first.k)
+
+
+def stack(parts: Sequence[QuantWeight]) -> QuantWeight:
+    """Matrices of one kind and shape as one weight [len(parts), ...] (a mixture's experts, each
+    run on its own): `n` and `k` stay each matrix's."""
+    first = parts[0]
+    assert all(p.bits == first.bits and p.n == first.n and p.k == first.k for p in parts)
+    return QuantWeight(first.bits, torch.stack([p.packed for p in parts]), first.n, first.k)

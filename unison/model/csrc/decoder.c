@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "lora.h"
+#include "moe.h"
 
 // ---- the kernels this calls (the other files of this shared object) ---------------------------
 
@@ -52,6 +53,7 @@ typedef struct {
     const float *input_norm, *post_attention_norm, *pre_mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
     int64_t rope, window;  // window 0: attends to everything
     void *k_cache, *v_cache;  // this layer's [blocks, block_size, kv_heads, head_dim]
+    const MoeLayer *moe;  // a mixture of experts instead of gate_up and down; NULL: dense
 } DLayer;
 
 typedef struct {
@@ -84,7 +86,7 @@ typedef struct {
 // columns (up to 7, written then compacted away) and inputs for whole blocks of 32.
 typedef struct {
     float *h, *x, *delta, *qkv, *q, *attn, *gate_up, *act, *padded;
-    void *scratch;
+    void *scratch, *moe;  // the linears' activations; the mixture of experts' workspace
 } Buffers;
 
 #define PAD 8
@@ -107,12 +109,14 @@ static Buffers carve(const DModel *m, int64_t rows, void *base) {
         p += rows * widths[i];
     }
     b.scratch = (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    b.moe = (uint8_t *)b.scratch + act16_bytes(rows, BLOCKS(widest(m)));
     return b;
 }
 
 int64_t decoder_workspace_bytes(const DModel *m, int64_t rows) {
     const Buffers b = carve(m, rows, NULL);
-    return (int64_t)(uintptr_t)b.scratch + act16_bytes(rows, BLOCKS(widest(m))) + 64;
+    const int64_t moe = m->layer[0].moe ? moe_workspace_bytes(m->layer[0].moe, rows) : 0;
+    return (int64_t)(uintptr_t)b.moe + moe + 64;
 }
 
 static void linear(const QLinear *l, const float *x, int64_t rows, float *out, Buffers *b, int threads) {
@@ -177,11 +181,15 @@ int decoder_forward(const DModel *m, const DStep *s) {
         if (s->lora_row) lora_apply(attn, q, q, delta, H, n, s->lora_row, s->lora, 4 * li + 1, t);
         if (L->post_attention_norm) add_rms_norm(delta, NULL, L->post_attention_norm, delta, n, H, m->eps, t);
         add_norm(h, delta, L->pre_mlp_norm, x, n, H, m->eps, t);
-        linear(&L->gate_up, x, n, gate_up, &b, t);
-        if (s->lora_row) lora_apply(x, H, H, gate_up, 2 * I, n, s->lora_row, s->lora, 4 * li + 2, t);
-        act_mul(gate_up, act, n, I, m->activation, t);
-        linear(&L->down, act, n, delta, &b, t);
-        if (s->lora_row) lora_apply(act, I, I, delta, H, n, s->lora_row, s->lora, 4 * li + 3, t);
+        if (L->moe) {  // (LoRA adapters never target the experts: refused at load)
+            moe_forward(L->moe, x, H, n, delta, H, b.moe, t);
+        } else {
+            linear(&L->gate_up, x, n, gate_up, &b, t);
+            if (s->lora_row) lora_apply(x, H, H, gate_up, 2 * I, n, s->lora_row, s->lora, 4 * li + 2, t);
+            act_mul(gate_up, act, n, I, m->activation, t);
+            linear(&L->down, act, n, delta, &b, t);
+            if (s->lora_row) lora_apply(act, I, I, delta, H, n, s->lora_row, s->lora, 4 * li + 3, t);
+        }
         if (L->post_mlp_norm) add_rms_norm(delta, NULL, L->post_mlp_norm, delta, n, H, m->eps, t);
         add_norm(h, delta, li + 1 < m->layers ? m->layer[li + 1].input_norm : m->norm, x, n, H, m->eps, t);
     }

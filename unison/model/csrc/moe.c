@@ -1,0 +1,305 @@
+// A mixture of experts' MLP for CPUs: route each row to its top-k experts, run every active
+// expert once over the rows routed to it, and sum each row's expert outputs with their weights.
+//
+//   logits = x W_router^T (float32, a fixed order of sums per row and expert)
+//   top-k experts by logit (ties: the lower expert index), weights softmax(logits) at them,
+//   renormalized over the k when norm_topk
+//   y_e = down_e(act(gate_e(x)) * up_e(x))   for the rows routed to e, on quant_linear.c's kernels
+//   out = sum over the row's experts, in increasing expert index, of (y_e * w_e)
+//
+// The step's (row, expert) pairs are grouped by expert, as lora.c groups rows by adapter: each
+// active expert's weights are read once per step, whatever its number of rows. The work is a
+// list of (expert, column chunk) items shared by the threads, so that one row on 8 experts and
+// 64 rows on 128 experts both keep every thread busy; each item runs the quantized GEMM on one
+// thread. A row's result depends only on that row: the router sums in one order, each expert's
+// GEMM is row-independent on every instruction-set path, and the combination runs in a fixed
+// order, so outputs are bit-identical alone or in any batch.
+//
+// Built with the other kernels by unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe.h"
+
+#define QBLOCK 32
+#define TILE 8
+#define ROW_CHUNK 128  // rows per pass: bounds the workspace whatever the step's size
+#define NARROW_COLS 64  // columns per work item when an expert has few rows
+#define WIDE_COLS 256  // ... and when it has many (the GEMM widens weights once per call)
+#define WIDE_ROWS 12
+#define LANES 16  // the router's partial sums per dot product
+
+void int4_linear(const uint8_t *w, int64_t n, int64_t kp, void *act, int64_t m, float *out, int64_t ldo,
+                 int num_threads);
+void int8_linear(const uint8_t *w, int64_t n, int64_t kp, const float *x, int64_t x_stride, const float *xs,
+                 int64_t m, float *out, int64_t ldo, int num_threads);
+void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t kp, void *buf,
+                    int num_threads);
+int64_t act16_bytes(int64_t rows, int64_t kp);
+void block_sums(const float *x, int64_t x_stride, int64_t rows, int64_t kp, float *xs);
+void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
+
+static int64_t kp_of(int64_t k) { return (k + QBLOCK - 1) / QBLOCK * QBLOCK; }
+static int64_t record_of(int64_t bits) { return bits == 4 ? 160 : 288; }
+static int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
+
+// Expert e's packed weight: tiles of 8 columns, each kp / 32 records.
+static const uint8_t *expert_weight(const ExpertLinear *l, int64_t e) {
+    return l->w + e * (l->n / TILE) * (kp_of(l->k) / QBLOCK) * record_of(l->bits);
+}
+
+// ---- the workspace of one pass of `rows` rows ---------------------------------------------------
+
+typedef struct {
+    float *logits;  // [rows, experts]
+    int32_t *top;  // [rows, top_k] experts, increasing
+    float *weight;  // [rows, top_k]
+    int32_t *pos;  // [rows, top_k]: where the pair sits in expert order
+    int32_t *pair_row;  // [pairs] in expert order: the row of each
+    int64_t *start;  // [experts + 1]: expert e's pairs are [start[e], start[e + 1])
+    int32_t *items;  // [max items, 3]: (expert, which linear, first column)
+    float *xg, *xs_h;  // [pairs, kp(hidden)] the rows gathered, [pairs, kp / 32] their block sums
+    uint8_t *act_h;  // act16 of xg, expert e's at act16_bytes(start[e], kp)
+    float *gate_up;  // [pairs, 2 * inter]
+    float *a, *xs_i;  // [pairs, kp(inter)] act(gate) * up, block sums
+    uint8_t *act_i;
+    float *y;  // [pairs, hidden]
+} Work;
+
+static int64_t max_items(const MoeLayer *L) {
+    return L->experts * (2 * ((L->inter + NARROW_COLS - 1) / NARROW_COLS) + (L->hidden + NARROW_COLS - 1) / NARROW_COLS);
+}
+
+static Work carve(const MoeLayer *L, int64_t rows, uint8_t *base) {
+    const int64_t pairs = rows * L->top_k, kh = kp_of(L->hidden), ki = kp_of(L->inter);
+    Work w;
+    uint8_t *p = base;
+#define TAKE(field, bytes) (w.field = (void *)p, p += align64(bytes))
+    TAKE(logits, 4 * rows * L->experts);
+    TAKE(top, 4 * pairs);
+    TAKE(weight, 4 * pairs);
+    TAKE(pos, 4 * pairs);
+    TAKE(pair_row, 4 * pairs);
+    TAKE(start, 8 * (L->experts + 1));
+    TAKE(items, 12 * max_items(L));
+    TAKE(xg, 4 * pairs * kh);
+    TAKE(xs_h, 4 * pairs * (kh / QBLOCK));
+    TAKE(act_h, act16_bytes(pairs, kh));
+    TAKE(gate_up, 4 * pairs * 2 * L->inter);
+    TAKE(a, 4 * pairs * ki);
+    TAKE(xs_i, 4 * pairs * (ki / QBLOCK));
+    TAKE(act_i, act16_bytes(pairs, ki));
+    TAKE(y, 4 * pairs * L->hidden);
+#undef TAKE
+    (void)p;
+    return w;
+}
+
+int64_t moe_workspace_bytes(const MoeLayer *L, int64_t rows) {
+    const int64_t chunk = rows < ROW_CHUNK ? rows : ROW_CHUNK;
+    uint8_t *end = (uint8_t *)carve(L, chunk, NULL).y + align64(4 * chunk * L->top_k * L->hidden);
+    return (int64_t)(uintptr_t)end + 64;
+}
+
+// ---- routing ----------------------------------------------------------------------------------
+
+// logits[r, e] for experts [e0, e0 + 4): LANES partial sums each, added pairwise at the end,
+// the same operations whatever the rows or threads.
+static void router_block(const float *x, int64_t x_stride, int64_t rows, const float *router, int64_t hidden,
+                         int64_t e0, int64_t ne, float *logits, int64_t experts) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        for (int64_t e = e0; e < e0 + ne; e++) {
+            const float *we = router + e * hidden;
+            float acc[LANES] = {0}, tail = 0.0f;
+            int64_t i = 0;
+            for (; i + LANES <= hidden; i += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] = fmaf(xr[i + l], we[i + l], acc[l]);
+            for (; i < hidden; i++) tail = fmaf(xr[i], we[i], tail);
+            for (int width = LANES / 2; width >= 1; width /= 2)
+                for (int l = 0; l < width; l++) acc[l] += acc[l + width];
+            logits[r * experts + e] = acc[0] + tail;
+        }
+    }
+}
+
+// The row's top-k experts (ties: the lower index) and their weights, experts in increasing order.
+static void select_experts(const MoeLayer *L, const float *logits, int32_t *top, float *weight) {
+    const int64_t E = L->experts, K = L->top_k;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) mx = fmaxf(mx, logits[e]);
+    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - mx);
+    uint8_t taken[1024] = {0};  // experts <= 1024, checked at load
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || logits[e] > logits[best])) best = e;
+        taken[best] = 1;
+        top[j] = (int32_t)best;
+    }
+    float chosen = 0.0f;  // in the softmax's order of size, as the reference sums them
+    for (int64_t j = 0; j < K; j++) {
+        weight[j] = expf(logits[top[j]] - mx) / sum;
+        chosen += weight[j];
+    }
+    if (L->norm_topk)
+        for (int64_t j = 0; j < K; j++) weight[j] /= chosen;
+    for (int64_t j = 1; j < K; j++)  // by expert index: the combination's fixed order
+        for (int64_t i = j; i > 0 && top[i - 1] > top[i]; i--) {
+            const int32_t t = top[i]; top[i] = top[i - 1]; top[i - 1] = t;
+            const float f = weight[i]; weight[i] = weight[i - 1]; weight[i - 1] = f;
+        }
+}
+
+// Pairs grouped by expert (rows in order within each); work items for the two GEMM phases.
+static void group_pairs(const MoeLayer *L, int64_t rows, Work *w, int64_t *n_up, int64_t *n_down) {
+    const int64_t E = L->experts, K = L->top_k;
+    memset(w->start, 0, sizeof(int64_t) * (E + 1));
+    for (int64_t p = 0; p < rows * K; p++) w->start[w->top[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) w->start[e + 1] += w->start[e];
+    int64_t *fill = (int64_t *)w->items;  // scratch for the cursors, before the items are written
+    for (int64_t e = 0; e < E; e++) fill[e] = w->start[e];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t at = fill[w->top[r * K + j]]++;
+            w->pair_row[at] = (int32_t)r;
+            w->pos[r * K + j] = (int32_t)at;
+        }
+    int64_t n = 0;
+    for (int pass = 0; pass < 2; pass++) {  // gate and up items first, then down's
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t count = w->start[e + 1] - w->start[e];
+            if (!count) continue;
+            const int64_t cols = count >= WIDE_ROWS ? WIDE_COLS : NARROW_COLS;
+            const int64_t width = pass ? L->hidden : L->inter;
+            for (int which = 0; which < (pass ? 1 : 2); which++)
+                for (int64_t c = 0; c < width; c += cols) {
+                    w->items[3 * n] = (int32_t)e;
+                    w->items[3 * n + 1] = pass ? 2 : which;
+                    w->items[3 * n + 2] = (int32_t)c;
+                    n++;
+                }
+        }
+        if (!pass) *n_up = n;
+    }
+    *n_down = n - *n_up;
+}
+
+// ---- the experts --------------------------------------------------------------------------------
+
+// Rows [start, start + count) of `in` (row stride kp, activations prepared by prepare()) through
+// columns [c0, c0 + cols) of expert e's linear `l`, into `out` (row stride ldo) at those columns.
+static void expert_gemm(const ExpertLinear *l, int64_t e, int64_t c0, int64_t cols, const float *in,
+                        const float *xs, const uint8_t *act, int64_t start, int64_t count, float *out,
+                        int64_t ldo) {
+    const int64_t kp = kp_of(l->k), nb = kp / QBLOCK;
+    const uint8_t *wt = expert_weight(l, e) + (c0 / TILE) * nb * record_of(l->bits);
+    float *o = out + start * ldo + c0;
+    if (l->bits == 4)
+        int4_linear(wt, cols, kp, (void *)(act + act16_bytes(start, kp)), count, o, ldo, 1);
+    else
+        int8_linear(wt, cols, kp, in + start * kp, kp, xs + start * nb, count, o, ldo, 1);
+}
+
+// What the kernels of `l` and `m` need of rows [start, start + count) of x [.., kp]: act16 for
+// int4 weights, block sums for int8.
+static void prepare(const ExpertLinear *l, const ExpertLinear *m, const float *x, int64_t k, int64_t start,
+                    int64_t count, float *xs, uint8_t *act) {
+    const int64_t kp = kp_of(k);
+    if (l->bits == 4 || (m && m->bits == 4))
+        quantize_act16(x + start * kp, kp, count, k, kp, act + act16_bytes(start, kp), 1);
+    if (l->bits == 8 || (m && m->bits == 8)) block_sums(x + start * kp, kp, count, kp, xs + start * (kp / QBLOCK));
+}
+
+static int64_t item_cols(const Work *w, int64_t e, int64_t c0, int64_t width) {
+    const int64_t count = w->start[e + 1] - w->start[e];
+    const int64_t cols = count >= WIDE_ROWS ? WIDE_COLS : NARROW_COLS;
+    return c0 + cols <= width ? cols : width - c0;
+}
+
+static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_t rows, float *out,
+                     int64_t out_stride, Work *w, int num_threads) {
+    const int64_t E = L->experts, K = L->top_k, H = L->hidden, I = L->inter;
+    const int64_t kh = kp_of(H), ki = kp_of(I);
+    int64_t n_up = 0, n_down = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t e0 = 0; e0 < E; e0 += 4)
+            router_block(x, x_stride, rows, L->router, H, e0, E - e0 < 4 ? E - e0 : 4, w->logits, E);
+#pragma omp single
+        {
+            for (int64_t r = 0; r < rows; r++)
+                select_experts(L, w->logits + r * E, w->top + r * K, w->weight + r * K);
+            group_pairs(L, rows, w, &n_up, &n_down);
+        }
+        // Each active expert's rows, gathered and prepared for its gate and up.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t start = w->start[e], count = w->start[e + 1] - start;
+            if (!count) continue;
+            for (int64_t p = start; p < start + count; p++) {
+                memcpy(w->xg + p * kh, x + w->pair_row[p] * x_stride, sizeof(float) * H);
+                memset(w->xg + p * kh + H, 0, sizeof(float) * (kh - H));
+            }
+            prepare(&L->gate, &L->up, w->xg, H, start, count, w->xs_h, w->act_h);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_up; i++) {
+            const int64_t e = w->items[3 * i], which = w->items[3 * i + 1], c0 = w->items[3 * i + 2];
+            const ExpertLinear *l = which ? &L->up : &L->gate;
+            expert_gemm(l, e, c0, item_cols(w, e, c0, I), w->xg, w->xs_h, w->act_h, w->start[e],
+                        w->start[e + 1] - w->start[e], w->gate_up + which * I, 2 * I);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t start = w->start[e], count = w->start[e + 1] - start;
+            if (!count) continue;
+            act_mul(w->gate_up + start * 2 * I, w->a + start * ki, count, I, L->activation, 1);
+            if (ki != I)  // act_mul wrote rows of I: spread them to rows of kp, zeros after
+                for (int64_t p = count - 1; p >= 0; p--) {
+                    memmove(w->a + (start + p) * ki, w->a + start * ki + p * I, sizeof(float) * I);
+                    memset(w->a + (start + p) * ki + I, 0, sizeof(float) * (ki - I));
+                }
+            prepare(&L->down, NULL, w->a, I, start, count, w->xs_i, w->act_i);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = n_up; i < n_up + n_down; i++) {
+            const int64_t e = w->items[3 * i], c0 = w->items[3 * i + 2];
+            expert_gemm(&L->down, e, c0, item_cols(w, e, c0, H), w->a, w->xs_i, w->act_i, w->start[e],
+                        w->start[e + 1] - w->start[e], w->y, H);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *o = out + r * out_stride;
+            memset(o, 0, sizeof(float) * H);
+            for (int64_t j = 0; j < K; j++) {  // increasing expert index; the product rounded first
+                const float *y = w->y + (int64_t)w->pos[r * K + j] * H, wt = w->weight[r * K + j];
+                for (int64_t h = 0; h < H; h++) o[h] += y[h] * wt;
+            }
+        }
+    }
+}
+
+void moe_forward(const MoeLayer *L, const float *x, int64_t x_stride, int64_t rows, float *out,
+                 int64_t out_stride, void *workspace, int num_threads) {
+    const int64_t chunk = rows < ROW_CHUNK ? rows : ROW_CHUNK;
+    Work w = carve(L, chunk, (uint8_t *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63));
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+        const int64_t n = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
+        moe_pass(L, x + r0 * x_stride, x_stride, n, out + r0 * out_stride, out_stride, &w, num_threads);
+    }
+}
+
+// The router's choice for rows of x, for tests: top [rows, top_k], weight [rows, top_k].
+void moe_route(const MoeLayer *L, const float *x, int64_t x_stride, int64_t rows, int32_t *top, float *weight) {
+    float *logits = malloc(sizeof(float) * rows * L->experts);
+    if (!logits) return;
+    router_block(x, x_stride, rows, L->router, L->hidden, 0, L->experts, logits, L->experts);
+    for (int64_t r = 0; r < rows; r++)
+        select_experts(L, logits + r * L->experts, top + r * L->top_k, weight + r * L->top_k);
+    free(logits);
+}

@@ -1,0 +1,112 @@
+"""A mixture of experts' MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's top-k
+experts, each expert is a gated MLP, and the token's output is their sum weighted by the
+router's softmax (renormalized over the k where the config says so).
+
+`QuantMoe` runs on CPUs with the experts in their int4 / int8 blocks (csrc/moe.c: the step's
+(row, expert) pairs grouped by expert, one GEMM per active expert, a fixed order of sums, so a
+row's result is the same alone or in any batch). `FloatMoe` is the reference in torch, for
+float weights on any device, computed as transformers computes it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels, quant
+from .families import ModelConfig, MoeConfig
+from .quant import QuantWeight
+
+if TYPE_CHECKING:
+    from .decoder import _WeightGetter
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+class FloatMoe:
+    """The experts as float tensors [experts, rows, k], run expert by expert in torch."""
+
+    def __init__(self, moe: MoeConfig, activation: str, router: torch.Tensor, gate: torch.Tensor,
+                 up: torch.Tensor, down: torch.Tensor):
+        self.cfg, self.activation = moe, activation
+        self.router, self.gate, self.up, self.down = router, gate, up, down
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [rows, top_k], weights [rows, top_k]), as transformers' top-k routers."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():  # increasing: the order transformers adds them in
+            rows, slot = torch.where(experts == e)
+            h = x.index_select(0, rows)
+            gate = F.linear(h, self.gate[e])
+            act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
+            y = F.linear(act * F.linear(h, self.up[e]), self.down[e])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.router, self.gate, self.up, self.down))
+
+    @property
+    def kind(self) -> str:
+        return str(self.gate.dtype).removeprefix("torch.")
+
+
+class QuantMoe:
+    """The experts in the quantized kernel's blocks, one weight [experts, ...] per projection,
+    run by csrc/moe.c (the compiled decoder calls it through `c`)."""
+
+    def __init__(self, moe: MoeConfig, activation: str, router: torch.Tensor, gate: QuantWeight,
+                 up: QuantWeight, down: QuantWeight, kernels: cpu_kernels.CpuKernels):
+        self.cfg, self.kernels = moe, kernels
+        self.router = router.float().contiguous()
+        self.weights = {"gate": gate, "up": up, "down": down}
+
+        def linear(w: QuantWeight) -> cpu_kernels.ExpertLinearC:
+            return cpu_kernels.ExpertLinearC(w.bits, w.packed.data_ptr(), w.n_padded, w.k)
+
+        self.c = cpu_kernels.MoeLayerC(moe.num_experts, moe.top_k, gate.k, moe.intermediate_size,
+                                       int(moe.norm_topk_prob), cpu_kernels.ACTIVATIONS[activation],
+                                       self.router.data_ptr(), linear(gate), linear(up), linear(down))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.moe(x, self.c)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, weight = self.kernels.moe_route(x.float().contiguous(), self.c)
+        return top.long(), weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.router.numel() * 4 + sum(w.nbytes for w in self.weights.values())
+
+    @property
+    def kind(self) -> str:
+        path = self.kernels.quant_path
+        kinds = (w.kind + (f"/{path}" if w.bits == 4 else "") for w in self.weights.values())
+        return "+".join(dict.fromkeys(kinds))
+
+
+def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | QuantMoe:
+    """Layer `layer`'s router and experts, as floats or in quantized blocks (per the model's
+    quantization, as its other linears)."""
+    names, moe = cfg.family.moe, cfg.moe
+    assert names is not None and moe is not None
+    router = get(names.router_weight(layer))
+    per_proj = {p: [names.expert(layer, e, p) for e in range(moe.num_experts)] for p in PROJECTIONS}
+    bits = {p: get.bits_of(per_proj[p]) for p in PROJECTIONS}
+    if any(b is None for b in bits.values()):
+        tensors = {p: torch.stack([get(n) for n in per_proj[p]]) for p in PROJECTIONS}
+        return FloatMoe(moe, cfg.family.activation, router, **tensors)
+    stacked = {p: quant.stack([get.weights.quantized(n, bits[p]) for n in per_proj[p]]) for p in PROJECTIONS}
+    return QuantMoe(moe, cfg.family.activation, router, **stacked, kernels=get.kernels)
