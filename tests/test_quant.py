@@ -134,6 +134,34 @@ def test_int4_paths_give_the_same_forward(path: str, runners, prompts):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_q4_0_records_without_m_give_the_same_bits():
+    """GGUF's Q4_0 runs in 144-byte records (m = -8 d, computed by the kernel): the same bits as
+    160-byte records holding that m, on every path, at every row count's code path."""
+    from gguf import GGMLQuantizationType, quants
+
+    from unison.model.gguf import _q4_0
+
+    rng = np.random.default_rng(5)
+    raw = quants.quantize(rng.standard_normal((72, 256)).astype(np.float32), GGMLQuantizationType.Q4_0)
+
+    def with_m(r0: int, r1: int) -> quant.BlockQuant:
+        bq = _q4_0(raw[r0:r1])
+        return quant.BlockQuant(4, bq.q, bq.d, bq.min())
+
+    short = quant.pack(72, 256, 4, lambda r0, r1: _q4_0(raw[r0:r1]), symmetric=True)
+    full = quant.pack(72, 256, 4, with_m)
+    assert (short.record, full.record) == (144, 160) and short.nbytes == raw.nbytes
+    ids = torch.arange(72)
+    assert torch.equal(KERNELS.dequantize_rows(short, ids), KERNELS.dequantize_rows(full, ids))
+    g = torch.Generator().manual_seed(5)
+    for path in KERNELS.supported_quant_paths():
+        with _Path(path):
+            for m in (1, 3, 13, 40):  # narrow, VNNI widened (12+), AVX2 FMA (16+)
+                x = torch.randn(m, 256, generator=g)
+                got = KERNELS.quant_linear(x, cpu_kernels.QuantPlan([short]))
+                assert torch.equal(got, KERNELS.quant_linear(x, cpu_kernels.QuantPlan([full]))), (path, m)
+
+
 def test_forcing_a_path_the_cpu_lacks_is_a_clear_error():
     with pytest.raises(ValueError, match="UNISON_QUANT_KERNEL='amx'"):
         KERNELS.select_quant_path("amx")

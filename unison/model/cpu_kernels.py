@@ -131,7 +131,7 @@ class CpuKernels:
         lib.quant_linear_parts.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
                                            _PTR, _I64, _INT]
         lib.quant_linear_parts.restype = None
-        lib.dequantize_columns.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR]
+        lib.dequantize_columns.argtypes = [_I64, _PTR, _I64, _I64, _PTR, _I64, _PTR]
         lib.dequantize_columns.restype = None
         lib.lora_apply.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
         lib.lora_apply.restype = None
@@ -258,7 +258,7 @@ class CpuKernels:
         if self._scratch.numel() < need:  # grown, never shrunk: one forward runs at a time
             self._scratch = torch.empty(need, dtype=torch.uint8)
         out = torch.empty(m, plan.out_cols)
-        self.lib.quant_linear_parts(x.data_ptr(), x.stride(0), m, plan.k, plan.kp, plan.parts, plan.bits,
+        self.lib.quant_linear_parts(x.data_ptr(), x.stride(0), m, plan.k, plan.kp, plan.parts, plan.records,
                                     plan.weights, plan.n_padded, plan.offsets, self._scratch.data_ptr(),
                                     out.data_ptr(), plan.out_cols, torch.get_num_threads())
         return out if plan.out_cols == plan.n else out[:, : plan.n]
@@ -298,7 +298,7 @@ class CpuKernels:
         """The float32 rows `ids` of a quant.QuantWeight (embedding lookups)."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), weight.k)
-        self.lib.dequantize_columns(weight.bits, weight.packed.data_ptr(), weight.kp, weight.k,
+        self.lib.dequantize_columns(weight.record, weight.packed.data_ptr(), weight.kp, weight.k,
                                     ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
 
@@ -313,7 +313,7 @@ class QuantPlan:
         self.out_cols = offsets[-1] + parts[-1].n_padded  # room for the last part's padding
         arr = ctypes.c_int64 * len(parts)
         self.parts = len(parts)
-        self.bits = arr(*(p.bits for p in parts))
+        self.records = arr(*(p.record for p in parts))  # each part's format, as the kernel names it
         self.weights = arr(*(p.packed.data_ptr() for p in parts))
         self.n_padded = arr(*(p.n_padded for p in parts))
         self.offsets = arr(*offsets)
@@ -323,12 +323,12 @@ class QuantPlan:
 # ---- the whole forward in one call (csrc/decoder.c) ---------------------------------------------
 
 class QLinearC(ctypes.Structure):
-    _fields_ = [("parts", _I64), ("bits", _PTR), ("weights", _PTR), ("n_padded", _PTR), ("offsets", _PTR),
+    _fields_ = [("parts", _I64), ("records", _PTR), ("weights", _PTR), ("n_padded", _PTR), ("offsets", _PTR),
                 ("k", _I64), ("kp", _I64), ("n", _I64), ("out_cols", _I64), ("bias", _PTR)]
 
 
 class ExpertLinearC(ctypes.Structure):
-    _fields_ = [("bits", _I64), ("w", _PTR), ("n", _I64), ("k", _I64)]
+    _fields_ = [("record", _I64), ("w", _PTR), ("n", _I64), ("k", _I64)]
 
 
 class MoeLayerC(ctypes.Structure):
@@ -348,7 +348,7 @@ class DModelC(ctypes.Structure):
     _fields_ = [("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("vocab", _I64), ("block_size", _I64), ("eps", _F32),
                 ("attention_scale", _F32), ("embed_scale", _F32), ("activation", _INT), ("qk_norm", _INT),
-                ("kv_dtype", _INT), ("embed_bits", _I64), ("embed_kp", _I64), ("embed", _PTR), ("norm", _PTR),
+                ("kv_dtype", _INT), ("embed_record", _I64), ("embed_kp", _I64), ("embed", _PTR), ("norm", _PTR),
                 ("lm_head", QLinearC), ("layer", ctypes.POINTER(DLayerC))]
 
 
@@ -361,7 +361,7 @@ class DStepC(ctypes.Structure):
 
 
 def _qlinear(plan: QuantPlan, bias: torch.Tensor | None) -> QLinearC:
-    return QLinearC(plan.parts, ctypes.addressof(plan.bits), ctypes.addressof(plan.weights),
+    return QLinearC(plan.parts, ctypes.addressof(plan.records), ctypes.addressof(plan.weights),
                     ctypes.addressof(plan.n_padded), ctypes.addressof(plan.offsets), plan.k, plan.kp, plan.n,
                     plan.out_cols, _ptr(bias))
 
@@ -394,7 +394,7 @@ class CompiledDecoder:
             len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, mlp, cfg.vocab_size, k_cache.shape[2], cfg.rms_norm_eps,
             cfg.attention_scale, model.embed_scale or 0.0, ACTIVATIONS[cfg.family.activation],
-            QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.bits, embed.kp,
+            QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.record, embed.kp,
             embed.packed.data_ptr(), model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)
         self._keep = (layers, k_cache, v_cache)
         self._workspace = torch.empty(0, dtype=torch.uint8)

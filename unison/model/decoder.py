@@ -389,7 +389,7 @@ class _WeightGetter:
         parts: list[QuantWeight] = []
         for name, b in zip(names, bits):
             w = self.weights.quantized(name, b)
-            if parts and parts[-1].bits == b and parts[-1].n % quant.TILE == 0:
+            if parts and parts[-1].record == w.record and parts[-1].n % quant.TILE == 0:
                 parts[-1] = quant.concat([parts[-1], w])  # one kernel call for same-kind parts
             else:
                 parts.append(w)

@@ -368,10 +368,11 @@ class GGUFWeights:
             raw = rows[r0:r1]
             if exact is not None and bits >= exact[0]:  # 4-bit blocks widen to int8 exactly
                 bq = exact[1](np.ascontiguousarray(raw))
-                return bq if bq.bits == bits else BlockQuant(bits, bq.q.astype(np.int8), bq.d, bq.m)
+                return bq if bq.bits == bits else BlockQuant(bits, bq.q.astype(np.int8), bq.d, bq.min())
             return quant.QUANTIZERS[bits](_dequantize(t, raw))
 
-        weight = quant.pack(n, k, bits, convert)
+        # Q4_0 keeps its 4.5 bits: its m (-8 d) is left out of the records, for the kernel to compute.
+        weight = quant.pack(n, k, bits, convert, symmetric=t.type_name == "Q4_0" and bits == 4)
         self._release(t)
         return weight
 
@@ -446,7 +447,7 @@ def _q4_0(raw: np.ndarray) -> BlockQuant:  # d, 16 bytes: element j low nibble, 
     d = _fp16(b[..., :2])
     qs = b[..., 2:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(raw.shape[0], -1)
-    return BlockQuant(4, q, d, (d.astype(np.float32) * -8).astype(np.float16))
+    return BlockQuant(4, q, d, None)  # w = d (q - 8): m = -8 d, implied (BlockQuant.min)
 
 
 def _q4_1(raw: np.ndarray) -> BlockQuant:  # d, m, 16 bytes of nibbles as Q4_0

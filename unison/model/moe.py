@@ -73,7 +73,7 @@ class QuantMoe:
         self.weights = {"gate": gate, "up": up, "down": down}
 
         def linear(w: QuantWeight) -> cpu_kernels.ExpertLinearC:
-            return cpu_kernels.ExpertLinearC(w.bits, w.packed.data_ptr(), w.n_padded, w.k)
+            return cpu_kernels.ExpertLinearC(w.record, w.packed.data_ptr(), w.n_padded, w.k)
 
         self.c = cpu_kernels.MoeLayerC(moe.num_experts, moe.top_k, gate.k, moe.intermediate_size,
                                        int(moe.norm_topk_prob), cpu_kernels.ACTIVATIONS[activation],

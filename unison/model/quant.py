@@ -23,6 +23,9 @@ import torch
 QBLOCK = 32  # weights and activations share 32-element blocks along k
 TILE = 8  # output rows packed side by side
 RECORD = {4: 160, 8: 288}  # bytes per (tile, block): see csrc/quant_linear.c
+# int4 records without m, where m = -8 d (GGUF's Q4_0): a Q4_0 file runs at its own 4.5 bits.
+# The kernels tell the formats apart by their record's size.
+INT4_SYM_RECORD = 144
 # GGUF types that map onto int4 exactly (Q4_K up to the fp16 rounding of its sub-block scales).
 GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 CHUNK_ELEMENTS = 1 << 20  # rows converted at a time: bounds the temporaries to a few MiB
@@ -35,14 +38,21 @@ class BlockQuant:
     bits: int
     q: np.ndarray  # [rows, kp] uint8 (int4: 0..15) or int8
     d: np.ndarray  # [rows, kp / 32] float16
-    m: np.ndarray | None  # [rows, kp / 32] float16; None: 0
+    m: np.ndarray | None  # [rows, kp / 32] float16; None: 0 for int8, -8 d for int4 (Q4_0's blocks)
 
     def dequantize(self, k: int) -> np.ndarray:
         d = np.repeat(self.d.astype(np.float32), QBLOCK, axis=1)
         w = d * self.q.astype(np.float32)
-        if self.m is not None:
-            w += np.repeat(self.m.astype(np.float32), QBLOCK, axis=1)
+        m = self.min()
+        if m is not None:
+            w += np.repeat(m.astype(np.float32), QBLOCK, axis=1)
         return w[:, :k]
+
+    def min(self) -> np.ndarray | None:
+        """m as stored, or -8 d for int4 blocks without one (exact: d times a power of two)."""
+        if self.m is None and self.bits == 4:
+            return (self.d.astype(np.float32) * -8).astype(np.float16)
+        return self.m
 
 
 @dataclass(slots=True)
@@ -57,6 +67,11 @@ class QuantWeight:
     @property
     def kind(self) -> str:
         return f"int{self.bits}"
+
+    @property
+    def record(self) -> int:
+        """Bytes per (tile, block) record, which names the format to the kernels."""
+        return self.packed.shape[-1]
 
     @property
     def kp(self) -> int:
@@ -82,12 +97,14 @@ def pack_rows(bq: BlockQuant) -> np.ndarray:
     rows, kp = bq.q.shape
     tiles, nb = rows // TILE, kp // QBLOCK
     d = _tiled(bq.d, tiles, nb)
-    m = _tiled(bq.m if bq.m is not None else np.zeros_like(bq.d), tiles, nb)
+    m = _tiled(bq.m if bq.m is not None else np.zeros_like(bq.d), tiles, nb)  # int8's m=None: 0
     if bq.bits == 8:  # k-major: each k's 8 columns side by side
         q = bq.q.astype(np.int8).view(np.uint8).reshape(tiles, TILE, nb, QBLOCK).transpose(0, 2, 3, 1)
         return np.concatenate([q.reshape(tiles, nb, 256), d, m], axis=2)
     q = bq.q.reshape(tiles, TILE, nb, 4, 2, 4).transpose(0, 2, 3, 4, 1, 5)  # t, b, c, half, col, j
     nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))
+    if bq.m is None:  # m = -8 d, left for the kernel to compute: INT4_SYM_RECORD
+        return np.concatenate([nibbles.reshape(tiles, nb, 128), d], axis=2)
     return np.concatenate([nibbles.reshape(tiles, nb, 128), d, m], axis=2)
 
 
@@ -97,10 +114,13 @@ def _tiled(scales: np.ndarray, tiles: int, nb: int) -> np.ndarray:
     return np.ascontiguousarray(t).view(np.uint8).reshape(tiles, nb, 16)
 
 
-def pack(n: int, k: int, bits: int, rows: Callable[[int, int], BlockQuant]) -> QuantWeight:
-    """Pack an [n, k] matrix whose rows [r0, r1) `rows` converts, a slice at a time."""
+def pack(n: int, k: int, bits: int, rows: Callable[[int, int], BlockQuant], symmetric: bool = False
+         ) -> QuantWeight:
+    """Pack an [n, k] matrix whose rows [r0, r1) `rows` converts, a slice at a time (`symmetric`:
+    int4 blocks whose m is -8 d, which `rows` returns as m=None, packed without it)."""
     nb = _round_up(k, QBLOCK) // QBLOCK
-    out = np.empty((_round_up(n, TILE) // TILE, nb, RECORD[bits]), dtype=np.uint8)
+    record = INT4_SYM_RECORD if symmetric else RECORD[bits]
+    out = np.empty((_round_up(n, TILE) // TILE, nb, record), dtype=np.uint8)
     step = max(TILE, CHUNK_ELEMENTS // max(k, 1) // TILE * TILE)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -163,7 +183,7 @@ def quantize(w: torch.Tensor | np.ndarray, bits: int) -> QuantWeight:
 def concat(parts: Sequence[QuantWeight]) -> QuantWeight:
     """Rows of several matrices of the same kind and k (q, k, v into one QKV)."""
     first = parts[0]
-    assert all(p.bits == first.bits and p.k == first.k and p.n % TILE == 0 for p in parts[:-1])
+    assert all(p.record == first.record and p.k == first.k and p.n % TILE == 0 for p in parts[:-1])
     return QuantWeight(first.bits, torch.cat([p.packed for p in parts]), sum(p.n for p in parts), first.k)
 
 
@@ -171,5 +191,5 @@ def stack(parts: Sequence[QuantWeight]) -> QuantWeight:
     """Matrices of one kind and shape as one weight [len(parts), ...] (a mixture's experts, each
     run on its own): `n` and `k` stay each matrix's."""
     first = parts[0]
-    assert all(p.bits == first.bits and p.n == first.n and p.k == first.k for p in parts)
+    assert all(p.record == first.record and p.n == first.n and p.k == first.k for p in parts)
     return QuantWeight(first.bits, torch.stack([p.packed for p in parts]), first.n, first.k)

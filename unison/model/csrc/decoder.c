@@ -18,11 +18,11 @@
 // ---- the kernels this calls (the other files of this shared object) ---------------------------
 
 void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t kp,
-                        int64_t parts, const int64_t *bits, const int64_t *weights,
+                        int64_t parts, const int64_t *records, const int64_t *weights,
                         const int64_t *n_padded, const int64_t *col_offset, void *scratch,
                         float *out, int64_t ldo, int num_threads);
 int64_t act16_bytes(int64_t rows, int64_t kp);
-void dequantize_columns(int bits, const uint8_t *w, int64_t kp, int64_t k, const int64_t *ids,
+void dequantize_columns(int64_t record, const uint8_t *w, int64_t kp, int64_t k, const int64_t *ids,
                         int64_t count, float *out);
 void add_rms_norm(float *h, const float *delta, const float *weight, float *out, int64_t rows,
                   int64_t dim, float eps, int num_threads);
@@ -43,7 +43,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
 
 typedef struct {  // a quantized linear's parts, as quant_linear_parts takes them
     int64_t parts;
-    const int64_t *bits, *weights, *n_padded, *offsets;
+    const int64_t *records, *weights, *n_padded, *offsets;  // records: each part's format (bytes)
     int64_t k, kp, n, out_cols;
     const float *bias;  // NULL: none
 } QLinear;
@@ -60,7 +60,7 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size;
     float eps, attention_scale, embed_scale;  // embed_scale 0: none
     int activation, qk_norm, kv_dtype;  // qk_norm: 0 none, 1 per head, 2 over the projection
-    int64_t embed_bits, embed_kp;
+    int64_t embed_record, embed_kp;
     const uint8_t *embed;
     const float *norm;
     QLinear lm_head;
@@ -127,7 +127,7 @@ static void linear(const QLinear *l, const float *x, int64_t rows, float *out, B
         }
         x = b->padded;
     }
-    quant_linear_parts(x, l->kp, rows, l->k, l->kp, l->parts, l->bits, l->weights, l->n_padded, l->offsets,
+    quant_linear_parts(x, l->kp, rows, l->k, l->kp, l->parts, l->records, l->weights, l->n_padded, l->offsets,
                        b->scratch, out, l->out_cols, threads);
     if (l->out_cols != l->n)  // compact the padding columns away
         for (int64_t r = 1; r < rows; r++) memmove(out + r * l->n, out + r * l->out_cols, sizeof(float) * l->n);
@@ -155,7 +155,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
     float *h = b.h, *x = b.x, *delta = b.delta, *qkv = b.qkv, *qbuf = b.q, *attn = b.attn;
     float *gate_up = b.gate_up, *act = b.act;
 
-    dequantize_columns((int)m->embed_bits, m->embed, m->embed_kp, H, s->ids, n, h);
+    dequantize_columns(m->embed_record, m->embed, m->embed_kp, H, s->ids, n, h);
     if (m->embed_scale != 0.0f)
         for (int64_t i = 0; i < n * H; i++) h[i] *= m->embed_scale;
     add_norm(h, NULL, m->layer[0].input_norm, x, n, H, m->eps, t);

@@ -32,8 +32,8 @@
 #define WIDE_ROWS 12
 #define LANES 16  // the router's partial sums per dot product
 
-void int4_linear(const uint8_t *w, int64_t n, int64_t kp, void *act, int64_t m, float *out, int64_t ldo,
-                 int num_threads);
+void int4_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
+                 int64_t ldo, int num_threads);
 void int8_linear(const uint8_t *w, int64_t n, int64_t kp, const float *x, int64_t x_stride, const float *xs,
                  int64_t m, float *out, int64_t ldo, int num_threads);
 void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t kp, void *buf,
@@ -43,12 +43,12 @@ void block_sums(const float *x, int64_t x_stride, int64_t rows, int64_t kp, floa
 void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
 
 static int64_t kp_of(int64_t k) { return (k + QBLOCK - 1) / QBLOCK * QBLOCK; }
-static int64_t record_of(int64_t bits) { return bits == 4 ? 160 : 288; }
+#define INT8_RECORD 288
 static int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
 
 // Expert e's packed weight: tiles of 8 columns, each kp / 32 records.
 static const uint8_t *expert_weight(const ExpertLinear *l, int64_t e) {
-    return l->w + e * (l->n / TILE) * (kp_of(l->k) / QBLOCK) * record_of(l->bits);
+    return l->w + e * (l->n / TILE) * (kp_of(l->k) / QBLOCK) * l->record;
 }
 
 // ---- the workspace of one pass of `rows` rows ---------------------------------------------------
@@ -196,10 +196,10 @@ static void expert_gemm(const ExpertLinear *l, int64_t e, int64_t c0, int64_t co
                         const float *xs, const uint8_t *act, int64_t start, int64_t count, float *out,
                         int64_t ldo) {
     const int64_t kp = kp_of(l->k), nb = kp / QBLOCK;
-    const uint8_t *wt = expert_weight(l, e) + (c0 / TILE) * nb * record_of(l->bits);
+    const uint8_t *wt = expert_weight(l, e) + (c0 / TILE) * nb * l->record;
     float *o = out + start * ldo + c0;
-    if (l->bits == 4)
-        int4_linear(wt, cols, kp, (void *)(act + act16_bytes(start, kp)), count, o, ldo, 1);
+    if (l->record != INT8_RECORD)
+        int4_linear(wt, l->record, cols, kp, (void *)(act + act16_bytes(start, kp)), count, o, ldo, 1);
     else
         int8_linear(wt, cols, kp, in + start * kp, kp, xs + start * nb, count, o, ldo, 1);
 }
@@ -209,9 +209,9 @@ static void expert_gemm(const ExpertLinear *l, int64_t e, int64_t c0, int64_t co
 static void prepare(const ExpertLinear *l, const ExpertLinear *m, const float *x, int64_t k, int64_t start,
                     int64_t count, float *xs, uint8_t *act) {
     const int64_t kp = kp_of(k);
-    if (l->bits == 4 || (m && m->bits == 4))
+    if (l->record != INT8_RECORD || (m && m->record != INT8_RECORD))
         quantize_act16(x + start * kp, kp, count, k, kp, act + act16_bytes(start, kp), 1);
-    if (l->bits == 8 || (m && m->bits == 8)) block_sums(x + start * kp, kp, count, kp, xs + start * (kp / QBLOCK));
+    if (l->record == INT8_RECORD || (m && m->record == INT8_RECORD)) block_sums(x + start * kp, kp, count, kp, xs + start * (kp / QBLOCK));
 }
 
 static int64_t item_cols(const Work *w, int64_t e, int64_t c0, int64_t width) {

@@ -19,6 +19,11 @@
 //   int4: 128 bytes of nibbles, d[8] fp16, m[8] fp16                       (160 bytes)
 //         byte 32 c + 4 col + j holds k = 8 c + j (low nibble) and k = 8 c + 4 + j (high nibble)
 //   int8: 256 bytes, byte 8 k + col holds k; then d[8] fp16, m[8] fp16       (288 bytes)
+//   int4 with m = -8 d (GGUF's Q4_0): the int4 record without its m          (144 bytes)
+// The record's size names its format wherever a weight is passed (`record`). The third keeps a
+// Q4_0 file's experts and linears at the file's own 4.5 bits; m = -8 d is computed in float32,
+// exactly the float of the fp16 m the 160-byte record would hold (d times a power of two), so
+// both records of the same blocks give the same bits.
 // int4: four consecutive k of 8 columns fill one 256-bit register, so a broadcast of 4 activation
 // bytes against it gives 8 columns' partial dots per maddubs. int8: the 8 columns of one k
 // sign-extend into one register of 8 lanes. Either way, no horizontal sums.
@@ -103,6 +108,7 @@ int quant_kernel_path(void) {
 #define QBLOCK 32
 #define TILE 8
 #define INT4_RECORD 160
+#define INT4_SYM_RECORD 144
 #define INT8_RECORD 288
 #define INT4_ROWS 2  // rows of x per int4 micro-kernel call (two int16 sums each: registers)
 #define INT8_NARROW_TILES 8  // tiles per int8 call for few rows: 8 FMA chains
@@ -270,13 +276,20 @@ static inline __m256i bcast4(const void *p) {
     return _mm256_set1_epi32(v);
 }
 
+// The 8 columns' m of an int4 record: stored, or -8 d.
+static inline __m256 int4_min(const uint8_t *rec, __m256 d, int64_t record) {
+    if (record == INT4_SYM_RECORD) return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 144)));
+}
+
 static inline __attribute__((always_inline)) void int4_tile(
-        const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo, const int nrows) {
+        const uint8_t *w, int64_t record, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo,
+        const int nrows) {
     const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
     const __m256i ones = _mm256_set1_epi16(1), x256 = _mm256_set1_epi16(256);
     __m256 acc[INT4_ROWS];
     for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += INT4_RECORD) {
+    for (int64_t b = 0; b < nb; b++, w += record) {
         prefetch_record(w);
         __m256i hsum[INT4_ROWS], lsum[INT4_ROWS];
         for (int r = 0; r < nrows; r++) hsum[r] = lsum[r] = _mm256_setzero_si256();
@@ -294,7 +307,7 @@ static inline __attribute__((always_inline)) void int4_tile(
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 128)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 144)));
+        const __m256 m = int4_min(w, d, record);
         for (int r = 0; r < nrows; r++) {
             const int64_t rb = r * nb + b;
             const __m256i dot = _mm256_add_epi32(
@@ -308,12 +321,12 @@ static inline __attribute__((always_inline)) void int4_tile(
     for (int r = 0; r < nrows; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 #else
-static void int4_tile(const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo,
-                      const int nrows) {
+static void int4_tile(const uint8_t *w, int64_t record, int64_t nb, act16 a, int64_t kp, float *out,
+                      int64_t ldo, const int nrows) {
     for (int r = 0; r < nrows; r++) {
         float acc[TILE] = {0};
         const uint8_t *rec = w;
-        for (int64_t b = 0; b < nb; b++, rec += INT4_RECORD) {
+        for (int64_t b = 0; b < nb; b++, rec += record) {
             const int64_t at = r * kp + b * QBLOCK, rb = r * nb + b;
             for (int col = 0; col < TILE; col++) {
                 int32_t dot = 0;
@@ -329,9 +342,10 @@ static void int4_tile(const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *
                 dot += a.l8[rb];
                 uint16_t dh, mh;
                 memcpy(&dh, rec + 128 + 2 * col, 2);
-                memcpy(&mh, rec + 144 + 2 * col, 2);
+                if (record != INT4_SYM_RECORD) memcpy(&mh, rec + 144 + 2 * col, 2);
+                const float m = record == INT4_SYM_RECORD ? fp16_to_float(dh) * -8.0f : fp16_to_float(mh);
                 acc[col] = fmaf((float)dot, fp16_to_float(dh) * a.da[rb], acc[col]);
-                acc[col] = fmaf(fp16_to_float(mh), a.sa[rb], acc[col]);
+                acc[col] = fmaf(m, a.sa[rb], acc[col]);
             }
         }
         memcpy(out + r * ldo, acc, sizeof(acc));
@@ -350,8 +364,9 @@ static void int4_tile(const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *
 #define INT8_WIDE_MIN_ROWS 4  // int8 batches from this size widen a tile group once
 
 // wf [kp][ntiles][8]: the tiles' q as floats, k-major, the group's tiles side by side.
-static void widen_tiles(int bits, const uint8_t *w, int64_t nb, int ntiles, float *wf) {
-    const int64_t record = bits == 4 ? INT4_RECORD : INT8_RECORD, stride = ntiles * TILE;
+static void widen_tiles(int64_t record, const uint8_t *w, int64_t nb, int ntiles, float *wf) {
+    const int bits = record == INT8_RECORD ? 8 : 4;
+    const int64_t stride = ntiles * TILE;
     for (int t = 0; t < ntiles; t++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *rec = w + (t * nb + b) * record;
@@ -414,8 +429,9 @@ static inline __attribute__((always_inline)) void fma_tile(
         }
         for (int t = 0; t < ntiles; t++) {
             const uint8_t *rt = rec[t] + b * record;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + record - 32)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + record - 16)));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + (record == INT8_RECORD ? 256 : 128))));
+            const __m256 m = record == INT8_RECORD ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + 272)))
+                                                   : int4_min(rt, d, record);
             for (int r = 0; r < nrows; r++) {
                 float *o = out + r * ldo + t * TILE;
                 __m256 acc = b ? _mm256_loadu_ps(o) : _mm256_setzero_ps();
@@ -445,12 +461,13 @@ static void fma_rows(const float *wf, const uint8_t *const *rec, int64_t record,
 #undef FMA_CASE
 }
 
-// out [m, ldo] columns [0, n) for W of `bits` through widened tile groups: each thread widens a
-// group, then runs every row against it. Returns 0, or -1 without the memory (nothing written).
-static int fma_linear(int bits, const uint8_t *w, int64_t n, int64_t kp, const float *a, int64_t a_stride,
-                      const float *s1, const float *s2, int64_t m, float *out, int64_t ldo, int num_threads) {
+// out [m, ldo] columns [0, n) for W of records `record` through widened tile groups: each thread
+// widens a group, then runs every row against it. Returns 0, or -1 without the memory (nothing
+// written).
+static int fma_linear(int64_t record, const uint8_t *w, int64_t n, int64_t kp, const float *a,
+                      int64_t a_stride, const float *s1, const float *s2, int64_t m, float *out, int64_t ldo,
+                      int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + FMA_TILES - 1) / FMA_TILES;
-    const int64_t record = bits == 4 ? INT4_RECORD : INT8_RECORD;
     float *widened = malloc(sizeof(float) * kp * TILE * FMA_TILES * num_threads);
     if (!widened) return -1;
     // Rows in chunks whose activations stay in L2 while all of a thread's tile groups pass them
@@ -468,7 +485,7 @@ static int fma_linear(int bits, const uint8_t *w, int64_t n, int64_t kp, const f
                 const int ntiles = tiles - g * FMA_TILES < FMA_TILES ? (int)(tiles - g * FMA_TILES) : FMA_TILES;
                 const uint8_t *rec[FMA_TILES];
                 for (int t = 0; t < ntiles; t++) rec[t] = w + (g * FMA_TILES + t) * nb * record;
-                widen_tiles(bits, rec[0], nb, ntiles, wf);
+                widen_tiles(record, rec[0], nb, ntiles, wf);
                 for (int64_t r = m0; r < m1; r += FMA_ROWS) {
                     const int nr = m1 - r < FMA_ROWS ? (int)(m1 - r) : FMA_ROWS;
                     fma_rows(wf, rec, record, nb, a + r * a_stride, a_stride, s1 ? s1 + r * nb : NULL,
@@ -497,7 +514,8 @@ static int fma_linear(int bits, const uint8_t *w, int64_t n, int64_t kp, const f
 #define VNNI_MIN_ROWS 12  // from this many rows widening a group once beats vnni_narrow (measured)
 
 // wq [nb][16][32] int32 (pairs, lane = column), dm [nb][2][32] float (d, then m, per column).
-static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t nb, int ntiles, int32_t *wq, float *dm) {
+static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t record, int64_t nb, int ntiles, int32_t *wq,
+                                   float *dm) {
     const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0x0f0000);
     for (int64_t b = 0; b < nb; b++)
         for (int t = 0; t < VNNI_TILES; t++) {
@@ -509,7 +527,7 @@ static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t nb, int ntiles, int
                 _mm256_storeu_ps(d + VNNI_COLS, _mm256_setzero_ps());
                 continue;
             }
-            const uint8_t *rec = w + (t * nb + b) * INT4_RECORD;
+            const uint8_t *rec = w + (t * nb + b) * record;
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 32 * c));
                 for (int j = 0; j < 4; j++) {
@@ -519,8 +537,9 @@ static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t nb, int ntiles, int
                     _mm256_storeu_si256((__m256i *)(o + (4 * c + j) * VNNI_COLS), pair);
                 }
             }
-            _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 128))));
-            _mm256_storeu_ps(d + VNNI_COLS, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 144))));
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 128)));
+            _mm256_storeu_ps(d, scale);
+            _mm256_storeu_ps(d + VNNI_COLS, int4_min(rec, scale, record));
         }
 }
 
@@ -582,11 +601,12 @@ static VNNI_TARGET void vnni_rows(const int32_t *wq, const float *dm, int64_t nb
 #define VNNI_NARROW_ROWS 4
 
 static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
-        const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo, const int nrows) {
+        const uint8_t *w, int64_t record, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo,
+        const int nrows) {
     const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
     __m256 acc[VNNI_NARROW_ROWS];
     for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += INT4_RECORD) {
+    for (int64_t b = 0; b < nb; b++, w += record) {
         prefetch_record(w);
         // Two sums of each kind per row (even and odd c): one chain of eight dependent vpdpbusd
         // per block would set the pace at one row.
@@ -607,7 +627,7 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 128)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 144)));
+        const __m256 m = int4_min(w, d, record);
         for (int r = 0; r < nrows; r++) {
             const int64_t rb = r * nb + b;
             const __m256i h = _mm256_add_epi32(hsum[r][0], hsum[r][1]), l = _mm256_add_epi32(lsum[r][0], lsum[r][1]);
@@ -620,21 +640,21 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_narrow_tile(
     for (int r = 0; r < nrows; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
-static VNNI_TARGET void vnni_narrow_linear(const uint8_t *w, int64_t n, int64_t kp, act16 all, int64_t m,
-                                           float *out, int64_t ldo, int num_threads) {
+static VNNI_TARGET void vnni_narrow_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 all,
+                                           int64_t m, float *out, int64_t ldo, int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tiles * m >= 64)
     for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *wt = w + t * nb * INT4_RECORD;
+        const uint8_t *wt = w + t * nb * record;
         for (int64_t r = 0; r < m; r += VNNI_NARROW_ROWS) {
             const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
                              all.l8 + r * nb, NULL, NULL};
             float *o = out + r * ldo + t * TILE;
             switch (m - r < VNNI_NARROW_ROWS ? m - r : VNNI_NARROW_ROWS) {  // constant shapes: registers
-            case 4: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 4); break;
-            case 3: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 3); break;
-            case 2: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 2); break;
-            default: vnni_narrow_tile(wt, nb, a, kp, o, ldo, 1); break;
+            case 4: vnni_narrow_tile(wt, record, nb, a, kp, o, ldo, 4); break;
+            case 3: vnni_narrow_tile(wt, record, nb, a, kp, o, ldo, 3); break;
+            case 2: vnni_narrow_tile(wt, record, nb, a, kp, o, ldo, 2); break;
+            default: vnni_narrow_tile(wt, record, nb, a, kp, o, ldo, 1); break;
             }
         }
     }
@@ -642,8 +662,8 @@ static VNNI_TARGET void vnni_narrow_linear(const uint8_t *w, int64_t n, int64_t 
 
 // out [m, ldo] columns [0, n) for int4 W, as int4_linear: each thread widens a tile group, then
 // runs every row against it. Returns 0, or -1 without the memory (nothing written).
-static int vnni_linear(const uint8_t *w, int64_t n, int64_t kp, act16 a, int64_t m, float *out, int64_t ldo,
-                       int num_threads) {
+static int vnni_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 a, int64_t m, float *out,
+                       int64_t ldo, int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + VNNI_TILES - 1) / VNNI_TILES;
     const int64_t per_thread = nb * 18 * VNNI_COLS;  // 16 pair rows and d, m per block, 4 bytes each
     int32_t *widened = aligned_alloc(64, sizeof(int32_t) * per_thread * num_threads);
@@ -664,7 +684,7 @@ static int vnni_linear(const uint8_t *w, int64_t n, int64_t kp, act16 a, int64_t
                 const int cols = ntiles * TILE;
                 const __mmask16 mask0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
                 const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-                vnni_widen(w + g * VNNI_TILES * nb * INT4_RECORD, nb, ntiles, wq, dm);
+                vnni_widen(w + g * VNNI_TILES * nb * record, record, nb, ntiles, wq, dm);
                 for (int64_t r = m0; r < m1; r += VNNI_ROWS) {
                     const int nr = m1 - r < VNNI_ROWS ? (int)(m1 - r) : VNNI_ROWS;
                     vnni_rows(wq, dm, nb, a.q2 + r * kp, kp, a.da + r * nb, a.sa + r * nb,
@@ -741,39 +761,40 @@ static void int8_narrow_tile(const uint8_t *w, int64_t nb, const float *x, const
 
 #define ROW_CHUNK 64  // rows whose activations stay in cache while every column tile passes them
 
-// out [m, ldo] columns [0, n) = x @ W^T for packed int4 W of n columns (a multiple of 8) and kp
-// inputs, x given as quantize_act16's buffer. Columns are split among threads.
-void int4_linear(const uint8_t *w, int64_t n, int64_t kp, void *act, int64_t m, float *out, int64_t ldo,
-                 int num_threads) {
+// out [m, ldo] columns [0, n) = x @ W^T for packed int4 W (records of `record` bytes: with m or
+// without) of n columns (a multiple of 8) and kp inputs, x given as quantize_act16's buffer.
+// Columns are split among threads.
+void int4_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
+                 int64_t ldo, int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE;
     const act16 all = act16_at(act, m, kp);
     const int path = quant_kernel_path();
     (void)path;  // (a build without AVX2 has one path)
 #ifdef QL_VNNI
     if (path == QL_PATH_VNNI) {
-        if (m < VNNI_MIN_ROWS || vnni_linear(w, n, kp, all, m, out, ldo, num_threads) != 0)
-            vnni_narrow_linear(w, n, kp, all, m, out, ldo, num_threads);
+        if (m < VNNI_MIN_ROWS || vnni_linear(w, record, n, kp, all, m, out, ldo, num_threads) != 0)
+            vnni_narrow_linear(w, record, n, kp, all, m, out, ldo, num_threads);
         return;
     }
 #endif
 #ifdef QL_AVX2
     if (path == QL_PATH_AVX2 && m >= INT4_FMA_MIN_ROWS &&
-        fma_linear(4, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
+        fma_linear(record, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
         return;  // (without the memory for it, the maddubs path below gives the same numbers)
 #endif
     for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
         const int64_t m1 = m0 + ROW_CHUNK < m ? m0 + ROW_CHUNK : m;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tiles * (m1 - m0) >= 64)
         for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *wt = w + t * nb * INT4_RECORD;
+            const uint8_t *wt = w + t * nb * record;
             for (int64_t r = m0; r < m1; r += INT4_ROWS) {
                 const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
                                  all.l8 + r * nb, NULL, NULL};
                 float *o = out + r * ldo + t * TILE;
                 if (m1 - r >= 2)
-                    int4_tile(wt, nb, a, kp, o, ldo, 2);
+                    int4_tile(wt, record, nb, a, kp, o, ldo, 2);
                 else
-                    int4_tile(wt, nb, a, kp, o, ldo, 1);
+                    int4_tile(wt, record, nb, a, kp, o, ldo, 1);
             }
         }
     }
@@ -795,7 +816,7 @@ void int8_linear(const uint8_t *w, int64_t n, int64_t kp, const float *x, int64_
     const int64_t nb = kp / QBLOCK, tiles = n / TILE;
     const int64_t groups = (tiles + INT8_NARROW_TILES - 1) / INT8_NARROW_TILES;
 #ifdef QL_AVX2
-    if (m >= INT8_WIDE_MIN_ROWS && fma_linear(8, w, n, kp, x, x_stride, NULL, xs, m, out, ldo, num_threads) == 0)
+    if (m >= INT8_WIDE_MIN_ROWS && fma_linear(INT8_RECORD, w, n, kp, x, x_stride, NULL, xs, m, out, ldo, num_threads) == 0)
         return;
 #endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2) if (tiles * m >= 64)
@@ -824,14 +845,14 @@ void int8_linear(const uint8_t *w, int64_t n, int64_t kp, const float *x, int64_
 // (fused q|k|v may mix kinds) into its columns of out. Parts go in order: a part's padding
 // columns are overwritten by the next. `scratch` holds act16_bytes(m, kp) bytes.
 void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t kp,
-                        int64_t parts, const int64_t *bits, const int64_t *weights,
+                        int64_t parts, const int64_t *records, const int64_t *weights,
                         const int64_t *n_padded, const int64_t *col_offset, void *scratch,
                         float *out, int64_t ldo, int num_threads) {
     int quantized = 0, summed = 0;
     float *xs = (float *)((uint8_t *)scratch + XS_OFFSET(m, kp));
     for (int64_t p = 0; p < parts; p++) {
         const uint8_t *w = (const uint8_t *)(intptr_t)weights[p];
-        if (bits[p] == 8) {
+        if (records[p] == INT8_RECORD) {
             if (!summed) block_sums(x, x_stride, m, kp, xs);
             summed = 1;
             int8_linear(w, n_padded[p], kp, x, x_stride, xs, m, out + col_offset[p], ldo, num_threads);
@@ -839,16 +860,16 @@ void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, 
         }
         if (!quantized) quantize_act16(x, x_stride, m, k, kp, scratch, num_threads);
         quantized = 1;
-        int4_linear(w, n_padded[p], kp, scratch, m, out + col_offset[p], ldo, num_threads);
+        int4_linear(w, records[p], n_padded[p], kp, scratch, m, out + col_offset[p], ldo, num_threads);
     }
 }
 
 // ---- rows of W, for embedding lookups and tests ------------------------------------------------
 
 // out [len(ids), k] = the float weights of columns ids (rows of the original [n, k] matrix).
-void dequantize_columns(int bits, const uint8_t *w, int64_t kp, int64_t k, const int64_t *ids,
+void dequantize_columns(int64_t record, const uint8_t *w, int64_t kp, int64_t k, const int64_t *ids,
                         int64_t count, float *out) {
-    const int64_t nb = kp / QBLOCK, record = bits == 4 ? INT4_RECORD : INT8_RECORD;
+    const int64_t nb = kp / QBLOCK, bits = record == INT8_RECORD ? 8 : 4;
     for (int64_t i = 0; i < count; i++) {
         const int64_t col = ids[i] % TILE;
         const uint8_t *rec = w + ids[i] / TILE * nb * record;
@@ -856,8 +877,8 @@ void dequantize_columns(int bits, const uint8_t *w, int64_t kp, int64_t k, const
         for (int64_t b = 0; b < nb; b++, rec += record) {
             uint16_t dh, mh;
             memcpy(&dh, rec + (bits == 4 ? 128 : 256) + 2 * col, 2);
-            memcpy(&mh, rec + (bits == 4 ? 144 : 272) + 2 * col, 2);
-            const float d = fp16_to_float(dh), mn = fp16_to_float(mh);
+            if (record != INT4_SYM_RECORD) memcpy(&mh, rec + (bits == 4 ? 144 : 272) + 2 * col, 2);
+            const float d = fp16_to_float(dh), mn = record == INT4_SYM_RECORD ? d * -8.0f : fp16_to_float(mh);
             for (int64_t j = 0; j < QBLOCK && b * QBLOCK + j < k; j++) {
                 float q;
                 if (bits == 4) {
