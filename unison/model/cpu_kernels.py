@@ -348,8 +348,8 @@ class DModelC(ctypes.Structure):
     _fields_ = [("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("vocab", _I64), ("block_size", _I64), ("eps", _F32),
                 ("attention_scale", _F32), ("embed_scale", _F32), ("activation", _INT), ("qk_norm", _INT),
-                ("kv_dtype", _INT), ("embed_record", _I64), ("embed_kp", _I64), ("embed", _PTR), ("norm", _PTR),
-                ("lm_head", QLinearC), ("layer", ctypes.POINTER(DLayerC))]
+                ("kv_dtype", _INT), ("embed_record", _I64), ("embed_kp", _I64), ("embed", _PTR),
+                ("norm", _PTR), ("lm_head", QLinearC), ("layer", ctypes.POINTER(DLayerC))]
 
 
 class DStepC(ctypes.Structure):
