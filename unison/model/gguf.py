@@ -299,6 +299,9 @@ class GGUFWeights:
             except ValueError:
                 raise ValueError(f"GGUF tensor {info.name!r} has type id {info.type_id}, which the "
                                  "gguf package does not know; update gguf or re-quantize the file") from None
+            if kind.name.startswith("MXFP4"):  # gpt-oss's experts: not run here
+                raise ValueError(f"GGUF tensor {info.name!r} is {kind.name}, which is not supported; use a "
+                                 "file quantized to Q4_0, Q4_K or Q8_0")
             block, type_size = GGML_QUANT_SIZES[kind]
             n = int(np.prod(info.dims))
             shape = tuple(reversed(info.dims))

@@ -24,12 +24,20 @@
 
 #include "moe.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+
 #define QBLOCK 32
 #define TILE 8
 #define ROW_CHUNK 128  // rows per pass: bounds the workspace whatever the step's size
-#define NARROW_COLS 64  // columns per work item when an expert has few rows
-#define WIDE_COLS 256  // ... and when it has many (the GEMM widens weights once per call)
-#define WIDE_ROWS 12
+#define MIN_COLS 64  // columns per work item, at least
+// Work items per thread and phase, about: enough for the dynamic schedule to even out experts of
+// different row counts, few enough that each item's call costs nothing beside its weights (at one
+// row, 64-column items over 8 experts cost a third of the layer's time in calls).
+#define ITEMS_PER_THREAD 4
 #define LANES 16  // the router's partial sums per dot product
 
 void int4_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
@@ -61,6 +69,7 @@ typedef struct {
     int32_t *pair_row;  // [pairs] in expert order: the row of each
     int64_t *start;  // [experts + 1]: expert e's pairs are [start[e], start[e + 1])
     int32_t *items;  // [max items, 3]: (expert, which linear, first column)
+    int64_t cols[2];  // columns per item: gate and up, down
     float *xg, *xs_h;  // [pairs, kp(hidden)] the rows gathered, [pairs, kp / 32] their block sums
     uint8_t *act_h;  // act16 of xg, expert e's at act16_bytes(start[e], kp)
     float *gate_up;  // [pairs, 2 * inter]
@@ -70,7 +79,7 @@ typedef struct {
 } Work;
 
 static int64_t max_items(const MoeLayer *L) {
-    return L->experts * (2 * ((L->inter + NARROW_COLS - 1) / NARROW_COLS) + (L->hidden + NARROW_COLS - 1) / NARROW_COLS);
+    return L->experts * (2 * ((L->inter + MIN_COLS - 1) / MIN_COLS) + (L->hidden + MIN_COLS - 1) / MIN_COLS);
 }
 
 static Work carve(const MoeLayer *L, int64_t rows, uint8_t *base) {
@@ -168,13 +177,16 @@ static void group_pairs(const MoeLayer *L, int64_t rows, Work *w, int64_t *n_up,
             w->pair_row[at] = (int32_t)r;
             w->pos[r * K + j] = (int32_t)at;
         }
-    int64_t n = 0;
+    int64_t n = 0, active = 0;
+    for (int64_t e = 0; e < E; e++) active += w->start[e + 1] > w->start[e];
     for (int pass = 0; pass < 2; pass++) {  // gate and up items first, then down's
+        const int64_t width = pass ? L->hidden : L->inter;
+        const int64_t share = active * (pass ? 1 : 2) * width / (ITEMS_PER_THREAD * omp_get_num_threads());
+        int64_t cols = (share + TILE - 1) / TILE * TILE;
+        cols = cols < MIN_COLS ? MIN_COLS : cols > width ? width : cols;
+        w->cols[pass] = cols;
         for (int64_t e = 0; e < E; e++) {
-            const int64_t count = w->start[e + 1] - w->start[e];
-            if (!count) continue;
-            const int64_t cols = count >= WIDE_ROWS ? WIDE_COLS : NARROW_COLS;
-            const int64_t width = pass ? L->hidden : L->inter;
+            if (w->start[e + 1] == w->start[e]) continue;
             for (int which = 0; which < (pass ? 1 : 2); which++)
                 for (int64_t c = 0; c < width; c += cols) {
                     w->items[3 * n] = (int32_t)e;
@@ -214,10 +226,8 @@ static void prepare(const ExpertLinear *l, const ExpertLinear *m, const float *x
     if (l->record == INT8_RECORD || (m && m->record == INT8_RECORD)) block_sums(x + start * kp, kp, count, kp, xs + start * (kp / QBLOCK));
 }
 
-static int64_t item_cols(const Work *w, int64_t e, int64_t c0, int64_t width) {
-    const int64_t count = w->start[e + 1] - w->start[e];
-    const int64_t cols = count >= WIDE_ROWS ? WIDE_COLS : NARROW_COLS;
-    return c0 + cols <= width ? cols : width - c0;
+static int64_t item_cols(const Work *w, int pass, int64_t c0, int64_t width) {
+    return c0 + w->cols[pass] <= width ? w->cols[pass] : width - c0;
 }
 
 static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_t rows, float *out,
@@ -251,7 +261,7 @@ static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_
         for (int64_t i = 0; i < n_up; i++) {
             const int64_t e = w->items[3 * i], which = w->items[3 * i + 1], c0 = w->items[3 * i + 2];
             const ExpertLinear *l = which ? &L->up : &L->gate;
-            expert_gemm(l, e, c0, item_cols(w, e, c0, I), w->xg, w->xs_h, w->act_h, w->start[e],
+            expert_gemm(l, e, c0, item_cols(w, 0, c0, I), w->xg, w->xs_h, w->act_h, w->start[e],
                         w->start[e + 1] - w->start[e], w->gate_up + which * I, 2 * I);
         }
 #pragma omp for schedule(dynamic, 1)
@@ -269,7 +279,7 @@ static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = n_up; i < n_up + n_down; i++) {
             const int64_t e = w->items[3 * i], c0 = w->items[3 * i + 2];
-            expert_gemm(&L->down, e, c0, item_cols(w, e, c0, H), w->a, w->xs_i, w->act_i, w->start[e],
+            expert_gemm(&L->down, e, c0, item_cols(w, 1, c0, H), w->a, w->xs_i, w->act_i, w->start[e],
                         w->start[e + 1] - w->start[e], w->y, H);
         }
 #pragma omp for schedule(static)
