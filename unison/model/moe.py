@@ -10,6 +10,8 @@ float weights on any device, computed as transformers computes it.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,5 +110,9 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
     if any(b is None for b in bits.values()):
         tensors = {p: torch.stack([get(n) for n in per_proj[p]]) for p in PROJECTIONS}
         return FloatMoe(moe, cfg.family.activation, router, **tensors)
-    stacked = {p: quant.stack([get.weights.quantized(n, bits[p]) for n in per_proj[p]]) for p in PROJECTIONS}
+    # Experts convert one by one in numpy, which lets go of the GIL: a thread per core loads a
+    # 128-expert layer about twice as fast on two cores.
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        stacked = {p: quant.stack(list(pool.map(partial(get.weights.quantized, bits=bits[p]), per_proj[p])))
+                   for p in PROJECTIONS}
     return QuantMoe(moe, cfg.family.activation, router, **stacked, kernels=get.kernels)
