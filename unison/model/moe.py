@@ -10,19 +10,12 @@ float weights on any device, computed as transformers computes it.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels, quant
-from .families import ModelConfig, MoeConfig
+from . import cpu_kernels
+from .families import MoeConfig
 from .quant import QuantWeight
-
-if TYPE_CHECKING:
-    from .decoder import _WeightGetter
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -97,22 +90,3 @@ class QuantMoe:
         path = self.kernels.quant_path
         kinds = (w.kind + (f"/{path}" if w.bits == 4 else "") for w in self.weights.values())
         return "+".join(dict.fromkeys(kinds))
-
-
-def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | QuantMoe:
-    """Layer `layer`'s router and experts, as floats or in quantized blocks (per the model's
-    quantization, as its other linears)."""
-    names, moe = cfg.family.moe, cfg.moe
-    assert names is not None and moe is not None
-    router = get(names.router_weight(layer))
-    per_proj = {p: [names.expert(layer, e, p) for e in range(moe.num_experts)] for p in PROJECTIONS}
-    bits = {p: get.bits_of(per_proj[p]) for p in PROJECTIONS}
-    if any(b is None for b in bits.values()):
-        tensors = {p: torch.stack([get(n) for n in per_proj[p]]) for p in PROJECTIONS}
-        return FloatMoe(moe, cfg.family.activation, router, **tensors)
-    # Experts convert one by one in numpy, which lets go of the GIL: a thread per core loads a
-    # 128-expert layer about twice as fast on two cores.
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        stacked = {p: quant.stack(list(pool.map(partial(get.weights.quantized, bits=bits[p]), per_proj[p])))
-                   for p in PROJECTIONS}
-    return QuantMoe(moe, cfg.family.activation, router, **stacked, kernels=get.kernels)
