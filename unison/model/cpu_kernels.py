@@ -175,6 +175,12 @@ class CpuKernels:
         number = self.lib.quant_kernel_path()
         return next(name for name, n in QUANT_PATHS.items() if n == number)
 
+    def kinds(self, weights) -> str:
+        """What quant.QuantWeights run as: int4 / int8 / a mix, int4 with its instruction-set
+        path (e.g. int4/vnni+int8)."""
+        path = self.quant_path
+        return "+".join(dict.fromkeys(w.kind + (f"/{path}" if w.bits == 4 else "") for w in weights))
+
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
                         window: int | None, num_threads: int, scale: float | None = None) -> torch.Tensor:

@@ -101,8 +101,7 @@ class QuantLinear:
     @property
     def kind(self) -> str:
         """int4 / int8 / a mix, with the int4 kernel's instruction-set path: e.g. int4/vnni."""
-        path = self.kernels.quant_path
-        return "+".join(dict.fromkeys(p.kind + (f"/{path}" if p.bits == 4 else "") for p in self.parts))
+        return self.kernels.kinds(self.parts)
 
 
 class Embedding:

@@ -87,6 +87,4 @@ class QuantMoe:
 
     @property
     def kind(self) -> str:
-        path = self.kernels.quant_path
-        kinds = (w.kind + (f"/{path}" if w.bits == 4 else "") for w in self.weights.values())
-        return "+".join(dict.fromkeys(kinds))
+        return self.kernels.kinds(self.weights.values())
