@@ -3,6 +3,7 @@ the kernel's blocks, quality against the float32 path, batch invariance, memory 
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -25,12 +26,10 @@ QUALITY_GAP = 0.15  # quantized against float32: greedy divergence only at a top
 
 
 def reference_matmul(x: torch.Tensor, weight: quant.QuantWeight) -> torch.Tensor:
-    """x @ W.T in float64 from the values the kernel sees: the weights as stored, and for int4
-    the activations as it quantizes them (int16 per 32-block; int8 takes them in float32)."""
-    a = x.double()
-    if weight.bits == 4:
-        q, scales = KERNELS.act16(x, weight.kp)
-        a = (q.double() * scales.double().repeat_interleave(quant.QBLOCK, 1))[:, : x.shape[1]]
+    """x @ W.T in float64 from the values the kernel sees: the weights as stored, the activations
+    as it quantizes them (int16 per 32-block)."""
+    q, scales = KERNELS.act16(x, weight.kp)
+    a = (q.double() * scales.double().repeat_interleave(quant.QBLOCK, 1))[:, : x.shape[1]]
     w = KERNELS.dequantize_rows(weight, torch.arange(weight.n)).double()
     return a @ w.T
 
@@ -73,7 +72,7 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_threads():
 # ---- one result on every instruction-set path -------------------------------------------------
 
 # Each compared with the first path this machine runs (avx2 on any x86 CPU of the last decade).
-PATHS = ["vnni"]
+PATHS = ["vnni", "amx"]
 
 
 def _on_path(path: str) -> str:
@@ -85,40 +84,64 @@ def _on_path(path: str) -> str:
 
 
 class _Path:
-    """with _Path(name): int4 linears run on `name` inside, and on the default path after."""
+    """with _Path(name): quantized linears run on `name` inside, and on the default path after."""
 
-    def __init__(self, name: str) -> None:
-        self.name, self.before = name, KERNELS.quant_path
+    def __init__(self, name: str, kernels: cpu_kernels.CpuKernels | None = None) -> None:
+        self.kernels = kernels or KERNELS
+        self.name, self.before = name, self.kernels.quant_path
 
     def __enter__(self) -> None:
-        KERNELS.select_quant_path(self.name)
+        self.kernels.select_quant_path(self.name)
 
     def __exit__(self, *exc) -> None:
-        KERNELS.select_quant_path(self.before)
+        self.kernels.select_quant_path(self.before)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_int4_paths_are_bit_identical_on_random_shapes(path: str):
-    """M from 1 to 600 (every code path: narrow, widened, the row-chunk edges), K and N multiples
-    of 32 but not of 256, fused parts and padding tiles: the same bits as the reference path."""
-    reference = _on_path(path)
+def _assert_paths_agree(path: str, kernels: cpu_kernels.CpuKernels, ks, ns, ms, trials: int) -> None:
+    """Random linears of int4 (both records) and int8 parts fused, K and N multiples of 32 but
+    not of 256, padding tiles: `kernels` on `path` gives the reference path's bits."""
+    reference = _on_path("vnni" if path == "amx" else path)
     rng = np.random.default_rng(3)
     g = torch.Generator().manual_seed(3)
-    for _ in range(12):
-        k, n = int(rng.choice([32, 96, 160, 480, 800, 2080])), int(rng.choice([40, 96, 224, 288, 1056]))
-        parts = [quant.quantize(torch.randn(rows, k, generator=g), 4) for rows in (n, 24)]
+    for _ in range(trials):
+        k, n = int(rng.choice(ks)), int(rng.choice(ns))
+        q4_0 = _q4_0_weight(rng.standard_normal((24, k)))
+        parts = [quant.quantize(torch.randn(n, k, generator=g), 4), quant.quantize(torch.randn(40, k, generator=g), 8), q4_0]
         plan = cpu_kernels.QuantPlan(parts)
-        for m in {1, 2, 3, 4, 5, 11, 12, 13, 16, 37, int(rng.integers(1, 601))}:
+        for m in sorted(set(ms) | {int(rng.integers(1, max(ms) + 1))}):
             x = torch.randn(m, k, generator=g) * float(rng.choice([0.01, 1.0, 40.0]))
             with _Path(reference):
                 want = KERNELS.quant_linear(x, plan)
-            with _Path(path):
-                got = KERNELS.quant_linear(x, plan)
-            assert torch.equal(got, want), f"[{m}, {k}] x [{n}+24, {k}] differs on {path} vs {reference}"
+            with _Path(path, kernels):
+                got = kernels.quant_linear(x, plan)
+            assert torch.equal(got, want), f"[{m}, {k}] x [{n}+40+24, {k}] differs on {path} vs {reference}"
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_int4_paths_give_the_same_forward(path: str, runners, prompts):
+def test_paths_are_bit_identical_on_random_shapes(path: str):
+    """M from 1 to 600: every code path (narrow, widened, AMX's row tiles, the row-chunk edges)."""
+    _on_path(path)
+    _assert_paths_agree(path, KERNELS, [32, 96, 160, 480, 800, 2080], [40, 96, 224, 288, 1056],
+                        [1, 2, 3, 4, 5, 11, 12, 13, 16, 17, 37, 600], trials=12)
+
+
+@pytest.fixture(scope="module")
+def emulated_amx() -> cpu_kernels.CpuKernels:
+    """The kernels built with software tiles (QL_AMX_EMULATE): the AMX path's packing, tile
+    shapes and epilogue, run where the CPU has AVX-512 VNNI but no AMX."""
+    _on_path("vnni")
+    return cpu_kernels.CpuKernels(ctypes.CDLL(str(cpu_kernels.build(("QL_AMX_EMULATE",)))))
+
+
+def test_amx_path_in_software_tiles_is_bit_identical(emulated_amx: cpu_kernels.CpuKernels):
+    """The AMX path with each tile instruction done in C (checking the shapes the hardware would
+    fault on) gives the VNNI path's bits: 16-row tiles, a partial last one, 8-column groups."""
+    assert "amx" in emulated_amx.supported_quant_paths()
+    _assert_paths_agree("amx", emulated_amx, [32, 96, 160, 480], [8, 40, 96, 224], [16, 17, 31, 33, 70], trials=6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_paths_give_the_same_forward(path: str, runners, prompts):
     """A whole forward of the embedded model (prefill chunks and decode rows in one batch, the
     compiled decoder's path) gives the same logits, bit for bit, on each path."""
     reference = _on_path(path)
@@ -134,6 +157,16 @@ def test_int4_paths_give_the_same_forward(path: str, runners, prompts):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _q4_0_weight(w: np.ndarray, raw: np.ndarray | None = None) -> quant.QuantWeight:
+    """w [n, k] as GGUF's Q4_0 blocks (or those given), packed as a Q4_0 file's tensor runs."""
+    from gguf import GGMLQuantizationType, quants
+
+    from unison.model.gguf import _q4_0
+
+    raw = quants.quantize(w.astype(np.float32), GGMLQuantizationType.Q4_0) if raw is None else raw
+    return quant.pack(w.shape[0], w.shape[1], 4, lambda r0, r1: _q4_0(raw[r0:r1]), symmetric=True)
+
+
 def test_q4_0_records_without_m_give_the_same_bits():
     """GGUF's Q4_0 runs in 144-byte records (m = -8 d, computed by the kernel): the same bits as
     160-byte records holding that m, on every path, at every row count's code path."""
@@ -142,13 +175,14 @@ def test_q4_0_records_without_m_give_the_same_bits():
     from unison.model.gguf import _q4_0
 
     rng = np.random.default_rng(5)
-    raw = quants.quantize(rng.standard_normal((72, 256)).astype(np.float32), GGMLQuantizationType.Q4_0)
+    w = rng.standard_normal((72, 256))
+    raw = quants.quantize(w.astype(np.float32), GGMLQuantizationType.Q4_0)
 
     def with_m(r0: int, r1: int) -> quant.BlockQuant:
         bq = _q4_0(raw[r0:r1])
         return quant.BlockQuant(4, bq.q, bq.d, bq.min())
 
-    short = quant.pack(72, 256, 4, lambda r0, r1: _q4_0(raw[r0:r1]), symmetric=True)
+    short = _q4_0_weight(w, raw)
     full = quant.pack(72, 256, 4, with_m)
     assert (short.record, full.record) == (144, 160) and short.nbytes == raw.nbytes
     ids = torch.arange(72)
@@ -156,15 +190,15 @@ def test_q4_0_records_without_m_give_the_same_bits():
     g = torch.Generator().manual_seed(5)
     for path in KERNELS.supported_quant_paths():
         with _Path(path):
-            for m in (1, 3, 13, 40):  # narrow, VNNI widened (12+), AVX2 FMA (16+)
+            for m in (1, 3, 13, 40):  # narrow, VNNI widened (12+), AVX2 FMA and AMX (16+)
                 x = torch.randn(m, 256, generator=g)
                 got = KERNELS.quant_linear(x, cpu_kernels.QuantPlan([short]))
                 assert torch.equal(got, KERNELS.quant_linear(x, cpu_kernels.QuantPlan([full]))), (path, m)
 
 
 def test_forcing_a_path_the_cpu_lacks_is_a_clear_error():
-    with pytest.raises(ValueError, match="UNISON_QUANT_KERNEL='amx'"):
-        KERNELS.select_quant_path("amx")
+    with pytest.raises(ValueError, match="UNISON_QUANT_KERNEL='sse9': expected auto or one of"):
+        KERNELS.select_quant_path("sse9")
     missing = [p for p in ["avx2", *PATHS] if p not in KERNELS.supported_quant_paths()]
     for p in missing:
         with pytest.raises(ValueError, match="cannot run it"):
@@ -398,22 +432,23 @@ INVARIANCE_PROMPTS = [f"{i + 1}. {t}" for i, t in enumerate(
      "Q: What is 2 + 2? A:"])]
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4/avx2", "int4/vnni"])
+@pytest.mark.parametrize("kind", ["int8", "int4/avx2", "int4/vnni", "int4/amx"])
 def test_batch_invariance(kind: str, monkeypatch: pytest.MonkeyPatch):
-    """The same 16 prompts alone and together give identical tokens, on each int4 path. (No
-    prefix cache: a hit prefills through another attention shape, a different float sum.)"""
+    """The same 16 prompts alone and together give identical tokens, on each path. (No prefix
+    cache: a hit prefills through another attention shape, a different float sum.)"""
     quantization, _, path = kind.partition("/")
     if path:
         if path not in KERNELS.supported_quant_paths():
             pytest.skip(f"this CPU or build cannot run the {path} path")
         monkeypatch.setenv("UNISON_QUANT_KERNEL", path)  # the core process inherits it
+    path = path or KERNELS.supported_quant_paths()[-1]  # the fastest, as an engine picks
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     with Engine(quantization=quantization, disable_radix_cache=True) as engine:
         info = engine.get_server_info()
         assert info["quantization"] == quantization and info["kv_cache_dtype"] == "float16"
         weights = info["weights"]
-        assert weights["embed_tokens"] == weights["lm_head"] == "int8"
-        assert weights["layers.0.qkv"] == kind
+        assert weights["embed_tokens"] == "int8" and weights["lm_head"] == f"int8/{path}"
+        assert weights["layers.0.qkv"] == f"{quantization}/{path}"
         alone = [engine.generate(p, params)["output_ids"] for p in INVARIANCE_PROMPTS]
         together = [o["output_ids"] for o in engine.generate(INVARIANCE_PROMPTS, params)]
     assert together == alone

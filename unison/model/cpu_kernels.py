@@ -15,9 +15,9 @@ is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flag
 feature flags. Without a C compiler, or with UNISON_CPU_KERNELS=0, `load()` returns None and
 the model runs on torch ops alone (the reference path, tested beside this one).
 
-The int4 linears have one path per instruction set (AVX2, AVX-512 VNNI), chosen at run time by
-what the CPU reports, and giving the same bits on each. UNISON_QUANT_KERNEL=avx2|vnni forces one
-(tests compare them; an unsupported one is an error, not a silent fallback).
+The quantized linears have one path per instruction set (AVX2, AVX-512 VNNI, AMX), chosen at run
+time by what the CPU reports, and giving the same bits on each. UNISON_QUANT_KERNEL=avx2|vnni|amx
+forces one (tests compare them; an unsupported one is an error, not a silent fallback).
 """
 
 from __future__ import annotations
@@ -57,12 +57,15 @@ def load() -> CpuKernels | None:
     return _loaded
 
 
-def build() -> Path:
+def build(defines: tuple[str, ...] = ()) -> Path:
+    """The shared object, built once per source, flags and CPU. `defines`: extra -D macros (the
+    tests' QL_AMX_EMULATE build)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc) on PATH")
+    flags = [*FLAGS, *(f"-D{d}" for d in defines)]
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS))
-    key.update(" ".join([cc, *FLAGS]).encode() + _cpu_flags())
+    key.update(" ".join([cc, *flags]).encode() + _cpu_flags())
     root = Path(os.environ.get("UNISON_CACHE_DIR", Path.home() / ".cache" / "unison")) / "kernels"
     target = root / f"unison-cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -71,7 +74,7 @@ def build() -> Path:
     # Build beside the target and rename: concurrent first uses never load a half-written file.
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"],
+        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
@@ -97,8 +100,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # as act_mul numbers them
-# The int4 kernel's instruction-set paths, as quant_linear.c numbers them, slowest first.
-QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2}
+# The quantized kernels' instruction-set paths, as quant_linear.c numbers them, slowest first.
+QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 # The KV cache's element types, as the kernels number them.
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -146,22 +149,26 @@ class CpuKernels:
         lib.decoder_workspace_bytes.restype = _I64
         lib.decoder_forward.argtypes = [_PTR, _PTR]
         lib.decoder_forward.restype = _INT
-        for name in ("quant_kernel_best", "quant_kernel_path"):
+        for name in ("quant_kernel_best", "quant_kernel_path", "quant_kernel_amx_refused"):
             getattr(lib, name).argtypes, getattr(lib, name).restype = [], _INT
         lib.quant_kernel_select.argtypes, lib.quant_kernel_select.restype = [_INT], _INT
         self.select_quant_path(os.environ.get("UNISON_QUANT_KERNEL", "auto"))
 
     def supported_quant_paths(self) -> list[str]:
-        """The int4 paths this build and CPU can run, slowest first."""
+        """The quantized paths this build and CPU can run, slowest first."""
         current = self.lib.quant_kernel_path()
         paths = [name for name, n in QUANT_PATHS.items() if self.lib.quant_kernel_select(n) == n]
         self.lib.quant_kernel_select(current)
         return paths
 
     def select_quant_path(self, name: str) -> None:
-        """Run int4 linears on `name` (a QUANT_PATHS key, or auto: the fastest supported)."""
+        """Run quantized linears on `name` (a QUANT_PATHS key, or auto: the fastest supported)."""
         if name == "auto":
             self.lib.quant_kernel_select(self.lib.quant_kernel_best())
+            refused = self.lib.quant_kernel_amx_refused()
+            if refused:
+                log.warning("this CPU has AMX but the kernel refused its tile state (%s): quantized "
+                            "linears run on AVX-512 VNNI", os.strerror(refused))
             return
         if name not in QUANT_PATHS:
             raise ValueError(f"UNISON_QUANT_KERNEL={name!r}: expected auto or one of {sorted(QUANT_PATHS)}")
@@ -171,15 +178,14 @@ class CpuKernels:
 
     @property
     def quant_path(self) -> str:
-        """The int4 path in use."""
+        """The quantized path in use."""
         number = self.lib.quant_kernel_path()
         return next(name for name, n in QUANT_PATHS.items() if n == number)
 
     def kinds(self, weights) -> str:
-        """What quant.QuantWeights run as: int4 / int8 / a mix, int4 with its instruction-set
-        path (e.g. int4/vnni+int8)."""
-        path = self.quant_path
-        return "+".join(dict.fromkeys(w.kind + (f"/{path}" if w.bits == 4 else "") for w in weights))
+        """What quant.QuantWeights run as: int4 / int8 / a mix, with the instruction-set path
+        (e.g. int4/vnni, int4/amx+int8/amx)."""
+        return "+".join(dict.fromkeys(f"{w.kind}/{self.quant_path}" for w in weights))
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
@@ -244,8 +250,8 @@ class CpuKernels:
                           slots.data_ptr(), k.shape[0], width, KV_DTYPES[k_cache.dtype])
 
     def act16(self, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int4 kernel's view of x [m, k]: its int16 values per 32-block [m, kp] and their
-        scales [m, kp / 32] (x ~ q * scale, blockwise)."""
+        """The kernels' view of x [m, k]: its int16 values per 32-block [m, kp] and their scales
+        [m, kp / 32] (x ~ q * scale, blockwise)."""
         m = x.shape[0]
         buf = torch.empty(self.lib.act16_bytes(m, kp), dtype=torch.uint8)
         self.lib.quantize_act16(x.data_ptr(), x.stride(0), m, x.shape[1], kp, buf.data_ptr(), 1)
@@ -258,8 +264,6 @@ class CpuKernels:
         """x [m, k] float32 (rows may be strided) @ W.T for the quantized parts in `plan`."""
         assert x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] == plan.k
         m = x.shape[0]
-        if plan.k != plan.kp:  # the int8 kernel reads whole blocks: zero columns to the last one
-            x = torch.nn.functional.pad(x, (0, plan.kp - plan.k))
         need = self.lib.act16_bytes(m, plan.kp)
         if self._scratch.numel() < need:  # grown, never shrunk: one forward runs at a time
             self._scratch = torch.empty(need, dtype=torch.uint8)

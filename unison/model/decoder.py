@@ -100,7 +100,7 @@ class QuantLinear:
 
     @property
     def kind(self) -> str:
-        """int4 / int8 / a mix, with the int4 kernel's instruction-set path: e.g. int4/vnni."""
+        """int4 / int8 / a mix, with the kernels' instruction-set path: e.g. int4/vnni."""
         return self.kernels.kinds(self.parts)
 
 

@@ -85,7 +85,7 @@ typedef struct {
 // The step's buffers, carved from one workspace. Widths have room for a linear's padding
 // columns (up to 7, written then compacted away) and inputs for whole blocks of 32.
 typedef struct {
-    float *h, *x, *delta, *qkv, *q, *attn, *gate_up, *act, *padded;
+    float *h, *x, *delta, *qkv, *q, *attn, *gate_up, *act;
     void *scratch, *moe;  // the linears' activations; the mixture of experts' workspace
 } Buffers;
 
@@ -100,11 +100,11 @@ static int64_t widest(const DModel *m) {  // of the linears' inputs: hidden, int
 static Buffers carve(const DModel *m, int64_t rows, void *base) {
     const int64_t H = m->hidden, q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
     const int64_t widths[] = {H, H, H + PAD, q + 2 * kv + PAD, q, q, 2 * m->intermediate + PAD,
-                              m->intermediate, BLOCKS(widest(m))};
+                              m->intermediate};
     float *p = base;
     Buffers b;
-    float **order[] = {&b.h, &b.x, &b.delta, &b.qkv, &b.q, &b.attn, &b.gate_up, &b.act, &b.padded};
-    for (int i = 0; i < 9; i++) {
+    float **order[] = {&b.h, &b.x, &b.delta, &b.qkv, &b.q, &b.attn, &b.gate_up, &b.act};
+    for (int i = 0; i < 8; i++) {
         *order[i] = p;
         p += rows * widths[i];
     }
@@ -120,14 +120,7 @@ int64_t decoder_workspace_bytes(const DModel *m, int64_t rows) {
 }
 
 static void linear(const QLinear *l, const float *x, int64_t rows, float *out, Buffers *b, int threads) {
-    if (l->kp != l->k) {  // the int8 kernel reads whole blocks: zero columns to the last one
-        for (int64_t r = 0; r < rows; r++) {
-            memcpy(b->padded + r * l->kp, x + r * l->k, sizeof(float) * l->k);
-            memset(b->padded + r * l->kp + l->k, 0, sizeof(float) * (l->kp - l->k));
-        }
-        x = b->padded;
-    }
-    quant_linear_parts(x, l->kp, rows, l->k, l->kp, l->parts, l->records, l->weights, l->n_padded, l->offsets,
+    quant_linear_parts(x, l->k, rows, l->k, l->kp, l->parts, l->records, l->weights, l->n_padded, l->offsets,
                        b->scratch, out, l->out_cols, threads);
     if (l->out_cols != l->n)  // compact the padding columns away
         for (int64_t r = 1; r < rows; r++) memmove(out + r * l->n, out + r * l->out_cols, sizeof(float) * l->n);

@@ -40,18 +40,14 @@ static inline int omp_get_num_threads(void) { return 1; }
 #define ITEMS_PER_THREAD 4
 #define LANES 16  // the router's partial sums per dot product
 
-void int4_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
-                 int64_t ldo, int num_threads);
-void int8_linear(const uint8_t *w, int64_t n, int64_t kp, const float *x, int64_t x_stride, const float *xs,
-                 int64_t m, float *out, int64_t ldo, int num_threads);
+void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
+                int64_t ldo, int num_threads);
 void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t kp, void *buf,
                     int num_threads);
 int64_t act16_bytes(int64_t rows, int64_t kp);
-void block_sums(const float *x, int64_t x_stride, int64_t rows, int64_t kp, float *xs);
 void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
 
 static int64_t kp_of(int64_t k) { return (k + QBLOCK - 1) / QBLOCK * QBLOCK; }
-#define INT8_RECORD 288
 static int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
 
 // Expert e's packed weight: tiles of 8 columns, each kp / 32 records.
@@ -70,10 +66,10 @@ typedef struct {
     int64_t *start;  // [experts + 1]: expert e's pairs are [start[e], start[e + 1])
     int32_t *items;  // [max items, 3]: (expert, which linear, first column)
     int64_t cols[2];  // columns per item: gate and up, down
-    float *xg, *xs_h;  // [pairs, kp(hidden)] the rows gathered, [pairs, kp / 32] their block sums
+    float *xg;  // [pairs, hidden] the rows gathered
     uint8_t *act_h;  // act16 of xg, expert e's at act16_bytes(start[e], kp)
     float *gate_up;  // [pairs, 2 * inter]
-    float *a, *xs_i;  // [pairs, kp(inter)] act(gate) * up, block sums
+    float *a;  // [pairs, inter] act(gate) * up
     uint8_t *act_i;
     float *y;  // [pairs, hidden]
 } Work;
@@ -94,12 +90,10 @@ static Work carve(const MoeLayer *L, int64_t rows, uint8_t *base) {
     TAKE(pair_row, 4 * pairs);
     TAKE(start, 8 * (L->experts + 1));
     TAKE(items, 12 * max_items(L));
-    TAKE(xg, 4 * pairs * kh);
-    TAKE(xs_h, 4 * pairs * (kh / QBLOCK));
+    TAKE(xg, 4 * pairs * L->hidden);
     TAKE(act_h, act16_bytes(pairs, kh));
     TAKE(gate_up, 4 * pairs * 2 * L->inter);
-    TAKE(a, 4 * pairs * ki);
-    TAKE(xs_i, 4 * pairs * (ki / QBLOCK));
+    TAKE(a, 4 * pairs * L->inter);
     TAKE(act_i, act16_bytes(pairs, ki));
     TAKE(y, 4 * pairs * L->hidden);
 #undef TAKE
@@ -202,28 +196,19 @@ static void group_pairs(const MoeLayer *L, int64_t rows, Work *w, int64_t *n_up,
 
 // ---- the experts --------------------------------------------------------------------------------
 
-// Rows [start, start + count) of `in` (row stride kp, activations prepared by prepare()) through
-// columns [c0, c0 + cols) of expert e's linear `l`, into `out` (row stride ldo) at those columns.
-static void expert_gemm(const ExpertLinear *l, int64_t e, int64_t c0, int64_t cols, const float *in,
-                        const float *xs, const uint8_t *act, int64_t start, int64_t count, float *out,
-                        int64_t ldo) {
+// Rows [start, start + count) of the act16 buffer `act` (prepared by prepare()) through columns
+// [c0, c0 + cols) of expert e's linear `l`, into `out` (row stride ldo) at those columns.
+static void expert_gemm(const ExpertLinear *l, int64_t e, int64_t c0, int64_t cols, const uint8_t *act,
+                        int64_t start, int64_t count, float *out, int64_t ldo) {
     const int64_t kp = kp_of(l->k), nb = kp / QBLOCK;
     const uint8_t *wt = expert_weight(l, e) + (c0 / TILE) * nb * l->record;
-    float *o = out + start * ldo + c0;
-    if (l->record != INT8_RECORD)
-        int4_linear(wt, l->record, cols, kp, (void *)(act + act16_bytes(start, kp)), count, o, ldo, 1);
-    else
-        int8_linear(wt, cols, kp, in + start * kp, kp, xs + start * nb, count, o, ldo, 1);
+    quant_gemm(wt, l->record, cols, kp, (void *)(act + act16_bytes(start, kp)), count, out + start * ldo + c0, ldo, 1);
 }
 
-// What the kernels of `l` and `m` need of rows [start, start + count) of x [.., kp]: act16 for
-// int4 weights, block sums for int8.
-static void prepare(const ExpertLinear *l, const ExpertLinear *m, const float *x, int64_t k, int64_t start,
-                    int64_t count, float *xs, uint8_t *act) {
+// The kernels' activations of rows [start, start + count) of x [.., k] into act.
+static void prepare(const float *x, int64_t k, int64_t start, int64_t count, uint8_t *act) {
     const int64_t kp = kp_of(k);
-    if (l->record != INT8_RECORD || (m && m->record != INT8_RECORD))
-        quantize_act16(x + start * kp, kp, count, k, kp, act + act16_bytes(start, kp), 1);
-    if (l->record == INT8_RECORD || (m && m->record == INT8_RECORD)) block_sums(x + start * kp, kp, count, kp, xs + start * (kp / QBLOCK));
+    quantize_act16(x + start * k, k, count, k, kp, act + act16_bytes(start, kp), 1);
 }
 
 static int64_t item_cols(const Work *w, int pass, int64_t c0, int64_t width) {
@@ -233,7 +218,6 @@ static int64_t item_cols(const Work *w, int pass, int64_t c0, int64_t width) {
 static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_t rows, float *out,
                      int64_t out_stride, Work *w, int num_threads) {
     const int64_t E = L->experts, K = L->top_k, H = L->hidden, I = L->inter;
-    const int64_t kh = kp_of(H), ki = kp_of(I);
     int64_t n_up = 0, n_down = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -251,35 +235,28 @@ static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_
         for (int64_t e = 0; e < E; e++) {
             const int64_t start = w->start[e], count = w->start[e + 1] - start;
             if (!count) continue;
-            for (int64_t p = start; p < start + count; p++) {
-                memcpy(w->xg + p * kh, x + w->pair_row[p] * x_stride, sizeof(float) * H);
-                memset(w->xg + p * kh + H, 0, sizeof(float) * (kh - H));
-            }
-            prepare(&L->gate, &L->up, w->xg, H, start, count, w->xs_h, w->act_h);
+            for (int64_t p = start; p < start + count; p++)
+                memcpy(w->xg + p * H, x + w->pair_row[p] * x_stride, sizeof(float) * H);
+            prepare(w->xg, H, start, count, w->act_h);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_up; i++) {
             const int64_t e = w->items[3 * i], which = w->items[3 * i + 1], c0 = w->items[3 * i + 2];
             const ExpertLinear *l = which ? &L->up : &L->gate;
-            expert_gemm(l, e, c0, item_cols(w, 0, c0, I), w->xg, w->xs_h, w->act_h, w->start[e],
+            expert_gemm(l, e, c0, item_cols(w, 0, c0, I), w->act_h, w->start[e],
                         w->start[e + 1] - w->start[e], w->gate_up + which * I, 2 * I);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t e = 0; e < E; e++) {
             const int64_t start = w->start[e], count = w->start[e + 1] - start;
             if (!count) continue;
-            act_mul(w->gate_up + start * 2 * I, w->a + start * ki, count, I, L->activation, 1);
-            if (ki != I)  // act_mul wrote rows of I: spread them to rows of kp, zeros after
-                for (int64_t p = count - 1; p >= 0; p--) {
-                    memmove(w->a + (start + p) * ki, w->a + start * ki + p * I, sizeof(float) * I);
-                    memset(w->a + (start + p) * ki + I, 0, sizeof(float) * (ki - I));
-                }
-            prepare(&L->down, NULL, w->a, I, start, count, w->xs_i, w->act_i);
+            act_mul(w->gate_up + start * 2 * I, w->a + start * I, count, I, L->activation, 1);
+            prepare(w->a, I, start, count, w->act_i);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = n_up; i < n_up + n_down; i++) {
             const int64_t e = w->items[3 * i], c0 = w->items[3 * i + 2];
-            expert_gemm(&L->down, e, c0, item_cols(w, 1, c0, H), w->a, w->xs_i, w->act_i, w->start[e],
+            expert_gemm(&L->down, e, c0, item_cols(w, 1, c0, H), w->act_i, w->start[e],
                         w->start[e + 1] - w->start[e], w->y, H);
         }
 #pragma omp for schedule(static)

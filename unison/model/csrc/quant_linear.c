@@ -7,13 +7,13 @@
 //
 // Activations keep (nearly) their float precision. 8-bit activations per 32-block, as llama.cpp's
 // Q8_0, move this model's logprobs by up to 0.4-1.0 against float32 (measured on the embedded
-// SmolLM2; the qkv and down inputs have outlier channels), far past what greedy parity allows:
-//   int4: activations as int16 per row and 32-block, a = da * q, |q| <= 32767, fed to maddubs as
-//         two bytes, q = 256 h + l (h signed, l unsigned): exact to 1 part in 65534 of the block.
-//   int8: activations in float32, the weights widened to float in registers (FMA).
-// A row's result depends only on that row, and K is reduced in one fixed order whatever M, N or
-// the thread count: results are bit-identical alone or in any batch (one activation scale across
-// the batch, as in fbgemm's and oneDNN's int8 paths, would not be).
+// SmolLM2; the qkv and down inputs have outlier channels), far past what greedy parity allows.
+// So activations are int16 per row and 32-block, a = da * q, |q| <= 32767: exact to 1 part in
+// 65534 of the block. Per block, every path computes the exact integer sum_k w_k q_k, then the
+// same float operations in the same order (acc = fma(dot, d * da, acc); acc = fma(m, sa, acc),
+// sa = da * sum_k q_k, blocks in order). A row's result depends only on that row, whatever M, N,
+// the thread count or the instruction set: bit-identical alone or in any batch, on any CPU (one
+// activation scale across the batch, as in fbgemm's and oneDNN's int8 paths, would not be).
 //
 // Packed weight layout: columns in tiles of 8; per (tile, block) one record, read in order:
 //   int4: 128 bytes of nibbles, d[8] fp16, m[8] fp16                       (160 bytes)
@@ -24,23 +24,20 @@
 // Q4_0 file's experts and linears at the file's own 4.5 bits; m = -8 d is computed in float32,
 // exactly the float of the fp16 m the 160-byte record would hold (d times a power of two), so
 // both records of the same blocks give the same bits.
-// int4: four consecutive k of 8 columns fill one 256-bit register, so a broadcast of 4 activation
-// bytes against it gives 8 columns' partial dots per maddubs. int8: the 8 columns of one k
-// sign-extend into one register of 8 lanes. Either way, no horizontal sums.
 //
-// On AVX2 (Zen 3 here) maddubs issues on one port, 32 multiply-adds a cycle, against two FMA
-// ports at 16: int4 with 16-bit activations (two maddubs) and int8 with float activations both
-// run at about float32's rate once compute-bound; at batch 1 they read a quarter and a half of its
-// bytes. AVX2 where the compiler targets it, portable C otherwise. Built with the other kernels
-// by unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
-//
-// int4 has a second path, chosen at run time (quant_kernel_select): AVX-512 VNNI, whose vpdpwssd
-// multiplies 32 int16 pairs into int32 per instruction, so the 16-bit activations cost one
-// instruction per two k instead of two maddubs and an add per four. Every path computes each
-// block's dot product as the exact integer and then the same float operations in the same order
-// (acc = fma(dot, d * da, acc); acc = fma(m, sa, acc), blocks in order), so a row's result is the
-// same bits on every path: results do not depend on which CPU served them.
+// The paths, chosen at run time (quant_kernel_select) by what the CPU reports:
+//   AVX2: int4 by maddubs on the activations' bytes (q = 256 h + l, h signed, l unsigned), or for
+//         16+ rows by float FMAs on widened tiles (a block's sum is below 2^24: exact); int8 by
+//         madd on int16 pairs. maddubs has one port on Zen 3, FMA two.
+//   VNNI: vpdpwssd multiplies 32 int16 pairs per instruction; below 12 rows int4 runs vpdpbusd
+//         on the records as they lie, from 12 rows a group of tiles is widened to pairs once.
+//   AMX:  from 16 rows, the tile unit: activations' high and low bytes as two A tiles (signed
+//         and unsigned), the weights as B tiles, two tile products per block.
+// AVX2 where the compiler targets it, portable C otherwise. Built with the other kernels by
+// unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
 
+#define _GNU_SOURCE  // syscall(), for the AMX permission
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,16 +53,59 @@ static inline int omp_get_thread_num(void) { return 0; }
 #include <immintrin.h>
 #define QL_AVX2 1
 #endif
-// The VNNI path is compiled whatever -march says (function-level target) and used only where the
-// CPU reports it, so one source serves every x86 machine.
+// The VNNI and AMX paths are compiled whatever -march says (function-level targets) and used only
+// where the CPU reports them, so one source serves every x86 machine.
 #if defined(QL_AVX2) && defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 9 || defined(__clang__))
 #define QL_VNNI 1
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(QL_AMX_EMULATE)  // software tiles (tests on CPUs without AMX): see "AMX" below
+#define QL_AMX 1
+#define AMX_TARGET VNNI_TARGET
+#elif __GNUC__ >= 11 || defined(__clang__)
+#define QL_AMX 1
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#endif
 #endif
 
 // ---- which path runs (one per process: the engine core runs one model) -------------------------
 
-enum { QL_PATH_PORTABLE = 0, QL_PATH_AVX2 = 1, QL_PATH_VNNI = 2 };
+enum { QL_PATH_PORTABLE = 0, QL_PATH_AVX2 = 1, QL_PATH_VNNI = 2, QL_PATH_AMX = 3 };
+
+#ifdef QL_AMX
+static int amx_refused;  // the errno of the kernel's refusal of the tile state, or 0
+
+// Linux hands out the AMX tile state (8 KB per thread) only on request, once per process; a
+// refusal (an old kernel, a seccomp filter) leaves the VNNI path.
+static int amx_permitted(void) {
+#ifdef QL_AMX_EMULATE
+    return 1;
+#else
+    static int permitted = -1;
+    unsigned a, b, c, d;
+    if (permitted >= 0) return permitted;
+    permitted = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+        return 0;  // no AMX-TILE, AMX-INT8
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) {
+        amx_refused = errno;
+        return 0;
+    }
+    return permitted = 1;
+#endif
+}
+#endif
+
+// The errno with which the kernel refused AMX on a CPU that has it (0: not refused).
+int quant_kernel_amx_refused(void) {
+#ifdef QL_AMX
+    return amx_refused;
+#else
+    return 0;
+#endif
+}
 
 static int quant_kernel_supported(int path) {
     switch (path) {
@@ -80,6 +120,9 @@ static int quant_kernel_supported(int path) {
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #endif
+#ifdef QL_AMX
+    case QL_PATH_AMX: return quant_kernel_supported(QL_PATH_VNNI) && amx_permitted();
+#endif
     default: return 0;
     }
 }
@@ -88,7 +131,7 @@ static int ql_path = -1;  // -1: not chosen yet, the fastest supported on first 
 
 // The fastest path this build and CPU support.
 int quant_kernel_best(void) {
-    for (int path = QL_PATH_VNNI; path > QL_PATH_PORTABLE; path--)
+    for (int path = QL_PATH_AMX; path > QL_PATH_PORTABLE; path--)
         if (quant_kernel_supported(path)) return path;
     return QL_PATH_PORTABLE;
 }
@@ -111,7 +154,7 @@ int quant_kernel_path(void) {
 #define INT4_SYM_RECORD 144
 #define INT8_RECORD 288
 #define INT4_ROWS 2  // rows of x per int4 micro-kernel call (two int16 sums each: registers)
-#define INT8_NARROW_TILES 8  // tiles per int8 call for few rows: 8 FMA chains
+#define INT8_ROWS 4  // rows of x per int8 micro-kernel call (the tile's pairs widen once for them)
 // Bytes ahead of the record in use to prefetch: at batch 1 the weights stream from memory, and
 // each linear is too short a stream for the hardware prefetchers to reach full speed.
 #define PREFETCH 1024
@@ -140,9 +183,30 @@ static inline float fp16_to_float(uint16_t h) {
 #endif
 }
 
-// ---- activations for int4 ---------------------------------------------------------------------
+// One column of a record, value by value: the layouts above in one place (the portable path,
+// lookups and tests; the vector paths read whole registers of it).
+static inline int32_t record_q(const uint8_t *rec, int64_t record, int col, int k) {
+    if (record == INT8_RECORD) return (int8_t)rec[8 * k + col];
+    const uint8_t byte = rec[32 * (k / 8) + 4 * col + k % 4];
+    return k % 8 < 4 ? byte & 0x0f : byte >> 4;
+}
 
-// The int4 kernel's view of x [rows, k] (row stride x_stride floats), per row and 32-block:
+static inline float record_d(const uint8_t *rec, int64_t record, int col) {
+    uint16_t h;
+    memcpy(&h, rec + (record == INT8_RECORD ? 256 : 128) + 2 * col, 2);
+    return fp16_to_float(h);
+}
+
+static inline float record_m(const uint8_t *rec, int64_t record, int col) {
+    if (record == INT4_SYM_RECORD) return record_d(rec, record, col) * -8.0f;
+    uint16_t h;
+    memcpy(&h, rec + (record == INT8_RECORD ? 272 : 144) + 2 * col, 2);
+    return fp16_to_float(h);
+}
+
+// ---- activations ------------------------------------------------------------------------------
+
+// The kernels' view of x [rows, k] (row stride x_stride floats), per row and 32-block:
 // q = round(x / da) in [-32767, 32767] as its high byte (hi, signed) and low byte (lo, unsigned),
 // da, sa = da * sum(q) (for the weights' min term) and l8 = 8 * sum(lo) (for the kernel's signed
 // low-byte weights), q itself as floats (qf, for the AVX2 many-row path), and q as int16 pairs in
@@ -170,9 +234,8 @@ static act16 act16_at(void *buf, int64_t rows, int64_t kp) {
     return a;
 }
 
-// Scratch bytes for a linear of `rows` rows: act16 (int4 parts), then the block sums (int8 parts).
-int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 8 + rows * (kp / QBLOCK) * 16; }
-#define XS_OFFSET(rows, kp) ((rows) * (kp) * 8 + (rows) * ((kp) / QBLOCK) * 12)
+// Scratch bytes for the activations of a linear of `rows` rows.
+int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 8 + rows * (kp / QBLOCK) * 12; }
 
 #ifdef QL_AVX2
 // One whole block, 8 lanes at a time: the same values as the scalar loop below (cvtps rounds to
@@ -320,9 +383,50 @@ static inline __attribute__((always_inline)) void int4_tile(
     }
     for (int r = 0; r < nrows; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
+
+// ---- int8 on AVX2 ---------------------------------------------------------------------------
+//
+// Pairs of int16 as VNNI takes them: (w, q) of k = 8c + j and 8c + 4 + j in one int32 lane per
+// column, the order of act16's q2; madd multiplies a pair and adds it in int32 (|w q| <= 127 *
+// 32767, 32 of them stay below 2^28), so each block's dot is the exact integer.
+
+// Pair p = 4c + j of an int8 record's block, for its 8 columns (lane = column).
+static inline __m256i int8_pairs(const uint8_t *rec, int p) {
+    const int k = 8 * (p / 4) + p % 4;
+    const __m128i lo = _mm_loadl_epi64((const __m128i *)(rec + 8 * k));
+    const __m128i hi = _mm_loadl_epi64((const __m128i *)(rec + 8 * (k + 4)));
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
+}
+
+static inline __attribute__((always_inline)) void int8_tile(
+        const uint8_t *w, int64_t nb, act16 a, int64_t kp, float *out, int64_t ldo, const int nrows) {
+    __m256 acc[INT8_ROWS];
+    for (int r = 0; r < nrows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += INT8_RECORD) {
+        for (int i = 0; i < INT8_RECORD; i += 64) _mm_prefetch((const char *)(w + PREFETCH + i), _MM_HINT_T0);
+        __m256i dot[INT8_ROWS][2];  // even and odd pairs: two chains
+        for (int r = 0; r < nrows; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int p = 0; p < 16; p++) {
+            const __m256i wp = int8_pairs(w, p);
+            for (int r = 0; r < nrows; r++)
+                dot[r][p & 1] = _mm256_add_epi32(dot[r][p & 1], _mm256_madd_epi16(wp, bcast4(a.q2 + r * kp + b * QBLOCK + 2 * p)));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 272)));
+        for (int r = 0; r < nrows; r++) {
+            const int64_t rb = r * nb + b;
+            const __m256i sum = _mm256_add_epi32(dot[r][0], dot[r][1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(a.da[rb])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sa[rb]), acc[r]);
+        }
+    }
+    for (int r = 0; r < nrows; r++) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
 #else
-static void int4_tile(const uint8_t *w, int64_t record, int64_t nb, act16 a, int64_t kp, float *out,
-                      int64_t ldo, const int nrows) {
+// Without AVX2, either record, value by value: the same integer and float operations.
+static void portable_tile(const uint8_t *w, int64_t record, int64_t nb, act16 a, int64_t kp, float *out,
+                          int64_t ldo, const int nrows) {
     for (int r = 0; r < nrows; r++) {
         float acc[TILE] = {0};
         const uint8_t *rec = w;
@@ -330,22 +434,9 @@ static void int4_tile(const uint8_t *w, int64_t record, int64_t nb, act16 a, int
             const int64_t at = r * kp + b * QBLOCK, rb = r * nb + b;
             for (int col = 0; col < TILE; col++) {
                 int32_t dot = 0;
-                for (int c = 0; c < 4; c++)
-                    for (int j = 0; j < 4; j++) {
-                        const uint8_t byte = rec[32 * c + 4 * col + j];
-                        for (int half = 0; half < 2; half++) {
-                            const int32_t q = half ? byte >> 4 : byte & 0x0f;
-                            const int64_t i = at + 8 * c + 4 * half + j;
-                            dot += 256 * q * a.hi[i] + (q - 8) * a.lo[i];
-                        }
-                    }
-                dot += a.l8[rb];
-                uint16_t dh, mh;
-                memcpy(&dh, rec + 128 + 2 * col, 2);
-                if (record != INT4_SYM_RECORD) memcpy(&mh, rec + 144 + 2 * col, 2);
-                const float m = record == INT4_SYM_RECORD ? fp16_to_float(dh) * -8.0f : fp16_to_float(mh);
-                acc[col] = fmaf((float)dot, fp16_to_float(dh) * a.da[rb], acc[col]);
-                acc[col] = fmaf(m, a.sa[rb], acc[col]);
+                for (int k = 0; k < QBLOCK; k++) dot += record_q(rec, record, col, k) * (256 * a.hi[at + k] + a.lo[at + k]);
+                acc[col] = fmaf((float)dot, record_d(rec, record, col) * a.da[rb], acc[col]);
+                acc[col] = fmaf(record_m(rec, record, col), a.sa[rb], acc[col]);
             }
         }
         memcpy(out + r * ldo, acc, sizeof(acc));
@@ -353,32 +444,24 @@ static void int4_tile(const uint8_t *w, int64_t record, int64_t nb, act16 a, int
 }
 #endif
 
-// With many rows the same sums go through the FMA ports instead (maddubs has one port on Zen 3,
+// With many rows int4's sums go through the FMA ports instead (maddubs has one port on Zen 3,
 // FMA two): a group of column tiles is widened once to floats, then every row runs against it.
-// For int4 the weights widen to 0..15 and q is taken as floats: a block's sum of at most 32
-// products |15 * 32767| stays below 2^24, so it is the exact integer whatever the order, and
-// bit-identical to the maddubs path's; so is everything after it.
+// The weights widen to 0..15 and q is taken as floats: a block's sum of at most 32 products
+// |15 * 32767| stays below 2^24, so it is the exact integer whatever the order, and bit-identical
+// to the maddubs path's; so is everything after it.
 #define FMA_ROWS 6  // rows x FMA_TILES tiles of 8 columns: 12 accumulators, 12 FMA chains
 #define FMA_TILES 2
 #define INT4_FMA_MIN_ROWS 16  // int4 batches from this size take the FMA path
-#define INT8_WIDE_MIN_ROWS 4  // int8 batches from this size widen a tile group once
 
-// wf [kp][ntiles][8]: the tiles' q as floats, k-major, the group's tiles side by side.
-static void widen_tiles(int64_t record, const uint8_t *w, int64_t nb, int ntiles, float *wf) {
-    const int bits = record == INT8_RECORD ? 8 : 4;
+#ifdef QL_AVX2
+// wf [kp][ntiles][8]: the int4 tiles' q as floats, k-major, the group's tiles side by side.
+static void widen_tiles(const uint8_t *w, int64_t record, int64_t nb, int ntiles, float *wf) {
     const int64_t stride = ntiles * TILE;
+    const __m256i low = _mm256_set1_epi32(0x0f);
     for (int t = 0; t < ntiles; t++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *rec = w + (t * nb + b) * record;
             float *o = wf + b * QBLOCK * stride + t * TILE;
-#ifdef QL_AVX2
-            if (bits == 8) {
-                for (int k = 0; k < QBLOCK; k++)
-                    _mm256_storeu_ps(o + k * stride, _mm256_cvtepi32_ps(
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 8 * k)))));
-                continue;
-            }
-            const __m256i low = _mm256_set1_epi32(0x0f);
             for (int c = 0; c < 4; c++) {  // lane col holds bytes j of k = 8c + j and 8c + 4 + j
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 32 * c));
                 for (int j = 0; j < 4; j++) {
@@ -388,27 +471,12 @@ static void widen_tiles(int64_t record, const uint8_t *w, int64_t nb, int ntiles
                                      _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(byte, 4), low)));
                 }
             }
-            continue;
-#endif
-            if (bits == 8) {
-                for (int k = 0; k < QBLOCK; k++)
-                    for (int col = 0; col < TILE; col++) o[k * stride + col] = (float)(int8_t)rec[8 * k + col];
-                continue;
-            }
-            for (int c = 0; c < 4; c++)  // lane col holds bytes j of k = 8c + j and 8c + 4 + j
-                for (int col = 0; col < TILE; col++)
-                    for (int j = 0; j < 4; j++) {
-                        const uint8_t byte = rec[32 * c + 4 * col + j];
-                        o[(8 * c + j) * stride + col] = (float)(byte & 0x0f);
-                        o[(8 * c + 4 + j) * stride + col] = (float)(byte >> 4);
-                    }
         }
 }
 
-#ifdef QL_AVX2
 // Rows [0, nrows) of a (row-major, row stride a_stride) against ntiles widened tiles. Per block
-// and output: part = sum_k w x; out = part * d * s1 + m * s2 + out, with s1 = da, s2 = sa for
-// int4, and s1 = 1, s2 = the block's sum of x for int8. out is the accumulator between blocks.
+// and output: part = sum_k w q; out = part * d * s1 + m * s2 + out, with s1 = da, s2 = sa. out is
+// the accumulator between blocks.
 static inline __attribute__((always_inline)) void fma_tile(
         const float *wf, const uint8_t *const *rec, int64_t record, int64_t nb, const float *a,
         int64_t a_stride, const float *s1, const float *s2, float *out, int64_t ldo, const int nrows,
@@ -429,13 +497,12 @@ static inline __attribute__((always_inline)) void fma_tile(
         }
         for (int t = 0; t < ntiles; t++) {
             const uint8_t *rt = rec[t] + b * record;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + (record == INT8_RECORD ? 256 : 128))));
-            const __m256 m = record == INT8_RECORD ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + 272)))
-                                                   : int4_min(rt, d, record);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + 128)));
+            const __m256 m = int4_min(rt, d, record);
             for (int r = 0; r < nrows; r++) {
                 float *o = out + r * ldo + t * TILE;
                 __m256 acc = b ? _mm256_loadu_ps(o) : _mm256_setzero_ps();
-                const __m256 scale = s1 ? _mm256_mul_ps(d, _mm256_set1_ps(s1[r * nb + b])) : d;
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(s1[r * nb + b]));
                 acc = _mm256_fmadd_ps(part[r][t], scale, acc);
                 acc = _mm256_fmadd_ps(m, _mm256_set1_ps(s2[r * nb + b]), acc);
                 _mm256_storeu_ps(o, acc);
@@ -461,7 +528,7 @@ static void fma_rows(const float *wf, const uint8_t *const *rec, int64_t record,
 #undef FMA_CASE
 }
 
-// out [m, ldo] columns [0, n) for W of records `record` through widened tile groups: each thread
+// out [m, ldo] columns [0, n) for int4 W of records `record` through widened tile groups: each thread
 // widens a group, then runs every row against it. Returns 0, or -1 without the memory (nothing
 // written).
 static int fma_linear(int64_t record, const uint8_t *w, int64_t n, int64_t kp, const float *a,
@@ -485,10 +552,10 @@ static int fma_linear(int64_t record, const uint8_t *w, int64_t n, int64_t kp, c
                 const int ntiles = tiles - g * FMA_TILES < FMA_TILES ? (int)(tiles - g * FMA_TILES) : FMA_TILES;
                 const uint8_t *rec[FMA_TILES];
                 for (int t = 0; t < ntiles; t++) rec[t] = w + (g * FMA_TILES + t) * nb * record;
-                widen_tiles(record, rec[0], nb, ntiles, wf);
+                widen_tiles(rec[0], record, nb, ntiles, wf);
                 for (int64_t r = m0; r < m1; r += FMA_ROWS) {
                     const int nr = m1 - r < FMA_ROWS ? (int)(m1 - r) : FMA_ROWS;
-                    fma_rows(wf, rec, record, nb, a + r * a_stride, a_stride, s1 ? s1 + r * nb : NULL,
+                    fma_rows(wf, rec, record, nb, a + r * a_stride, a_stride, s1 + r * nb,
                              s2 + r * nb, out + r * ldo + g * FMA_TILES * TILE, ldo, nr, ntiles);
                 }
             }
@@ -499,13 +566,13 @@ static int fma_linear(int64_t record, const uint8_t *w, int64_t n, int64_t kp, c
 }
 #endif
 
-// ---- int4 on AVX-512 VNNI ---------------------------------------------------------------------
+// ---- AVX-512 VNNI ------------------------------------------------------------------------------
 //
 // A group of VNNI_TILES column tiles (32 columns, two 512-bit registers) is widened once into
-// int16 pairs, lane = column: pair 4c + j of a block holds the low and high nibble of byte
-// 32c + 4 col + j, i.e. q of k = 8c + j and 8c + 4 + j, matching act16's q2. Then every row runs
-// against it: per block, 16 vpdpwssd per register give the exact integer dot (|sum| < 2^24, so
-// its float is exact too), and the float epilogue is the AVX2 path's, lane for lane.
+// int16 pairs, lane = column: pair 4c + j of a block holds q of k = 8c + j and 8c + 4 + j (for
+// int4 the low and high nibble of byte 32c + 4 col + j), matching act16's q2. Then every row runs
+// against it: per block, 16 vpdpwssd per register give the exact integer dot, and the float
+// epilogue is the AVX2 path's, lane for lane.
 
 #ifdef QL_VNNI
 #define VNNI_TILES 4
@@ -528,6 +595,12 @@ static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t record, int64_t nb,
                 continue;
             }
             const uint8_t *rec = w + (t * nb + b) * record;
+            if (record == INT8_RECORD) {
+                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * VNNI_COLS), int8_pairs(rec, p));
+                _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256))));
+                _mm256_storeu_ps(d + VNNI_COLS, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 272))));
+                continue;
+            }
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 32 * c));
                 for (int j = 0; j < 4; j++) {
@@ -660,8 +733,8 @@ static VNNI_TARGET void vnni_narrow_linear(const uint8_t *w, int64_t record, int
     }
 }
 
-// out [m, ldo] columns [0, n) for int4 W, as int4_linear: each thread widens a tile group, then
-// runs every row against it. Returns 0, or -1 without the memory (nothing written).
+// out [m, ldo] columns [0, n) for W of either kind, as quant_gemm: each thread widens a tile
+// group, then runs every row against it. Returns 0, or -1 without the memory (nothing written).
 static int vnni_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 a, int64_t m, float *out,
                        int64_t ldo, int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + VNNI_TILES - 1) / VNNI_TILES;
@@ -698,170 +771,305 @@ static int vnni_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, 
 }
 #endif
 
-// ---- int8 -------------------------------------------------------------------------------------
+// ---- AMX ----------------------------------------------------------------------------------------
 //
-// The weights widened to float, times float32 activations, each block's sum (one FMA chain,
-// k in order) scaled by its d once, plus m times the block's sum of x (xs): the float32 path's
-// arithmetic on the stored int8 values. Few rows widen in registers, many widen a tile group
-// once (fma_linear): the same operations either way.
+// The tile unit multiplies a 16 x 64-byte A tile by a B tile of 16 columns (each row of B holds
+// 4 consecutive k of every column) into 16 x 16 int32, in one instruction for each of the four
+// sign combinations. A block's 32 k are one product of depth 32, so each block's dot stays its
+// own integer (its scales differ from the next block's). The 16-bit activations are two byte
+// tiles that already lie in act16: hi (signed, row stride kp) and lo (unsigned). Per block and 16
+// columns: C_hi = hi . w (tdpbssd), C_lo = lo . w (tdpbusd); dot = 256 C_hi + C_lo = sum_k q_k w_k,
+// the integer of every other path (|C_hi| < 2^20, |C_lo| < 2^21), then the float epilogue of the
+// VNNI path, lane for lane. Tiles: 0, 1 A (hi, lo); 2, 3 B (columns 0-15, 16-31 of the group);
+// 4-7 C (hi and lo of each B).
+//
+// With QL_AMX_EMULATE the tile instructions are C loops over a thread's software tiles, checking
+// the shapes as the hardware would fault on them: the tests run the path's packing, tile shapes
+// and epilogue on CPUs without AMX (this file's AMX path was written on one).
 
-#ifdef QL_AVX2
-static inline __attribute__((always_inline)) void int8_narrow_tile(
-        const uint8_t *w, int64_t nb, const float *x, const float *xs, float *out, const int ntiles) {
-    __m256 acc[INT8_NARROW_TILES];
-    for (int t = 0; t < ntiles; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 part[INT8_NARROW_TILES];
-        for (int t = 0; t < ntiles; t++) {
-            part[t] = _mm256_setzero_ps();
-            for (int i = 0; i < INT8_RECORD; i += 64)
-                _mm_prefetch((const char *)(w + (t * nb + b) * INT8_RECORD + PREFETCH + i), _MM_HINT_T0);
-        }
-#pragma GCC unroll 2
-        for (int k = 0; k < QBLOCK; k++) {
-            const __m256 xk = _mm256_broadcast_ss(x + b * QBLOCK + k);
-            for (int t = 0; t < ntiles; t++) {
-                const uint8_t *q = w + (t * nb + b) * INT8_RECORD + 8 * k;
-                const __m256 wk = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
-                part[t] = _mm256_fmadd_ps(wk, xk, part[t]);
+#ifdef QL_AMX
+#define AMX_ROWS 16
+#define AMX_COLS 32  // columns per group: two B tiles of 16
+#define AMX_MIN_ROWS 16  // one full A tile (fewer rows run the VNNI path)
+// A group's bytes per block: two B tiles of 8 rows x 64 bytes, then d and m of its 32 columns.
+#define AMX_B_BYTES 512
+#define AMX_BLOCK_BYTES (2 * AMX_B_BYTES + 2 * AMX_COLS * 4)
+
+typedef struct {  // the 64 bytes ldtilecfg reads (palette 1)
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+#ifdef QL_AMX_EMULATE
+static _Thread_local struct {
+    tile_config cfg;
+    uint8_t tile[8][16][64];
+} emu;
+
+static void emu_check(int ok) {
+    if (!ok) abort();  // where the hardware would fault (#UD): a wrong shape is a bug, not a result
+}
+
+static void emu_load(int t, const void *p, int64_t stride) {
+    emu_check(emu.cfg.palette == 1 && emu.cfg.rows[t] && emu.cfg.colsb[t] <= 64);
+    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy(emu.tile[t][r], (const uint8_t *)p + r * stride, emu.cfg.colsb[t]);
+}
+
+static void emu_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy((uint8_t *)p + r * stride, emu.tile[t][r], emu.cfg.colsb[t]);
+}
+
+// C[m][n] += sum over k (colsb(A) / 4 groups of 4 bytes) of A[m][4k + i] * B[k][4n + i], B signed.
+static void emu_dot(int c, int a, int b, int a_signed) {
+    const tile_config *g = &emu.cfg;
+    emu_check(g->rows[c] == g->rows[a] && g->colsb[a] / 4 == g->rows[b] && g->colsb[b] == g->colsb[c]);
+    for (int m = 0; m < g->rows[c]; m++)
+        for (int n = 0; n < g->colsb[c] / 4; n++) {
+            int32_t sum;
+            memcpy(&sum, &emu.tile[c][m][4 * n], 4);
+            for (int k = 0; k < g->colsb[a]; k++) {
+                const int32_t x = a_signed ? (int8_t)emu.tile[a][m][k] : emu.tile[a][m][k];
+                sum += x * (int8_t)emu.tile[b][k / 4][4 * n + k % 4];
             }
+            memcpy(&emu.tile[c][m][4 * n], &sum, 4);
         }
-        for (int t = 0; t < ntiles; t++) {
-            const uint8_t *rt = w + (t * nb + b) * INT8_RECORD;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + 256)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rt + 272)));
-            acc[t] = _mm256_fmadd_ps(part[t], d, acc[t]);
-            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b]), acc[t]);
+}
+#define TILE_CONFIG(config) memcpy(&emu.cfg, config, sizeof(tile_config))
+#define TILE_RELEASE() memset(&emu.cfg, 0, sizeof(tile_config))
+#define TILE_LOAD(t, p, stride) emu_load(t, p, stride)
+#define TILE_STORE(t, p, stride) emu_store(t, p, stride)
+#define TILE_ZERO(t) memset(emu.tile[t], 0, sizeof(emu.tile[t]))
+#define TILE_DOT_SS(c, a, b) emu_dot(c, a, b, 1)
+#define TILE_DOT_US(c, a, b) emu_dot(c, a, b, 0)
+#else
+#define TILE_CONFIG(config) _tile_loadconfig(config)
+#define TILE_RELEASE() _tile_release()
+#define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DOT_SS(c, a, b) _tile_dpbssd(c, a, b)
+#define TILE_DOT_US(c, a, b) _tile_dpbusd(c, a, b)
+#endif
+
+// The shapes for `rows` rows of activations (tile configuration is per thread).
+static AMX_TARGET void amx_configure(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t == 2 || t == 3 ? QBLOCK / 4 : (uint8_t)rows;
+        cfg.colsb[t] = t < 2 ? QBLOCK : 64;
+    }
+    TILE_CONFIG(&cfg);
+}
+
+// A group of up to 4 tiles (32 columns) as B tiles, per block: B row i, column n holds its q at
+// k = 4i .. 4i + 3. For int4, row 2c is the low nibbles of bytes 32c .. 32c + 31 and row 2c + 1
+// their high nibbles (k = 8c + j and 8c + 4 + j); for int8, four 8-byte rows of k interleaved.
+static AMX_TARGET void amx_widen(const uint8_t *w, int64_t record, int64_t nb, int ntiles, uint8_t *wb) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *block = wb + b * AMX_BLOCK_BYTES;
+        float *d = (float *)(block + 2 * AMX_B_BYTES), *m = d + AMX_COLS;
+        for (int t = 0; t < AMX_COLS / TILE; t++) {
+            uint8_t *bt = block + (t / 2) * AMX_B_BYTES + (t % 2) * 32;  // row i at bt + 64 i
+            if (t >= ntiles) {  // past the last tile: zeros (its columns are never stored)
+                for (int i = 0; i < QBLOCK / 4; i++) memset(bt + 64 * i, 0, 32);
+                memset(d + t * TILE, 0, 4 * TILE);
+                memset(m + t * TILE, 0, 4 * TILE);
+                continue;
+            }
+            const uint8_t *rec = w + (t * nb + b) * record;
+            for (int i = 0; i < QBLOCK / 4; i++) {
+                __m256i row;
+                if (record == INT8_RECORD) {
+                    const uint8_t *k4 = rec + 32 * i;  // k = 4i .. 4i + 3, 8 columns each
+                    const __m128i k01 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)k4),
+                                                          _mm_loadl_epi64((const __m128i *)(k4 + 8)));
+                    const __m128i k23 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(k4 + 16)),
+                                                          _mm_loadl_epi64((const __m128i *)(k4 + 24)));
+                    row = _mm256_set_m128i(_mm_unpackhi_epi16(k01, k23), _mm_unpacklo_epi16(k01, k23));
+                } else {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 32 * (i / 2)));
+                    row = _mm256_and_si256(i % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+                }
+                _mm256_storeu_si256((__m256i *)(bt + 64 * i), row);
+            }
+            for (int col = 0; col < TILE; col++) {
+                d[t * TILE + col] = record_d(rec, record, col);
+                m[t * TILE + col] = record_m(rec, record, col);
+            }
         }
     }
-    for (int t = 0; t < ntiles; t++) _mm256_storeu_ps(out + t * TILE, acc[t]);
 }
-#else
-static void int8_narrow_tile(const uint8_t *w, int64_t nb, const float *x, const float *xs, float *out,
-                             const int ntiles) {
-    for (int t = 0; t < ntiles; t++)
-        for (int col = 0; col < TILE; col++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *rec = w + (t * nb + b) * INT8_RECORD;
-                uint16_t dh, mh;
-                memcpy(&dh, rec + 256 + 2 * col, 2);
-                memcpy(&mh, rec + 272 + 2 * col, 2);
-                float part = 0.0f;
-                for (int k = 0; k < QBLOCK; k++) part = fmaf((float)(int8_t)rec[8 * k + col], x[b * QBLOCK + k], part);
-                acc = fmaf(part, fp16_to_float(dh), acc);
-                acc = fmaf(fp16_to_float(mh), xs[b], acc);
+
+// Rows [0, rows) of act16 `a` (at the group's first row) against a widened group, into out;
+// columns outside the masks are not stored. The tiles are configured for `rows` rows.
+static AMX_TARGET void amx_rows(const uint8_t *wb, int64_t nb, act16 a, int64_t kp, int rows, float *out,
+                                int64_t ldo, __mmask16 mask0, __mmask16 mask1) {
+    float acc[AMX_ROWS][AMX_COLS] __attribute__((aligned(64)));
+    int32_t c[4][AMX_ROWS][16] __attribute__((aligned(64)));  // hi, lo of columns 0-15, then 16-31
+    memset(acc, 0, sizeof(acc));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *block = wb + b * AMX_BLOCK_BYTES;
+        TILE_LOAD(0, a.hi + b * QBLOCK, kp);
+        TILE_LOAD(1, a.lo + b * QBLOCK, kp);
+        TILE_LOAD(2, block, 64);
+        TILE_LOAD(3, block + AMX_B_BYTES, 64);
+        TILE_ZERO(4);
+        TILE_ZERO(5);
+        TILE_ZERO(6);
+        TILE_ZERO(7);
+        TILE_DOT_SS(4, 0, 2);
+        TILE_DOT_US(5, 1, 2);
+        TILE_DOT_SS(6, 0, 3);
+        TILE_DOT_US(7, 1, 3);
+        TILE_STORE(4, c[0], 64);
+        TILE_STORE(5, c[1], 64);
+        TILE_STORE(6, c[2], 64);
+        TILE_STORE(7, c[3], 64);
+        const float *dm = (const float *)(block + 2 * AMX_B_BYTES);
+        for (int r = 0; r < rows; r++) {
+            const __m512 s1 = _mm512_set1_ps(a.da[r * nb + b]), s2 = _mm512_set1_ps(a.sa[r * nb + b]);
+            for (int h = 0; h < 2; h++) {
+                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * h][r]), 8),
+                                                     _mm512_load_si512(c[2 * h + 1][r]));
+                const __m512 d = _mm512_loadu_ps(dm + 16 * h), m = _mm512_loadu_ps(dm + AMX_COLS + 16 * h);
+                __m512 x = _mm512_load_ps(acc[r] + 16 * h);
+                x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, s1), x);
+                _mm512_store_ps(acc[r] + 16 * h, _mm512_fmadd_ps(m, s2, x));
             }
-            out[t * TILE + col] = acc;
         }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(out + r * ldo, mask0, _mm512_load_ps(acc[r]));
+        _mm512_mask_storeu_ps(out + r * ldo + 16, mask1, _mm512_load_ps(acc[r] + 16));
+    }
+}
+
+// out [m, ldo] columns [0, n) for W of either kind, as quant_gemm: each thread widens a group of
+// 32 columns, then runs every 16 rows against it. Returns 0, or -1 without the memory.
+static AMX_TARGET int amx_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 all, int64_t m,
+                                 float *out, int64_t ldo, int num_threads) {
+    const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + AMX_COLS / TILE - 1) / (AMX_COLS / TILE);
+    uint8_t *widened = aligned_alloc(64, nb * AMX_BLOCK_BYTES * num_threads);
+    if (!widened) return -1;
+    // Rows in chunks whose activations stay in L2 while all of a thread's groups pass them.
+    int64_t chunk = (256 << 10) / (kp * 2);
+    chunk = chunk < AMX_ROWS ? AMX_ROWS : chunk / AMX_ROWS * AMX_ROWS;
+#pragma omp parallel num_threads(num_threads) if (groups > 1)
+    {
+        uint8_t *wb = widened + omp_get_thread_num() * nb * AMX_BLOCK_BYTES;
+        int configured = 0;  // the rows the thread's tiles are shaped for
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const int ntiles = tiles - 4 * g < 4 ? (int)(tiles - 4 * g) : 4, cols = ntiles * TILE;
+                const __mmask16 mask0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+                const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+                amx_widen(w + 4 * g * nb * record, record, nb, ntiles, wb);
+                for (int64_t r = m0; r < m1; r += AMX_ROWS) {
+                    const int rows = m1 - r < AMX_ROWS ? (int)(m1 - r) : AMX_ROWS;
+                    if (rows != configured) amx_configure(configured = rows);
+                    const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
+                                     NULL, NULL, NULL};
+                    amx_rows(wb, nb, a, kp, rows, out + r * ldo + g * AMX_COLS, ldo, mask0, mask1);
+                }
+            }
+        }
+        if (configured) TILE_RELEASE();
+    }
+    free(widened);
+    return 0;
 }
 #endif
 
-// ---- the GEMMs --------------------------------------------------------------------------------
+// ---- the GEMM ---------------------------------------------------------------------------------
 
 #define ROW_CHUNK 64  // rows whose activations stay in cache while every column tile passes them
 
-// out [m, ldo] columns [0, n) = x @ W^T for packed int4 W (records of `record` bytes: with m or
-// without) of n columns (a multiple of 8) and kp inputs, x given as quantize_act16's buffer.
-// Columns are split among threads.
-void int4_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
-                 int64_t ldo, int num_threads) {
+// The micro-kernel of the path without widening: tiles split among threads, rows in chunks.
+static void tile_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 all, int64_t m,
+                        float *out, int64_t ldo, int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE;
-    const act16 all = act16_at(act, m, kp);
-    const int path = quant_kernel_path();
-    (void)path;  // (a build without AVX2 has one path)
-#ifdef QL_VNNI
-    if (path == QL_PATH_VNNI) {
-        if (m < VNNI_MIN_ROWS || vnni_linear(w, record, n, kp, all, m, out, ldo, num_threads) != 0)
-            vnni_narrow_linear(w, record, n, kp, all, m, out, ldo, num_threads);
-        return;
-    }
-#endif
-#ifdef QL_AVX2
-    if (path == QL_PATH_AVX2 && m >= INT4_FMA_MIN_ROWS &&
-        fma_linear(record, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
-        return;  // (without the memory for it, the maddubs path below gives the same numbers)
-#endif
     for (int64_t m0 = 0; m0 < m; m0 += ROW_CHUNK) {
         const int64_t m1 = m0 + ROW_CHUNK < m ? m0 + ROW_CHUNK : m;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tiles * (m1 - m0) >= 64)
         for (int64_t t = 0; t < tiles; t++) {
             const uint8_t *wt = w + t * nb * record;
-            for (int64_t r = m0; r < m1; r += INT4_ROWS) {
+            for (int64_t r = m0; r < m1;) {
                 const act16 a = {all.hi + r * kp, all.lo + r * kp, all.da + r * nb, all.sa + r * nb,
-                                 all.l8 + r * nb, NULL, NULL};
+                                 all.l8 + r * nb, NULL, all.q2 + r * kp};
                 float *o = out + r * ldo + t * TILE;
-                if (m1 - r >= 2)
-                    int4_tile(wt, record, nb, a, kp, o, ldo, 2);
-                else
-                    int4_tile(wt, record, nb, a, kp, o, ldo, 1);
+                const int64_t left = m1 - r;
+#ifdef QL_AVX2
+                if (record == INT8_RECORD) {
+                    switch (left < INT8_ROWS ? left : INT8_ROWS) {  // constant shapes: registers
+                    case 4: int8_tile(wt, nb, a, kp, o, ldo, 4); break;
+                    case 3: int8_tile(wt, nb, a, kp, o, ldo, 3); break;
+                    case 2: int8_tile(wt, nb, a, kp, o, ldo, 2); break;
+                    default: int8_tile(wt, nb, a, kp, o, ldo, 1); break;
+                    }
+                    r += INT8_ROWS;
+                } else {
+                    if (left >= 2)
+                        int4_tile(wt, record, nb, a, kp, o, ldo, 2);
+                    else
+                        int4_tile(wt, record, nb, a, kp, o, ldo, 1);
+                    r += INT4_ROWS;
+                }
+#else
+                portable_tile(wt, record, nb, a, kp, o, ldo, left < INT4_ROWS ? (int)left : INT4_ROWS);
+                r += INT4_ROWS;
+#endif
             }
         }
     }
 }
 
-// xs [rows, kp / 32] = each 32-block's sum of x (the int8 kernel's min term).
-void block_sums(const float *x, int64_t x_stride, int64_t rows, int64_t kp, float *xs) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < kp / QBLOCK; b++) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < QBLOCK; i++) s += x[r * x_stride + b * QBLOCK + i];
-            xs[r * (kp / QBLOCK) + b] = s;
-        }
-}
-
-// The same for packed int8 W, x [m, kp] float32 itself and xs its block_sums.
-void int8_linear(const uint8_t *w, int64_t n, int64_t kp, const float *x, int64_t x_stride,
-                 const float *xs, int64_t m, float *out, int64_t ldo, int num_threads) {
-    const int64_t nb = kp / QBLOCK, tiles = n / TILE;
-    const int64_t groups = (tiles + INT8_NARROW_TILES - 1) / INT8_NARROW_TILES;
-#ifdef QL_AVX2
-    if (m >= INT8_WIDE_MIN_ROWS && fma_linear(INT8_RECORD, w, n, kp, x, x_stride, NULL, xs, m, out, ldo, num_threads) == 0)
+// out [m, ldo] columns [0, n) = x @ W^T for packed W (records of `record` bytes: int4 with m or
+// without, or int8) of n columns (a multiple of 8) and kp inputs, x given as quantize_act16's
+// buffer. Each path where it is fastest (see the top of this file); the same bits on all.
+void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
+                int64_t ldo, int num_threads) {
+    const act16 all = act16_at(act, m, kp);
+    const int path = quant_kernel_path();
+    (void)path;  // (a build without AVX2 has one path)
+    // Each widening path returns -1 without the memory for it: the next one gives the same numbers.
+#ifdef QL_AMX
+    if (path == QL_PATH_AMX && m >= AMX_MIN_ROWS && amx_linear(w, record, n, kp, all, m, out, ldo, num_threads) == 0)
         return;
 #endif
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2) if (tiles * m >= 64)
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t t0 = g * INT8_NARROW_TILES;
-            const int nt = tiles - t0 < INT8_NARROW_TILES ? (int)(tiles - t0) : INT8_NARROW_TILES;
-            const uint8_t *wt = w + t0 * nb * INT8_RECORD;
-            const float *xr = x + r * x_stride, *sr = xs + r * nb;
-            float *o = out + r * ldo + t0 * TILE;
-            switch (nt) {  // constant tile counts: registers
-            case 8: int8_narrow_tile(wt, nb, xr, sr, o, 8); break;
-            case 7: int8_narrow_tile(wt, nb, xr, sr, o, 7); break;
-            case 6: int8_narrow_tile(wt, nb, xr, sr, o, 6); break;
-            case 5: int8_narrow_tile(wt, nb, xr, sr, o, 5); break;
-            case 4: int8_narrow_tile(wt, nb, xr, sr, o, 4); break;
-            case 3: int8_narrow_tile(wt, nb, xr, sr, o, 3); break;
-            case 2: int8_narrow_tile(wt, nb, xr, sr, o, 2); break;
-            default: int8_narrow_tile(wt, nb, xr, sr, o, 1); break;
-            }
+#ifdef QL_VNNI
+    if (path >= QL_PATH_VNNI) {
+        if (m >= VNNI_MIN_ROWS && vnni_linear(w, record, n, kp, all, m, out, ldo, num_threads) == 0) return;
+        if (record != INT8_RECORD) {
+            vnni_narrow_linear(w, record, n, kp, all, m, out, ldo, num_threads);
+            return;
         }
+    }
+#endif
+#ifdef QL_AVX2
+    if (path == QL_PATH_AVX2 && record != INT8_RECORD && m >= INT4_FMA_MIN_ROWS &&
+        fma_linear(record, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
+        return;
+#endif
+    tile_linear(w, record, n, kp, all, m, out, ldo, num_threads);
 }
 
-// The linear as the model calls it: x [m, k] (row stride x_stride, k == kp unless the caller
-// padded nothing: the int8 kernel reads whole blocks, so x must hold kp columns), each part
-// (fused q|k|v may mix kinds) into its columns of out. Parts go in order: a part's padding
-// columns are overwritten by the next. `scratch` holds act16_bytes(m, kp) bytes.
+// The linear as the model calls it: x [m, k] (row stride x_stride), each part (fused q|k|v may mix
+// kinds) into its columns of out. Parts go in order: a part's padding columns are overwritten by
+// the next. `scratch` holds act16_bytes(m, kp) bytes.
 void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t kp,
                         int64_t parts, const int64_t *records, const int64_t *weights,
                         const int64_t *n_padded, const int64_t *col_offset, void *scratch,
                         float *out, int64_t ldo, int num_threads) {
-    int quantized = 0, summed = 0;
-    float *xs = (float *)((uint8_t *)scratch + XS_OFFSET(m, kp));
-    for (int64_t p = 0; p < parts; p++) {
-        const uint8_t *w = (const uint8_t *)(intptr_t)weights[p];
-        if (records[p] == INT8_RECORD) {
-            if (!summed) block_sums(x, x_stride, m, kp, xs);
-            summed = 1;
-            int8_linear(w, n_padded[p], kp, x, x_stride, xs, m, out + col_offset[p], ldo, num_threads);
-            continue;
-        }
-        if (!quantized) quantize_act16(x, x_stride, m, k, kp, scratch, num_threads);
-        quantized = 1;
-        int4_linear(w, records[p], n_padded[p], kp, scratch, m, out + col_offset[p], ldo, num_threads);
-    }
+    quantize_act16(x, x_stride, m, k, kp, scratch, num_threads);
+    for (int64_t p = 0; p < parts; p++)
+        quant_gemm((const uint8_t *)(intptr_t)weights[p], records[p], n_padded[p], kp, scratch, m,
+                   out + col_offset[p], ldo, num_threads);
 }
 
 // ---- rows of W, for embedding lookups and tests ------------------------------------------------
@@ -869,27 +1077,14 @@ void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, 
 // out [len(ids), k] = the float weights of columns ids (rows of the original [n, k] matrix).
 void dequantize_columns(int64_t record, const uint8_t *w, int64_t kp, int64_t k, const int64_t *ids,
                         int64_t count, float *out) {
-    const int64_t nb = kp / QBLOCK, bits = record == INT8_RECORD ? 8 : 4;
+    const int64_t nb = kp / QBLOCK;
     for (int64_t i = 0; i < count; i++) {
-        const int64_t col = ids[i] % TILE;
+        const int col = (int)(ids[i] % TILE);
         const uint8_t *rec = w + ids[i] / TILE * nb * record;
         float *o = out + i * k;
         for (int64_t b = 0; b < nb; b++, rec += record) {
-            uint16_t dh, mh;
-            memcpy(&dh, rec + (bits == 4 ? 128 : 256) + 2 * col, 2);
-            if (record != INT4_SYM_RECORD) memcpy(&mh, rec + (bits == 4 ? 144 : 272) + 2 * col, 2);
-            const float d = fp16_to_float(dh), mn = record == INT4_SYM_RECORD ? d * -8.0f : fp16_to_float(mh);
-            for (int64_t j = 0; j < QBLOCK && b * QBLOCK + j < k; j++) {
-                float q;
-                if (bits == 4) {
-                    const int64_t c = j / 8, half = (j % 8) / 4, jj = j % 4;
-                    const uint8_t byte = rec[32 * c + 4 * col + jj];
-                    q = (float)(half ? byte >> 4 : byte & 0x0f);
-                } else {
-                    q = (float)(int8_t)rec[8 * j + col];
-                }
-                o[b * QBLOCK + j] = d * q + mn;
-            }
+            const float d = record_d(rec, record, col), mn = record_m(rec, record, col);
+            for (int j = 0; j < QBLOCK && b * QBLOCK + j < k; j++) o[b * QBLOCK + j] = d * (float)record_q(rec, record, col, j) + mn;
         }
     }
 }
