@@ -564,41 +564,36 @@ static int fma_linear(int64_t record, const uint8_t *w, int64_t n, int64_t kp, c
     free(widened);
     return 0;
 }
-#endif
-
-// ---- AVX-512 VNNI ------------------------------------------------------------------------------
+// ---- int16 pairs, widened ---------------------------------------------------------------------
 //
-// A group of VNNI_TILES column tiles (32 columns, two 512-bit registers) is widened once into
-// int16 pairs, lane = column: pair 4c + j of a block holds q of k = 8c + j and 8c + 4 + j (for
-// int4 the low and high nibble of byte 32c + 4 col + j), matching act16's q2. Then every row runs
-// against it: per block, 16 vpdpwssd per register give the exact integer dot, and the float
-// epilogue is the AVX2 path's, lane for lane.
-
-#ifdef QL_VNNI
-#define VNNI_TILES 4
-#define VNNI_COLS (VNNI_TILES * TILE)
-#define VNNI_ROWS 4  // rows x 2 registers: 8 int32 sums and 8 float accumulators
-#define VNNI_MIN_ROWS 12  // from this many rows widening a group once beats vnni_narrow (measured)
+// For many rows, a group of PAIR_TILES column tiles (32 columns) is widened once into int16
+// pairs, lane = column: pair 4c + j of a block holds q of k = 8c + j and 8c + 4 + j (for int4 the
+// low and high nibble of byte 32c + 4 col + j), matching act16's q2. Then every row runs against
+// it: on AVX2 by madd (int8 weights: their sums pass 2^24, so the FMA path cannot take them), on
+// VNNI by vpdpwssd (both kinds).
+#define PAIR_TILES 4
+#define PAIR_COLS (PAIR_TILES * TILE)
+#define PAIR_ROWS 2  // AVX2: rows x 4 registers of int32 sums
+#define INT8_PAIR_MIN_ROWS 2  // int8 from 2 rows widens a group once (1B head: 2x at 4-16 rows)
 
 // wq [nb][16][32] int32 (pairs, lane = column), dm [nb][2][32] float (d, then m, per column).
-static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t record, int64_t nb, int ntiles, int32_t *wq,
-                                   float *dm) {
+static void widen_pairs(const uint8_t *w, int64_t record, int64_t nb, int ntiles, int32_t *wq, float *dm) {
     const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0x0f0000);
     for (int64_t b = 0; b < nb; b++)
-        for (int t = 0; t < VNNI_TILES; t++) {
-            int32_t *o = wq + b * 16 * VNNI_COLS + t * TILE;
-            float *d = dm + b * 2 * VNNI_COLS + t * TILE;
+        for (int t = 0; t < PAIR_TILES; t++) {
+            int32_t *o = wq + b * 16 * PAIR_COLS + t * TILE;
+            float *d = dm + b * 2 * PAIR_COLS + t * TILE;
             if (t >= ntiles) {  // past the last tile: zeros (its lanes are never stored)
-                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * VNNI_COLS), _mm256_setzero_si256());
+                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * PAIR_COLS), _mm256_setzero_si256());
                 _mm256_storeu_ps(d, _mm256_setzero_ps());
-                _mm256_storeu_ps(d + VNNI_COLS, _mm256_setzero_ps());
+                _mm256_storeu_ps(d + PAIR_COLS, _mm256_setzero_ps());
                 continue;
             }
             const uint8_t *rec = w + (t * nb + b) * record;
             if (record == INT8_RECORD) {
-                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * VNNI_COLS), int8_pairs(rec, p));
+                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * PAIR_COLS), int8_pairs(rec, p));
                 _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256))));
-                _mm256_storeu_ps(d + VNNI_COLS, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 272))));
+                _mm256_storeu_ps(d + PAIR_COLS, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 272))));
                 continue;
             }
             for (int c = 0; c < 4; c++) {
@@ -607,14 +602,103 @@ static VNNI_TARGET void vnni_widen(const uint8_t *w, int64_t record, int64_t nb,
                     const __m256i byte = _mm256_srli_epi32(v, 8 * j);
                     const __m256i pair = _mm256_or_si256(_mm256_and_si256(byte, low),
                                                          _mm256_and_si256(_mm256_slli_epi32(byte, 12), high));
-                    _mm256_storeu_si256((__m256i *)(o + (4 * c + j) * VNNI_COLS), pair);
+                    _mm256_storeu_si256((__m256i *)(o + (4 * c + j) * PAIR_COLS), pair);
                 }
             }
             const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 128)));
             _mm256_storeu_ps(d, scale);
-            _mm256_storeu_ps(d + VNNI_COLS, int4_min(rec, scale, record));
+            _mm256_storeu_ps(d + PAIR_COLS, int4_min(rec, scale, record));
         }
 }
+
+static inline __attribute__((always_inline)) void pair_tile(
+        const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp, const float *da,
+        const float *sa, float *out, int64_t ldo, int cols, const int nrows) {
+    float acc[PAIR_ROWS][PAIR_COLS] __attribute__((aligned(32)));
+    memset(acc, 0, sizeof(acc));
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[PAIR_ROWS][4];
+        for (int r = 0; r < nrows; r++)
+            for (int i = 0; i < 4; i++) dot[r][i] = _mm256_setzero_si256();
+        const int32_t *wb = wq + b * 16 * PAIR_COLS;
+#pragma GCC unroll 2
+        for (int p = 0; p < 16; p++) {
+            __m256i wp[4];
+            for (int i = 0; i < 4; i++) wp[i] = _mm256_loadu_si256((const __m256i *)(wb + p * PAIR_COLS + 8 * i));
+            for (int r = 0; r < nrows; r++) {
+                const __m256i x = bcast4(q2 + r * kp + b * QBLOCK + 2 * p);
+                for (int i = 0; i < 4; i++) dot[r][i] = _mm256_add_epi32(dot[r][i], _mm256_madd_epi16(wp[i], x));
+            }
+        }
+        const float *db = dm + b * 2 * PAIR_COLS;
+        for (int r = 0; r < nrows; r++) {
+            const __m256 s1 = _mm256_set1_ps(da[r * nb + b]), s2 = _mm256_set1_ps(sa[r * nb + b]);
+            for (int i = 0; i < 4; i++) {
+                const __m256 d = _mm256_loadu_ps(db + 8 * i), m = _mm256_loadu_ps(db + PAIR_COLS + 8 * i);
+                __m256 x = _mm256_load_ps(acc[r] + 8 * i);
+                x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][i]), _mm256_mul_ps(d, s1), x);
+                _mm256_store_ps(acc[r] + 8 * i, _mm256_fmadd_ps(m, s2, x));
+            }
+        }
+    }
+    for (int r = 0; r < nrows; r++) memcpy(out + r * ldo, acc[r], sizeof(float) * cols);
+}
+
+typedef void (*pair_rows_fn)(const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp,
+                             const float *da, const float *sa, float *out, int64_t ldo, int cols, int nrows);
+
+static void avx2_pair_rows(const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp,
+                           const float *da, const float *sa, float *out, int64_t ldo, int cols, int nrows) {
+    if (nrows == 2)  // constant shapes: registers
+        pair_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, cols, 2);
+    else
+        pair_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, cols, 1);
+}
+
+// out [m, ldo] columns [0, n) for W of either kind, as quant_gemm: each thread widens a tile
+// group, then runs every `step` rows against it through `rows`. Returns 0, or -1 without the
+// memory (nothing written).
+static int pairs_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 a, int64_t m, float *out,
+                        int64_t ldo, int num_threads, pair_rows_fn rows, int step) {
+    const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + PAIR_TILES - 1) / PAIR_TILES;
+    const int64_t per_thread = nb * 18 * PAIR_COLS;  // 16 pair rows and d, m per block, 4 bytes each
+    int32_t *widened = aligned_alloc(64, sizeof(int32_t) * per_thread * num_threads);
+    if (!widened) return -1;
+    // Rows in chunks whose activations stay in L2 while all of a thread's tile groups pass them.
+    int64_t chunk = (256 << 10) / (kp * 2);
+    chunk = chunk < 16 ? 16 : chunk / step * step;
+#pragma omp parallel num_threads(num_threads) if (groups > 1)
+    {
+        int32_t *wq = widened + omp_get_thread_num() * per_thread;
+        float *dm = (float *)(wq + nb * 16 * PAIR_COLS);
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            // static: each thread gets the same groups in every chunk, so no chunk waits for another
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const int ntiles = tiles - g * PAIR_TILES < PAIR_TILES ? (int)(tiles - g * PAIR_TILES) : PAIR_TILES;
+                widen_pairs(w + g * PAIR_TILES * nb * record, record, nb, ntiles, wq, dm);
+                for (int64_t r = m0; r < m1; r += step) {
+                    const int nr = m1 - r < step ? (int)(m1 - r) : step;
+                    rows(wq, dm, nb, a.q2 + r * kp, kp, a.da + r * nb, a.sa + r * nb, out + r * ldo + g * PAIR_COLS,
+                         ldo, ntiles * TILE, nr);
+                }
+            }
+        }
+    }
+    free(widened);
+    return 0;
+}
+#endif
+
+// ---- AVX-512 VNNI ------------------------------------------------------------------------------
+//
+// From 12 rows, a widened group (above): per block, 16 vpdpwssd per 512-bit register give the
+// exact integer dot, and the float epilogue is the AVX2 path's, lane for lane.
+
+#ifdef QL_VNNI
+#define VNNI_ROWS 4  // rows x 2 registers: 8 int32 sums and 8 float accumulators
+#define VNNI_MIN_ROWS 12  // from this many rows widening a group once beats vnni_narrow (measured)
 
 // Rows [0, nrows) (q2 pairs, row stride kp int16) against a widened group; columns outside
 // `mask` are not stored.
@@ -626,10 +710,10 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
     for (int64_t b = 0; b < nb; b++) {
         __m512i dot[VNNI_ROWS][2];
         for (int r = 0; r < nrows; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-        const int32_t *wb = wq + b * 16 * VNNI_COLS;
+        const int32_t *wb = wq + b * 16 * PAIR_COLS;
 #pragma GCC unroll 4
         for (int p = 0; p < 16; p++) {
-            const __m512i w0 = _mm512_loadu_si512(wb + p * VNNI_COLS), w1 = _mm512_loadu_si512(wb + p * VNNI_COLS + 16);
+            const __m512i w0 = _mm512_loadu_si512(wb + p * PAIR_COLS), w1 = _mm512_loadu_si512(wb + p * PAIR_COLS + 16);
             for (int r = 0; r < nrows; r++) {
                 int32_t pair;
                 memcpy(&pair, q2 + r * kp + b * QBLOCK + 2 * p, 4);
@@ -638,9 +722,9 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
                 dot[r][1] = _mm512_dpwssd_epi32(dot[r][1], w1, x);
             }
         }
-        const float *db = dm + b * 2 * VNNI_COLS;
+        const float *db = dm + b * 2 * PAIR_COLS;
         const __m512 d0 = _mm512_loadu_ps(db), d1 = _mm512_loadu_ps(db + 16);
-        const __m512 m0 = _mm512_loadu_ps(db + VNNI_COLS), m1 = _mm512_loadu_ps(db + VNNI_COLS + 16);
+        const __m512 m0 = _mm512_loadu_ps(db + PAIR_COLS), m1 = _mm512_loadu_ps(db + PAIR_COLS + 16);
         for (int r = 0; r < nrows; r++) {
             const __m512 s1 = _mm512_set1_ps(da[r * nb + b]), s2 = _mm512_set1_ps(sa[r * nb + b]);
             acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_mul_ps(d0, s1), acc[r][0]);
@@ -656,8 +740,9 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
 }
 
 static VNNI_TARGET void vnni_rows(const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp,
-                                  const float *da, const float *sa, float *out, int64_t ldo, __mmask16 mask0,
-                                  __mmask16 mask1, int nrows) {
+                                  const float *da, const float *sa, float *out, int64_t ldo, int cols, int nrows) {
+    const __mmask16 mask0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+    const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
     switch (nrows) {  // constant shapes: registers, unrolled loops
     case 4: vnni_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, mask0, mask1, 4); break;
     case 3: vnni_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, mask0, mask1, 3); break;
@@ -733,42 +818,6 @@ static VNNI_TARGET void vnni_narrow_linear(const uint8_t *w, int64_t record, int
     }
 }
 
-// out [m, ldo] columns [0, n) for W of either kind, as quant_gemm: each thread widens a tile
-// group, then runs every row against it. Returns 0, or -1 without the memory (nothing written).
-static int vnni_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 a, int64_t m, float *out,
-                       int64_t ldo, int num_threads) {
-    const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + VNNI_TILES - 1) / VNNI_TILES;
-    const int64_t per_thread = nb * 18 * VNNI_COLS;  // 16 pair rows and d, m per block, 4 bytes each
-    int32_t *widened = aligned_alloc(64, sizeof(int32_t) * per_thread * num_threads);
-    if (!widened) return -1;
-    // Rows in chunks whose activations stay in L2 while all of a thread's tile groups pass them.
-    int64_t chunk = (256 << 10) / (kp * 2);
-    chunk = chunk < 16 ? 16 : chunk / VNNI_ROWS * VNNI_ROWS;
-#pragma omp parallel num_threads(num_threads) if (groups > 1)
-    {
-        int32_t *wq = widened + omp_get_thread_num() * per_thread;
-        float *dm = (float *)(wq + nb * 16 * VNNI_COLS);
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            // static: each thread gets the same groups in every chunk, so no chunk waits for another
-#pragma omp for schedule(static) nowait
-            for (int64_t g = 0; g < groups; g++) {
-                const int ntiles = tiles - g * VNNI_TILES < VNNI_TILES ? (int)(tiles - g * VNNI_TILES) : VNNI_TILES;
-                const int cols = ntiles * TILE;
-                const __mmask16 mask0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-                const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-                vnni_widen(w + g * VNNI_TILES * nb * record, record, nb, ntiles, wq, dm);
-                for (int64_t r = m0; r < m1; r += VNNI_ROWS) {
-                    const int nr = m1 - r < VNNI_ROWS ? (int)(m1 - r) : VNNI_ROWS;
-                    vnni_rows(wq, dm, nb, a.q2 + r * kp, kp, a.da + r * nb, a.sa + r * nb,
-                              out + r * ldo + g * VNNI_COLS, ldo, mask0, mask1, nr);
-                }
-            }
-        }
-    }
-    free(widened);
-    return 0;
-}
 #endif
 
 // ---- AMX ----------------------------------------------------------------------------------------
@@ -1044,7 +1093,9 @@ void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *a
 #endif
 #ifdef QL_VNNI
     if (path >= QL_PATH_VNNI) {
-        if (m >= VNNI_MIN_ROWS && vnni_linear(w, record, n, kp, all, m, out, ldo, num_threads) == 0) return;
+        const int64_t widen_from = record == INT8_RECORD ? INT8_PAIR_MIN_ROWS : VNNI_MIN_ROWS;
+        if (m >= widen_from && pairs_linear(w, record, n, kp, all, m, out, ldo, num_threads, vnni_rows, VNNI_ROWS) == 0)
+            return;
         if (record != INT8_RECORD) {
             vnni_narrow_linear(w, record, n, kp, all, m, out, ldo, num_threads);
             return;
@@ -1054,6 +1105,9 @@ void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *a
 #ifdef QL_AVX2
     if (path == QL_PATH_AVX2 && record != INT8_RECORD && m >= INT4_FMA_MIN_ROWS &&
         fma_linear(record, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
+        return;
+    if (path == QL_PATH_AVX2 && record == INT8_RECORD && m >= INT8_PAIR_MIN_ROWS &&
+        pairs_linear(w, record, n, kp, all, m, out, ldo, num_threads, avx2_pair_rows, PAIR_ROWS) == 0)
         return;
 #endif
     tile_linear(w, record, n, kp, all, m, out, ldo, num_threads);
