@@ -23,7 +23,14 @@ from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.errors import EngineDeadError, InvalidParam
 from unison.frontend.collector import Collector, running_loop
-from unison.frontend.sampling_params import SamplingParams
+from unison.frontend.generate_args import (
+    FIELDS,
+    GenerateArgs,
+    InputIds,
+    Prompt,
+    SamplingArg,
+    with_generate_args,
+)
 from unison.frontend.worker import TokenizerWorker
 from unison.protocol import (
     CheckIntegrity,
@@ -207,55 +214,33 @@ class Engine:
     # positionally, in its order; the rest keyword-only, None meaning the default. Its arguments
     # for features Unison lacks are accepted at their defaults and refused by name otherwise.
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | SamplingParams | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None, *,
-                 return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
-                 top_logprobs_num: int | list[int] | None = None,
-                 token_ids_logprob: list[int] | list[list[int]] | None = None,
-                 lora_path: Any = None, custom_logit_processor: Any = None, stream: bool = False,
-                 rid: str | list[str] | None = None, priority: int | None = None,
-                 **sglang_args: Any) -> dict | list[dict] | Iterator[dict]:
-        """Generate for one prompt (a dict) or a list (a flat list of P * n dicts)."""
+    @with_generate_args
+    def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None, input_ids: InputIds = None,
+                 image_data: object = None, *, stream: bool = False,
+                 **kwargs: Any) -> dict | list[dict] | Iterator[dict]:  # Any: GenerateArgs' fields
+        """Generate for one prompt (a dict) or a list (a flat list of P * n dicts). The keywords are
+        GenerateArgs' fields (frontend/generate_args.py) and SGLang's that Unison accepts unset."""
         if running_loop() is not None:
             warnings.warn("Engine.generate blocks the running event loop; use async_generate there",
                           RuntimeWarning, stacklevel=2)
-        _refuse_unsupported(image_data=image_data, custom_logit_processor=custom_logit_processor,
-                            **sglang_args)
-        _expect("stream", stream, bool, "True or False")
+        args = _generate_args(prompt, sampling_params, input_ids, image_data, stream, kwargs)
         worker = self._worker()
-        req = worker.make_request(prompt, sampling_params, input_ids, return_logprob=return_logprob,
-                                  logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                                  token_ids_logprob=token_ids_logprob, rid=rid, priority=priority,
-                                  lora_path=lora_path)
-        collector = self._h.loop.run(worker.submit(req))
+        collector = self._h.loop.run(worker.submit(worker.make_request(args)))
         if stream:
             return _Stream(_items(collector.follow_sync(), collector), collector.close)
         for _ in collector.follow_sync():
             pass
         return collector.results()
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | SamplingParams | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None, *,
-                             return_logprob: bool | list[bool] = False,
-                             logprob_start_len: int | list[int] | None = None,
-                             top_logprobs_num: int | list[int] | None = None,
-                             token_ids_logprob: list[int] | list[list[int]] | None = None,
-                             lora_path: Any = None, custom_logit_processor: Any = None,
-                             stream: bool = False, rid: str | list[str] | None = None,
-                             priority: int | None = None,
-                             **sglang_args: Any) -> dict | list[dict] | AsyncIterator[dict]:
+    @with_generate_args
+    async def async_generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
+                             input_ids: InputIds = None, image_data: object = None, *, stream: bool = False,
+                             **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:  # as generate
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
-        _refuse_unsupported(image_data=image_data, custom_logit_processor=custom_logit_processor,
-                            **sglang_args)
-        _expect("stream", stream, bool, "True or False")
+        args = _generate_args(prompt, sampling_params, input_ids, image_data, stream, kwargs)
         worker = self._worker()
         # Tokenizing (a long prompt, a JSON schema's grammar) must not stall the caller's loop.
-        req = await asyncio.to_thread(
-            worker.make_request, prompt, sampling_params, input_ids, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob, rid=rid, priority=priority, lora_path=lora_path)
+        req = await asyncio.to_thread(worker.make_request, args)
         submitted = self._h.loop.submit(worker.submit(req))
         try:
             collector = await asyncio.shield(asyncio.wrap_future(submitted))
@@ -465,7 +450,16 @@ SGLANG_METHODS = {
 }
 
 
-def _refuse_unsupported(**args: Any) -> None:
+def _generate_args(prompt: Prompt, sampling_params: SamplingArg, input_ids: InputIds, image_data: object,
+                   stream: bool, kwargs: dict[str, Any]) -> GenerateArgs:
+    """generate()'s arguments as GenerateArgs, SGLang's unserved ones refused by name."""
+    _expect("stream", stream, bool, "True or False")
+    _refuse_unsupported(image_data=image_data, **{k: v for k, v in kwargs.items() if k not in FIELDS})
+    return GenerateArgs(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+                        **{k: v for k, v in kwargs.items() if k in FIELDS})
+
+
+def _refuse_unsupported(**args: object) -> None:
     for name, value in args.items():
         if name in SGLANG_NO_EFFECT:
             if name.endswith("dp_rank") and value not in (None, 0):

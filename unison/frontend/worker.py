@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from unison import registry
 from unison.config import EngineConfig
@@ -25,6 +25,7 @@ from unison.errors import EngineDeadError, InvalidParam, check_encodable
 from unison.frontend.collector import Collector, running_loop
 from unison.frontend.connection import CoreConnection
 from unison.frontend.fanout import fan_out
+from unison.frontend.generate_args import GenerateArgs
 from unison.frontend.request import GenerateRequest, PromptRequest, ReqState
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
@@ -139,40 +140,25 @@ class TokenizerWorker:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
 
-    def make_request(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None, *,
-                     return_logprob: Any = False, logprob_start_len: Any = None,
-                     top_logprobs_num: Any = None, token_ids_logprob: Any = None, rid: Any = None,
-                     priority: int | None = None, add_special_tokens: bool = True,
-                     lora_path: Any = None) -> GenerateRequest:
-        """Check and tokenize one call (one prompt or a list, sglang.Engine's arguments: each of
-        them one value for all prompts or a list of one per prompt, None for the default);
-        raises InvalidParam naming the field, before anything is queued. Thread-safe: it only
-        reads."""
-        check_encodable(prompt, "prompt")
-        check_encodable(sampling_params if isinstance(sampling_params, (dict, list)) else None,
+    def make_request(self, args: GenerateArgs, add_special_tokens: bool = True) -> GenerateRequest:
+        """Check and tokenize one call (one prompt or a list); raises InvalidParam naming the
+        field, before anything is queued. Thread-safe: it only reads."""
+        check_encodable(args.prompt, "prompt")
+        check_encodable(args.sampling_params if isinstance(args.sampling_params, (dict, list)) else None,
                         "sampling_params")
-        batch, prompts, id_lists = _normalize_prompts(prompt, input_ids)
-        n = len(prompts) or len(id_lists)
-        if prompts and self.tokenizer is None:
+        batch, per = args.split()
+        prompts = [self._prompt(one, add_special_tokens) for one in per]
+        priority = 0 if args.priority is None else args.priority
+        _check_int("priority", priority)
+        return GenerateRequest(prompts, batch, priority)
+
+    def _prompt(self, one: GenerateArgs, add_special_tokens: bool) -> PromptRequest:
+        """One prompt's request, from `one`'s single values."""
+        if one.prompt is not None and self.tokenizer is None:
             raise InvalidParam("prompt", "this engine has no tokenizer (skip_tokenizer_init=True): "
                                          "give input_ids")
-        params = [SamplingParams.from_any(p) for p in _per_prompt(sampling_params, n, "sampling_params")]
-        by_id = token_ids_logprob
-        if batch and isinstance(by_id, list) and not any(isinstance(x, list) or x is None for x in by_id):
-            by_id = [by_id] * n  # one list of ids for every prompt
-        per = zip(prompts or [None] * n, id_lists or [None] * n, params, _per_prompt(rid, n, "rid"),
-                  _per_prompt(return_logprob, n, "return_logprob"),
-                  _per_prompt(logprob_start_len, n, "logprob_start_len"),
-                  _per_prompt(top_logprobs_num, n, "top_logprobs_num"),
-                  _per_prompt(by_id, n, "token_ids_logprob") if batch else [by_id],
-                  _per_prompt(lora_path, n, "lora_path"))
-        priority = 0 if priority is None else priority
-        _check_int("priority", priority)
-        return GenerateRequest([self._prompt(*args, add_special_tokens) for args in per], batch, priority)
-
-    def _prompt(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
-                rid: Any, return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
-                token_ids_logprob: Any, lora_path: Any, add_special_tokens: bool) -> PromptRequest:
+        params = SamplingParams.from_any(one.sampling_params)
+        rid, lora_path, return_logprob = one.rid, one.lora_path, one.return_logprob
         if rid is not None and not isinstance(rid, str):
             raise InvalidParam("rid", f"rid must be a string, got {rid!r}")
         if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):
@@ -181,28 +167,30 @@ class TokenizerWorker:
         if lora_path is not None and not self.config.enable_lora:
             raise InvalidParam("lora_path", "lora_path: LoRA is off; start the engine with "
                                             "enable_lora=True (--enable-lora)")
+        return_logprob = False if return_logprob is None else return_logprob
         if not isinstance(return_logprob, bool):
             raise InvalidParam("return_logprob", f"return_logprob must be a bool, got {return_logprob!r}")
-        start = -1 if logprob_start_len is None else logprob_start_len
-        top = 0 if top_logprobs_num is None else top_logprobs_num
+        start = -1 if one.logprob_start_len is None else one.logprob_start_len
+        top = 0 if one.top_logprobs_num is None else one.top_logprobs_num
         _check_int("logprob_start_len", start, -1)
         _check_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS)
+        by_id = cast(list[int] | None, one.token_ids_logprob)  # split() made it one prompt's list
         vocab = self.info.vocab_size
-        if token_ids_logprob is not None:
-            if not isinstance(token_ids_logprob, list) or len(token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
+        if by_id is not None:
+            if not isinstance(by_id, list) or len(by_id) > MAX_TOKEN_IDS_LOGPROB:
                 raise InvalidParam("token_ids_logprob", "token_ids_logprob must be a list of at most "
                                    f"{MAX_TOKEN_IDS_LOGPROB} token ids (or one such list per prompt)")
-            for t in token_ids_logprob:
+            for t in by_id:
                 _check_int("token_ids_logprob", t, 0, vocab - 1)
         if self.tokenizer is None and (params.stop is not None or params.stop_regex is not None):
             field = "stop" if params.stop is not None else "stop_regex"
             raise InvalidParam(field, f"{field} needs a tokenizer; this engine has none "
                                       "(skip_tokenizer_init=True): use stop_token_ids")
-        ids = self._prompt_ids(prompt, input_ids, params, add_special_tokens)
+        ids = self._prompt_ids(cast(str | None, one.prompt), cast(list[int] | None, one.input_ids), params,
+                               add_special_tokens)
         info = self.info
         max_new = params.max_tokens(len(ids), min(info.context_length, info.max_total_tokens))
-        return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, token_ids_logprob,
-                             lora_path)
+        return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, by_id, lora_path)
 
     def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
                     add_special_tokens: bool = True) -> list[int]:
@@ -319,30 +307,6 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(data)
         return Tokenizer.from_dir(tmp)
-
-
-def _normalize_prompts(prompt: Any, input_ids: Any) -> tuple[bool, list[str], list[list[int]]]:
-    if (prompt is None) == (input_ids is None):
-        raise InvalidParam("prompt", "give exactly one of prompt and input_ids")
-    if prompt is not None:
-        if isinstance(prompt, str):
-            return False, [prompt], []
-        if isinstance(prompt, list) and prompt:
-            return True, prompt, []
-        raise InvalidParam("prompt", "prompt must be a string or a non-empty list of strings")
-    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-        return True, [], input_ids
-    if isinstance(input_ids, list):
-        return False, [], [input_ids]
-    raise InvalidParam("input_ids", "input_ids must be a list of token ids or a list of such lists")
-
-
-def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
-    if isinstance(value, list):  # one entry per prompt
-        if len(value) != n:
-            raise InvalidParam(name, f"{name} has {len(value)} entries for {n} prompts")
-        return value
-    return [value] * n
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:

@@ -160,12 +160,7 @@ async def generate(body: GenerateBody, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
     if body.text is not None and body.input_ids is not None:
         raise HTTPError(400, "give exactly one of text and input_ids", param="text")
-    req = worker_of(request).make_request(  # InvalidParam: the app's handler
-        prompt=body.text, sampling_params=body.sampling_params, input_ids=body.input_ids,
-        return_logprob=False if body.return_logprob is None else body.return_logprob,
-        logprob_start_len=body.logprob_start_len, top_logprobs_num=body.top_logprobs_num,
-        token_ids_logprob=body.token_ids_logprob, rid=body.rid, priority=body.priority,
-        lora_path=body.lora_path)
+    req = worker_of(request).make_request(body.args())  # InvalidParam: the app's handler
     collector = await route(request, body.text if isinstance(body.text, str) else None, req).submit(req)
     await collector.admitted()
     if body.stream:

@@ -8,10 +8,12 @@ change the output unnoticed.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any, get_type_hints
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
+from unison.frontend.generate_args import GenerateArgs, InputIds, Prompt
 from unison.protocol import PauseMode
 
 
@@ -19,20 +21,32 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GenerateBody(_Body):
-    """/generate: SGLang's GenerateReqInput, the fields sglang.Engine.generate takes."""
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+class _GenerateBase(_Body):
     stream: bool = False
-    return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    token_ids_logprob: list[int] | list[list[int]] | None = None
-    rid: str | list[str] | None = None
-    priority: int | None = None
-    lora_path: str | list[str | None] | None = None  # a loaded adapter's name, or one per prompt
+    if TYPE_CHECKING:  # derived from GenerateArgs below; declared here for what the route reads
+        text: Prompt
+        input_ids: InputIds
+
+    def args(self) -> GenerateArgs:
+        values = self.model_dump(exclude={"stream"})
+        values["prompt"] = values.pop("text")
+        return GenerateArgs(**values)
+
+
+def _generate_fields() -> dict[str, Any]:  # Any: pydantic's (type, default) pairs
+    """GenerateArgs' fields in SGLang's wire names: `text` is the prompt, and sampling options
+    are JSON objects (a SamplingParams object is the Python API's alone)."""
+    hints = get_type_hints(GenerateArgs)
+    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(GenerateArgs)}
+    fields["sampling_params"] = (dict[str, Any] | list[dict[str, Any]] | None, None)  # JSON objects
+    return {"text": fields.pop("prompt"), **fields}
+
+
+# /generate: SGLang's GenerateReqInput, the fields sglang.Engine.generate takes, plus `stream`.
+if TYPE_CHECKING:
+    GenerateBody = _GenerateBase
+else:
+    GenerateBody = create_model("GenerateBody", __base__=_GenerateBase, **_generate_fields())
 
 
 class LoadLoraBody(_Body):
