@@ -106,7 +106,8 @@ def _assert_paths_agree(path: str, kernels: cpu_kernels.CpuKernels, ks, ns, ms, 
     for _ in range(trials):
         k, n = int(rng.choice(ks)), int(rng.choice(ns))
         q4_0 = _q4_0_weight(rng.standard_normal((24, k)))
-        parts = [quant.quantize(torch.randn(n, k, generator=g), 4), quant.quantize(torch.randn(40, k, generator=g), 8), q4_0]
+        parts = [quant.quantize(torch.randn(n, k, generator=g), 4),
+                 quant.quantize(torch.randn(40, k, generator=g), 8), q4_0]
         plan = cpu_kernels.QuantPlan(parts)
         for m in sorted(set(ms) | {int(rng.integers(1, max(ms) + 1))}):
             x = torch.randn(m, k, generator=g) * float(rng.choice([0.01, 1.0, 40.0]))
@@ -137,7 +138,8 @@ def test_amx_path_in_software_tiles_is_bit_identical(emulated_amx: cpu_kernels.C
     """The AMX path with each tile instruction done in C (checking the shapes the hardware would
     fault on) gives the VNNI path's bits: 16-row tiles, a partial last one, 8-column groups."""
     assert "amx" in emulated_amx.supported_quant_paths()
-    _assert_paths_agree("amx", emulated_amx, [32, 96, 160, 480], [8, 40, 96, 224], [16, 17, 31, 33, 70], trials=6)
+    _assert_paths_agree("amx", emulated_amx, [32, 96, 160, 480], [8, 40, 96, 224], [16, 17, 31, 33, 70],
+                        trials=6)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -28,7 +28,7 @@ from tests.utils import wait_until
 from unison import Engine
 from unison.cli import build_parser, main
 from unison.server.app import create_app
-from unison.server.streaming import Settings
+from unison.server.settings import ServeSettings, WorkerSettings
 
 KEY = "sk-unison-ui"
 MODEL = "SmolLM2-135M-Instruct"
@@ -128,7 +128,7 @@ def expect(locator):
 
 def test_static_files_open_api_keyed_and_disable_ui():
     """The page's files need no key (they hold no data); the API does; --disable-ui removes them."""
-    settings = Settings(registry_path="", owner_pid=0, served_model_name=MODEL, api_key=KEY)
+    settings = WorkerSettings(ServeSettings(api_key=KEY), MODEL, registry_path="", owner_pid=0)
     client = TestClient(create_app(settings))  # no lifespan: nothing attaches to a core
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -140,7 +140,8 @@ def test_static_files_open_api_keyed_and_disable_ui():
     assert client.get("/v1/models").status_code == 401
     assert client.get("/ui/none.js").status_code == 404
 
-    off = TestClient(create_app(Settings(registry_path="", owner_pid=0, served_model_name=MODEL, ui=False)))
+    no_ui = WorkerSettings(ServeSettings(disable_ui=True), MODEL, registry_path="", owner_pid=0)
+    off = TestClient(create_app(no_ui))
     assert off.get("/").status_code == 404 and off.get("/ui/main.js").status_code == 404
     assert build_parser().parse_args(["serve", "--no-webui"]).disable_ui
     assert build_parser().parse_args(["serve", "--disable-ui"]).disable_ui

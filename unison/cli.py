@@ -8,6 +8,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from unison.config import HELP, EngineConfig
+from unison.server.settings import ServeSettings, add_serve_options
 
 _SERVE_OWN = {"model_path", "tokenizer_worker_num"}  # spelled out by each command
 # vLLM's spellings beside ours (SGLang's are ours), so either ecosystem's command lines run.
@@ -65,18 +66,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from unison.server.launch import serve
 
-    if args.tool_call_parser is not None:
-        from unison.frontend.tool_parsers import get_parser
-
-        get_parser(args.tool_call_parser)  # an unknown name fails here, not at the first request
-    if args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    if args.extra_frontends < 0:
-        raise ValueError(f"--extra-frontends must be >= 0, got {args.extra_frontends}")
-    if args.extra_frontends and (args.data_parallel_size > 1 or args.ray_address):
-        raise ValueError("--extra-frontends is for one engine: data-parallel cores take frontends over "
-                         "TCP only")
-    if args.data_parallel_size > 1 or args.ray_address:
+    settings = ServeSettings.from_args(args)
+    settings.check()
+    if settings.data_parallel:
         from unison.server.data_parallel import import_ray
 
         import_ray()  # not installed: say what to install, before anything starts
@@ -91,12 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
                          "tokenize and detokenize")
     opts.setdefault("log_level", "info")
     config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
-    return serve(config, host=args.host, port=args.port, api_key=args.api_key,
-                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                 tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
-                 chat_template=args.chat_template, data_parallel_size=args.data_parallel_size,
-                 ray_address=args.ray_address, routing=args.routing, ui=not args.disable_ui,
-                 extra_frontends=args.extra_frontends)
+    return serve(config, settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,40 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("model", nargs="?", default=None, help="the model (as --model-path)")
-    srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    srv.add_argument("--port", type=int, default=30000, help="port to listen on")
     srv.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
                      help="HTTP worker processes, each a frontend of the one engine core")
-    srv.add_argument("--data-parallel-size", "--dp-size", type=int, default=1,
-                     help="engine cores behind one address, each in a Ray actor (needs unison[ray])")
-    srv.add_argument("--ray-address", default=None,
-                     help="an existing Ray cluster for the replicas (left running); default: a "
-                          "local Ray instance, started and stopped with the server")
-    srv.add_argument("--routing", choices=["least_loaded", "prefix", "kv"], default="least_loaded",
-                     help="which replica takes a request: least_loaded (engine-wide, from the "
-                          "replicas' load reports), prefix (a hash of the prompt's first characters) "
-                          "or kv (the most of the prompt's blocks cached, from the replicas' KV "
-                          "events, weighed against load)")
-    srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)")
-    srv.add_argument("--served-model-name", default=None, help="the model's name in the API")
-    srv.add_argument("--tool-call-parser", default=None,
-                     help='how tool_choice "auto" reads calls in the model\'s text: hermes (Qwen2.5/3, '
-                          "alias qwen25) or llama3_json (alias llama3)")
-    srv.add_argument("--generation-config", default="auto",
-                     help="request defaults: auto (the model's generation_config.json), vllm (none) "
-                          "or a folder holding one; its max_new_tokens caps every request")
-    srv.add_argument("--chat-template", default=None,
-                     help="a Jinja chat template (a file, or the template itself) over the model's")
-    srv.add_argument("--enable-auto-tool-choice", action="store_true",
-                     help="vLLM's flag, accepted: tool_choice \"auto\" works whenever a parser is set")
-    srv.add_argument("--max-request-bytes", type=int, default=None,
-                     help="largest request body (default: 32 MiB); past it: 413")
-    srv.add_argument("--disable-ui", "--no-webui", dest="disable_ui", action="store_true",
-                     help="no web page at / (chat, and the engine with its frontends)")
-    srv.add_argument("--extra-frontends", type=int, default=0,
-                     help="frontends that may attach beside the HTTP workers, e.g. an Engine in another "
-                          "process: Engine.attach_tokenizer_worker(<server pid>) (default: 0)")
+    add_serve_options(srv)
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 

@@ -10,7 +10,6 @@ every API call the page makes sends the key).
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import re
@@ -33,11 +32,11 @@ from unison.server.errors import HTTPError, error_kind, error_response
 from unison.server.openai_format import invalid_param
 from unison.server.openai_protocol import generation_defaults
 from unison.server.replicas import Replicas
-from unison.server.streaming import Settings
+from unison.server.settings import WorkerSettings
 
 log = logging.getLogger("unison.server")
 
-ENV = "UNISON_SERVER"  # JSON: the Settings of every worker
+ENV = "UNISON_SERVER"  # JSON: the WorkerSettings of every worker
 MAX_REQUEST_BYTES = 32 << 20  # the default of --max-request-bytes
 OPEN_ROUTES = ("/health", "/metrics")  # no API key, as in vLLM: for probes and scrapers
 UI_DIR = Path(__file__).with_name("ui")
@@ -46,20 +45,21 @@ UI_POLICY = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-u
 _UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings(**json.loads(os.environ[ENV]))
+def create_app(settings: WorkerSettings | None = None) -> FastAPI:
+    settings = settings or WorkerSettings.from_json(os.environ[ENV])
+    serve = settings.serve
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if settings.replicas_path:  # data parallel: every replica's core, over TCP
-            replicas = await Replicas.remote(settings.replicas_path, settings.routing)
+            replicas = await Replicas.remote(settings.replicas_path, serve.routing)
         else:
             replicas = await Replicas.local(settings.registry_path, settings.owner_pid,
                                             _exit_when_engine_dies)
         app.state.replicas = replicas
         worker = replicas.any
-        app.state.sampling_defaults = generation_defaults(settings.generation_config, worker.info.model_dir)
-        app.state.chat_template = _template_text(settings.chat_template)
+        app.state.sampling_defaults = generation_defaults(serve.generation_config, worker.info.model_dir)
+        app.state.chat_template = _template_text(serve.chat_template)
         log.info("worker %d attached as frontend %d of %d replica(s)", os.getpid(), worker.worker_id,
                  len(replicas.workers))
         try:
@@ -69,13 +69,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Unison", lifespan=lifespan)
     app.state.settings = settings
-    max_body = MAX_REQUEST_BYTES if settings.max_request_bytes is None else settings.max_request_bytes
-    app.add_middleware(_Gate, api_key=settings.api_key, max_body=max_body, ui=settings.ui)
+    max_body = MAX_REQUEST_BYTES if serve.max_request_bytes is None else serve.max_request_bytes
+    app.add_middleware(_Gate, api_key=serve.api_key, max_body=max_body, ui=not serve.disable_ui)
     _add_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(native.router)
-    if settings.ui:
+    if not serve.disable_ui:
         _add_ui(app)
     return app
 

@@ -17,37 +17,29 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.server.app import ENV, create_app
-from unison.server.streaming import Settings
+from unison.server.settings import ServeSettings, WorkerSettings
 
 log = logging.getLogger("unison.server")
 
 
-def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
-          served_model_name: str | None, tool_call_parser: str | None = None,
-          generation_config: str = "auto", chat_template: str | None = None,
-          max_request_bytes: int | None = None, data_parallel_size: int = 1,
-          ray_address: str | None = None, routing: str = "least_loaded", ui: bool = True,
-          extra_frontends: int = 0) -> int:
+def serve(config: EngineConfig, settings: ServeSettings) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    if data_parallel_size > 1 or ray_address:
-        return _serve_data_parallel(config, data_parallel_size, ray_address, routing, host=host, port=port,
-                                    api_key=api_key, served_model_name=served_model_name,
-                                    tool_call_parser=tool_call_parser, generation_config=generation_config,
-                                    chat_template=chat_template, max_request_bytes=max_request_bytes,
-                                    ui=ui)
+    if settings.data_parallel:
+        return _serve_data_parallel(config, settings)
     workers = config.tokenizer_worker_num
     # The core admits the HTTP workers and `extra_frontends` Engines attached from elsewhere.
-    core = CoreProcess(dataclasses.replace(config, tokenizer_worker_num=workers + extra_frontends),
+    core = CoreProcess(dataclasses.replace(config, tokenizer_worker_num=workers + settings.extra_frontends),
                        publish=True)
     failure: list[str] = []  # why the server stopped on its own, when it did
     stopping = threading.Event()
@@ -56,18 +48,13 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
         if config.listen:
             info = registry.read(core.registry_path).info
             log.warning("remote frontends attach at %s with server_key %s", info.tcp_address, info.server_key)
-        settings = Settings(
-            registry_path=str(core.registry_path), owner_pid=os.getpid(), api_key=api_key,
-            served_model_name=served_model_name or _default_name(config.model_path),
-            max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser,
-            generation_config=generation_config, chat_template=chat_template, ui=ui,
-        )
+        to_workers = WorkerSettings(settings, _model_name(settings, config), str(core.registry_path),
+                                    os.getpid())
         threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
-                         args=(host, port, workers, api_key, ui, config.startup_timeout, core.proc.poll,
-                               failure)).start()
+                         args=(settings, workers, config.startup_timeout, core.proc.poll, failure)).start()
         threading.Thread(target=_stop_when_core_exits, daemon=True, name="unison-core-watch",
                          args=(core, stopping, failure)).start()
-        _run_uvicorn(settings, host, port, workers, config.log_level)
+        _run_uvicorn(to_workers, workers, config.log_level)
     finally:
         stopping.set()
         core.stop()
@@ -77,32 +64,29 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None,
     return 0 if core.proc.returncode in (0, -signal.SIGTERM) else 1
 
 
-def _serve_data_parallel(config: EngineConfig, size: int, ray_address: str | None, routing: str, *,
-                         host: str, port: int, api_key: str | None, **settings_args: Any) -> int:
+def _serve_data_parallel(config: EngineConfig, settings: ServeSettings) -> int:
     """N cores in Ray actors; the same HTTP workers, each attached to every core over TCP."""
     from unison.server.data_parallel import RayReplicas
 
-    if routing == "kv" and config.kv_events_config is not None and config.kv_events is None:
+    if settings.routing == "kv" and config.kv_events_config is not None and config.kv_events is None:
         raise ValueError("--routing kv reads the replicas' KV events: leave --kv-events-config out "
                          "(each replica then publishes on a free port) or enable it")
-    workers = config.tokenizer_worker_num
+    workers, size = config.tokenizer_worker_num, settings.data_parallel_size
     runtime = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")  # 0700: the replicas file holds a key
     failure: list[str] = []
     cores = None
     try:
         # Each core takes every HTTP worker as a frontend, and one more (a worker re-attaching).
         cores = RayReplicas(dataclasses.replace(config, tokenizer_worker_num=workers + 1), size,
-                            ray_address, Path(runtime) / "replicas.json")
+                            settings.ray_address, Path(runtime) / "replicas.json")
         log.warning("%d replicas: %s", size, ", ".join(
             f"core pid {w.core_pid} on {w.host} at {w.address}" for w in cores.where))
-        settings_args["served_model_name"] = (settings_args["served_model_name"]
-                                              or _default_name(config.model_path))
-        settings = Settings(registry_path="", owner_pid=os.getpid(), api_key=api_key,
-                            replicas_path=str(cores.path), routing=routing, **settings_args)
+        to_workers = WorkerSettings(settings, _model_name(settings, config), "", os.getpid(),
+                                    replicas_path=str(cores.path))
         threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
-                         args=(host, port, workers * size, api_key, settings.ui, config.startup_timeout,
+                         args=(settings, workers * size, config.startup_timeout,
                                lambda: None, failure)).start()
-        _run_uvicorn(settings, host, port, workers, config.log_level)
+        _run_uvicorn(to_workers, workers, config.log_level)
     finally:
         if cores is not None:
             cores.stop()
@@ -113,21 +97,24 @@ def _serve_data_parallel(config: EngineConfig, size: int, ray_address: str | Non
     return 0
 
 
-def _run_uvicorn(settings: Settings, host: str, port: int, workers: int, log_level: str) -> None:
-    os.environ[ENV] = json.dumps(dataclasses.asdict(settings))
+def _run_uvicorn(settings: WorkerSettings, workers: int, log_level: str) -> None:
+    os.environ[ENV] = settings.to_json()
     # With one worker uvicorn runs here and, once shut down, re-raises the SIGTERM it caught
     # under the handler it found: the default one would kill the launcher before it stops
     # the core and reports. The signal is handled by then.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    app: Any = create_app(settings) if workers == 1 else "unison.server.app:create_app"
-    uvicorn.run(app, host=host, port=port, workers=None if workers == 1 else workers,
+    app: FastAPI | str = create_app(settings) if workers == 1 else "unison.server.app:create_app"
+    uvicorn.run(app, host=settings.serve.host, port=settings.serve.port,
+                workers=None if workers == 1 else workers,
                 factory=workers > 1, log_level=log_level, timeout_graceful_shutdown=5)
 
 
-def _default_name(model_path: str | None) -> str:
-    if model_path is None:
+def _model_name(settings: ServeSettings, config: EngineConfig) -> str:
+    if settings.served_model_name is not None:
+        return settings.served_model_name
+    if config.model_path is None:
         return "SmolLM2-135M-Instruct"
-    return os.path.basename(os.path.normpath(model_path))
+    return os.path.basename(os.path.normpath(config.model_path))
 
 
 def _stop_when_core_exits(core: CoreProcess, stopping: threading.Event, failure: list[str]) -> None:
@@ -142,11 +129,11 @@ def _stop_when_core_exits(core: CoreProcess, stopping: threading.Event, failure:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _announce_when_ready(host: str, port: int, workers: int, api_key: str | None, ui: bool, timeout: float,
-                         exited: Any, failure: list[str]) -> None:
+def _announce_when_ready(settings: ServeSettings, workers: int, timeout: float,
+                         exited: Callable[[], int | None], failure: list[str]) -> None:
     """Log the URL (the page's, and a curl line) once every worker has attached; stop the launch if
     that does not happen."""
-    url = f"http://{host}:{port}"
+    url, api_key, ui = f"http://{settings.host}:{settings.port}", settings.api_key, not settings.disable_ui
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and exited() is None:

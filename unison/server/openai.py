@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 
 from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
 from unison.frontend.collector import Collector
+from unison.frontend.generate_args import GenerateArgs
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
 from unison.frontend.worker import TokenizerWorker
@@ -135,11 +136,11 @@ async def completions(body: CompletionRequest, request: Request):
     prompt, input_ids = _completion_prompt(body.prompt)
     k = body.logprobs
     head = prompt if isinstance(prompt, str) else prompt[0] if prompt else None
-    collector = await _submit(request, worker, head, prompt=prompt, input_ids=input_ids,
-                              add_special_tokens=body.add_special_tokens is not False,
-                              sampling_params=body.sampling_params(16, request.app.state.sampling_defaults),
-                              return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
-                              top_logprobs_num=k or 0, priority=body.priority, lora_path=adapter)
+    args = GenerateArgs(prompt=prompt, input_ids=input_ids,
+                        sampling_params=body.sampling_params(16, request.app.state.sampling_defaults),
+                        return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
+                        top_logprobs_num=k or 0, priority=body.priority, lora_path=adapter)
+    collector = await _submit(request, worker, head, args, body.add_special_tokens is not False)
     fmt = Formatter(worker.tokenizer, collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
                     logprobs=k is not None, top_n=k or 0, echo=body.echo,
                     tokens_as_ids=body.return_tokens_as_token_ids)
@@ -158,7 +159,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     check_encodable(body.model_dump(exclude_none=True), "")
     worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
-                       request.app.state.settings.tool_call_parser)
+                       request.app.state.settings.serve.tool_call_parser)
     if body.top_logprobs and not body.logprobs:
         raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -186,9 +187,10 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
         # the constraint holds the answer, after the reasoning section (as SGLang's)
         params.structured_after = worker.tokenizer.encode(REASONING_END, add_special_tokens=False)
     try:
-        collector = await _submit(request, worker, text, input_ids=prompt_ids, sampling_params=params,
-                                  return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                                  priority=body.priority, lora_path=adapter)
+        args = GenerateArgs(input_ids=prompt_ids, sampling_params=params, return_logprob=body.logprobs,
+                            top_logprobs_num=body.top_logprobs or 0, priority=body.priority,
+                            lora_path=adapter)
+        collector = await _submit(request, worker, text, args)
     except InvalidParam as e:  # the limit came as max_completion_tokens: name that
         if e.field != "max_new_tokens" or body.max_completion_tokens is None:
             raise
@@ -201,15 +203,16 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     return collector, fmt
 
 
-async def _submit(request: Request, worker: TokenizerWorker, text: str | None, **call) -> Collector:
+async def _submit(request: Request, worker: TokenizerWorker, text: str | None, args: GenerateArgs,
+                  add_special_tokens: bool = True) -> Collector:
     """Check with any replica's frontend, then queue on the one routing picks for `text`."""
-    req = worker.make_request(**call)  # an InvalidParam: the app's handler names the field
+    req = worker.make_request(args, add_special_tokens)  # an InvalidParam: the app's handler names the field
     req.batch = True  # choices are indexed whatever the prompt's form
     collector = await route(request, text, req).submit(req)
     try:
         await collector.admitted()  # a full engine queue is a 503 now, not an error inside a stream
     except UnknownAdapterError as e:  # OpenAI names an adapter as the model (vLLM's)
-        raise HTTPError(404, f"model {call['lora_path']!r} does not exist: {e}", param="model") from None
+        raise HTTPError(404, f"model {args.lora_path!r} does not exist: {e}", param="model") from None
     return collector
 
 

@@ -1,10 +1,9 @@
-"""What every route shares: the app's settings and frontend, and answering with a stream or a body."""
+"""What every route shares: the app's frontend, and answering with a stream or a body."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,24 +32,6 @@ def stream_error(e: Exception) -> bytes:
     if isinstance(e, ValueError):
         return sse(error_body(400, str(e)))
     return sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What `unison serve` hands each HTTP worker (as JSON in its environment)."""
-
-    registry_path: str
-    owner_pid: int
-    served_model_name: str
-    api_key: str | None = None
-    tool_call_parser: str | None = None  # tool_choice "auto" reads the model's text with it
-    generation_config: str = "auto"  # auto (the model's), vllm (none) or a folder
-    chat_template: str | None = None  # a file or the template itself, over the model's
-    max_request_bytes: int | None = None
-    # Data parallel: the launcher's replicas file (replicas.ReplicaSet) instead of the registry.
-    replicas_path: str | None = None
-    routing: str = "least_loaded"  # or "prefix", "kv" (see replicas.py)
-    ui: bool = True  # the web page at / (--disable-ui turns it off)
 
 
 def worker_of(request: Request) -> TokenizerWorker:

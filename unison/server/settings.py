@@ -1,0 +1,118 @@
+"""ServeSettings: `unison serve`'s own flags, declared once.
+
+The command line's flags are made from the fields (`add_serve_options`), the launcher takes one
+ServeSettings (launch.py), and every HTTP worker gets it, with where its core is, as
+WorkerSettings (JSON in its environment). The engine's options are EngineConfig's (config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import dataclass, fields
+
+import msgspec
+
+ROUTINGS = ("least_loaded", "prefix", "kv")  # see replicas.py
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """`unison serve`'s own options (HELP below says what each does; the engine's are EngineConfig's)."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    tool_call_parser: str | None = None
+    generation_config: str = "auto"
+    chat_template: str | None = None
+    max_request_bytes: int | None = None
+    data_parallel_size: int = 1
+    ray_address: str | None = None
+    routing: str = "least_loaded"
+    disable_ui: bool = False
+    extra_frontends: int = 0
+    enable_auto_tool_choice: bool = False
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.data_parallel_size > 1 or self.ray_address is not None
+
+    def check(self) -> None:
+        """Refuse what cannot serve, naming the flag, before anything starts."""
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+        if self.extra_frontends < 0:
+            raise ValueError(f"--extra-frontends must be >= 0, got {self.extra_frontends}")
+        if self.extra_frontends and self.data_parallel:
+            raise ValueError("--extra-frontends is for one engine: data-parallel cores take frontends "
+                             "over TCP only")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"--routing must be one of {list(ROUTINGS)}, got {self.routing!r}")
+        if self.tool_call_parser is not None:
+            from unison.frontend.tool_parsers import get_parser
+
+            get_parser(self.tool_call_parser)  # an unknown name fails here, not at the first request
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeSettings:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+HELP = {
+    "host": "interface to listen on",
+    "port": "port to listen on",
+    "api_key": "require 'Authorization: Bearer KEY' (/health and /metrics stay open)",
+    "served_model_name": "the model's name in the API (default: its file or folder name)",
+    "tool_call_parser": 'how tool_choice "auto" reads calls in the model\'s text: hermes (Qwen2.5/3, '
+                        "alias qwen25) or llama3_json (alias llama3)",
+    "generation_config": "request defaults: auto (the model's generation_config.json), vllm (none) or a "
+                         "folder holding one; its max_new_tokens caps every request",
+    "chat_template": "a Jinja chat template (a file, or the template itself) over the model's",
+    "max_request_bytes": "largest request body (default: 32 MiB); past it: 413",
+    "data_parallel_size": "engine cores behind one address, each in a Ray actor (needs unison[ray])",
+    "ray_address": "an existing Ray cluster for the replicas (left running); default: a local Ray "
+                   "instance, started and stopped with the server",
+    "routing": "which replica takes a request: least_loaded (engine-wide, from the replicas' load "
+               "reports), prefix (a hash of the prompt's first characters) or kv (the most of the "
+               "prompt's blocks cached, from the replicas' KV events, weighed against load)",
+    "disable_ui": "no web page at / (chat, and the engine with its frontends)",
+    "extra_frontends": "frontends that may attach beside the HTTP workers, e.g. an Engine in another "
+                       "process: Engine.attach_tokenizer_worker(<server pid>)",
+    "enable_auto_tool_choice": "vLLM's flag, accepted: tool_choice \"auto\" works whenever a parser is set",
+}
+ALIASES = {"data_parallel_size": ["--dp-size"], "disable_ui": ["--no-webui"]}  # vLLM's, SGLang's
+CHOICES = {"routing": ROUTINGS}
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """One --flag per ServeSettings field."""
+    hints = typing.get_type_hints(ServeSettings)
+    for f in fields(ServeSettings):
+        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
+        if hints[f.name] is bool:
+            parser.add_argument(*flags, dest=f.name, action="store_true", help=HELP[f.name])
+            continue
+        kind = next(t for t in (int, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
+        default = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=CHOICES.get(f.name),
+                            help=HELP[f.name] + default)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the launcher hands each HTTP worker."""
+
+    serve: ServeSettings
+    served_model_name: str  # resolved: --served-model-name, else the model's file or folder name
+    registry_path: str  # the core's registry (one engine)
+    owner_pid: int
+    replicas_path: str | None = None  # data parallel: the launcher's replicas file (replicas.ReplicaSet)
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSettings:
+        return msgspec.json.decode(text, type=cls)
