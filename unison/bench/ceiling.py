@@ -21,11 +21,14 @@ from unison.model.decoder import DecoderModel
 EXACT_LIMIT = 32  # more distinct sizes than this: time a grid of them and interpolate
 
 
-def shape_counts(step_shapes: list[list[int]]) -> Counter[tuple[int, int]]:
+def shape_counts(step_shapes: Shapes) -> Counter[tuple[int, int]]:
     return Counter({(t, rows): n for t, rows, n in step_shapes})
 
 
-def subtract(after: list[list[int]], before: list[list[int]]) -> Counter[tuple[int, int]]:
+Shapes = list[tuple[int, int, int]]  # GetStepShapes' rows: (tokens, logits rows, forwards)
+
+
+def subtract(after: Shapes, before: Shapes) -> Counter[tuple[int, int]]:
     """The steps of one run: the core's counts after it minus those before it."""
     return shape_counts(after) - shape_counts(before)
 
@@ -83,7 +86,9 @@ def linears_time(model: DecoderModel, shapes: Counter[tuple[int, int]], reps: in
 
         def run() -> None:
             for layer in model.layers:
-                layer.qkv(x), layer.o_proj(a), layer.gate_up(x), layer.down(y)
+                layer.qkv(x), layer.o_proj(a)
+                if layer.gate_up is not None and layer.down is not None:  # not a mixture of experts
+                    layer.gate_up(x), layer.down(y)
         return _best_of(run, reps)
 
     def head(m: int) -> float:

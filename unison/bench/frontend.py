@@ -15,9 +15,13 @@ import multiprocessing as mp
 import os
 import resource
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from unison import Engine
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Event
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
 
@@ -36,16 +40,19 @@ async def _stream_all(engine: Engine, streams: int, requests: int, tokens: int) 
         nonlocal total
         while queue:
             queue.pop()
-            last = None
-            async for chunk in await engine.async_generate(PROMPT, params, stream=True):
-                last = chunk  # the consumer does nothing
-            total += len(last["output_ids"])
+            chunks = await engine.async_generate(PROMPT, params, stream=True)
+            assert not isinstance(chunks, dict | list)  # stream=True: an async iterator of chunks
+            n = 0
+            async for chunk in chunks:
+                n = len(chunk["output_ids"])  # the consumer does nothing
+            total += n
 
     await asyncio.gather(*(client() for _ in range(streams)))
     return total
 
 
-def _frontend(parent: int, streams: int, requests: int, tokens: int, ready, go, results) -> None:
+def _frontend(parent: int, streams: int, requests: int, tokens: int, ready: Queue[int], go: Event,
+              results: Queue[dict[str, float]]) -> None:
     engine = Engine.attach_tokenizer_worker(parent)
     try:
         asyncio.run(_stream_all(engine, 2, 4, 8))  # warm up the code paths
@@ -59,9 +66,11 @@ def _frontend(parent: int, streams: int, requests: int, tokens: int, ready, go, 
         engine.shutdown()
 
 
-def run(workers: int, streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, Any]:
+def run(workers: int, streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, float]:
     ctx = mp.get_context("spawn")
-    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    ready: Queue[int] = ctx.Queue()
+    results: Queue[dict[str, float]] = ctx.Queue()
+    go = ctx.Event()
     with Engine(model_path=model_path, load_format="dummy", tokenizer_worker_num=workers + 1,
                 max_running_requests=max(streams, 64)):
         procs = [ctx.Process(target=_frontend, args=(os.getpid(), streams // workers, requests // workers,
@@ -112,17 +121,16 @@ async def _sse_client(url: str, streams: int, requests: int, tokens: int) -> int
     return requests * tokens
 
 
-def run_http(streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, Any]:
+def run_http(streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, float]:
     """One `unison serve` worker in front of a dummy core: its CPU per streamed SSE token."""
     import json
-    import socket
     import subprocess
     import sys
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from unison.bench.local_server import free_port
+
+    port = free_port()
     cmd = [sys.executable, "-m", "unison.cli", "serve", "--port", str(port), "--load-format", "dummy",
            "--max-running-requests", str(max(streams, 64)), "--log-level", "error"]
     if model_path:
@@ -171,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("frontend", help="frontend CPU per streamed token, with a dummy model")
     p.add_argument("--workers", default="1,2", help="comma-separated frontend process counts")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams in all")

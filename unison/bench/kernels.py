@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
-
-def _runner(model_path: str | None, **kw: Any):
+if TYPE_CHECKING:  # torch and the model load when the command runs
+    from unison.model.decoder import DecoderModel
     from unison.model.runner import ModelRunner
 
-    return ModelRunner(model_path, num_blocks=1, **kw)
+
+def _runner(model_path: str | None, quantization: str, dtype: str = "auto") -> ModelRunner:
+    from unison.model.runner import ModelRunner
+
+    return ModelRunner(model_path, num_blocks=1, quantization=quantization, dtype=dtype)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -31,20 +35,20 @@ def main(args: argparse.Namespace) -> int:
         return 1
     columns: dict[str, list[float]] = {}
 
-    def times(model) -> list[float]:
+    def times(model: DecoderModel) -> list[float]:
         return [linears_time(model, Counter({(m, m): 1}), args.reps) for m in sizes]
 
-    quantized = _runner(args.model_path, quantization="int4").model
+    quantized = _runner(args.model_path, "int4").model
     for path in kernels.supported_quant_paths():
         kernels.select_quant_path(path)
         columns[f"int4/{path}"] = times(quantized)
     kernels.select_quant_path("auto")
     del quantized
-    floats = {"fp32": {}}
+    floats = {"fp32": "auto"}  # each column's dtype ("auto": float32 on the CPU)
     if torch.cpu._is_avx512_bf16_supported():
-        floats["bf16"] = {"dtype": "bfloat16"}
-    for name, kw in floats.items():
-        columns[name] = times(_runner(args.model_path, quantization="none", **kw).model)
+        floats["bf16"] = "bfloat16"
+    for name, dtype in floats.items():
+        columns[name] = times(_runner(args.model_path, "none", dtype).model)
     names = list(columns)
     print(f"linears of {args.model_path or 'the embedded model'}, summed, ms (best of {args.reps}); "
           f"x = fp32's time over this one's, {torch.get_num_threads()} threads")
@@ -56,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("kernels", help="the model's linears per int4 path beside oneDNN fp32 / bf16")
     p.add_argument("--model-path", default=None, help="HF directory or GGUF file (default: embedded)")
     p.add_argument("--m", default="1,16,64,512", help="batch sizes (rows), comma-separated")

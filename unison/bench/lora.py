@@ -19,11 +19,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from unison import Engine
-from unison.bench.datasets import random_requests
-from unison.bench.offline import add_engine_arguments, engine_options, unison_throughput
+from unison.bench import Json
+from unison.bench.datasets import SampleRequest, random_requests
+from unison.bench.offline import add_engine_arguments, engine_options, token_ids, unison_throughput
 from unison.bench.speculative import decode_rate
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 
@@ -60,7 +60,7 @@ def write_adapter(path: Path, model_dir: str | Path, rank: int, seed: int,
     return path
 
 
-def run_trial(engine: Engine, args: argparse.Namespace, reqs: list, names: list[str],
+def run_trial(engine: Engine, args: argparse.Namespace, reqs: list[SampleRequest], names: list[str],
               prompts: list[list[int]], adapter_dir: Path) -> dict[str, float]:
     n, fig, workloads = len(reqs), {}, args.workloads.split(",")
     if "offline" in workloads:
@@ -69,8 +69,8 @@ def run_trial(engine: Engine, args: argparse.Namespace, reqs: list, names: list[
         fig[f"offline {len(names)} adapters"] = unison_throughput(
             engine, reqs, loras=[names[i % len(names)] for i in range(n)])["output_tok_s"]
     if "single" in workloads:
-        fig["single base"] = decode_rate(engine, prompts, args.output_len)
-        fig["single 1 adapter"] = _decode_rate_with(engine, prompts, args.output_len, names[0])
+        fig["single base"] = decode_rate(engine, prompts, args.output_len, ignore_eos=True)
+        fig["single 1 adapter"] = decode_rate(engine, prompts, args.output_len, names[0], ignore_eos=True)
     if "load" in workloads:
         t0 = time.perf_counter()
         loaded = engine.load_lora_adapter("timed", str(adapter_dir))
@@ -78,20 +78,6 @@ def run_trial(engine: Engine, args: argparse.Namespace, reqs: list, names: list[
         assert loaded, loaded.message
         engine.unload_lora_adapter("timed")
     return fig
-
-
-def _decode_rate_with(engine: Engine, prompts: list[list[int]], output_len: int, lora: str) -> float:
-    tokens, seconds = 0, 0.0
-    for ids in prompts:
-        first = last = None
-        count = 0
-        for chunk in engine.generate(input_ids=ids, stream=True, lora_path=lora, sampling_params={
-                "temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}):
-            last = time.perf_counter()
-            first = first or last
-            count = len(chunk["output_ids"])
-        tokens, seconds = tokens + count - 1, seconds + (last - first)
-    return tokens / seconds
 
 
 def main(args: argparse.Namespace) -> int:
@@ -108,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         timed = write_adapter(Path(tmp) / "timed", info["model_dir"], args.rank, 99)
         vocab = info["vocab_size"]
         reqs = random_requests(args.num_prompts, args.input_len, args.output_len, 0.0, args.seed, vocab=vocab)
-        prompts = [r.prompt for r in reqs[: args.single_streams]]
+        prompts = [token_ids(r) for r in reqs[: args.single_streams]]
         trials = []
         for t in range(args.trials):
             trials.append(run_trial(engine, args, reqs, names, prompts, timed))
@@ -117,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def report(trials: list[dict[str, float]], args: argparse.Namespace, info: dict[str, Any]) -> str:
+def report(trials: list[dict[str, float]], args: argparse.Namespace, info: Json) -> str:
     """Medians over trials; each ratio is the median of the trials' own ratios (a trial runs the
     base and the adapters back to back, so the machine's drift between trials cancels)."""
     lines = [f"linears: {info['quantization']}; adapters: rank {args.rank} over {', '.join(TARGETS)}; "
@@ -138,7 +124,7 @@ def report(trials: list[dict[str, float]], args: argparse.Namespace, info: dict[
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("lora", help="LoRA adapters beside the base model: batches, a stream, load time")
     add_engine_arguments(p)
     p.add_argument("--rank", type=int, default=16)

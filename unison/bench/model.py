@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # gguf loads when a model is written
+    from gguf import GGUFReader, GGUFWriter
 
 # Llama 3.2's shapes and Qwen3-30B-A3B's (vocabulary: the embedded tokenizer's).
 SHAPES = {
@@ -36,7 +39,7 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.nda
     return np.concatenate([d.view(np.uint8), q], axis=2).reshape(rows, -1)
 
 
-def _copy_tokenizer(writer: Any, source: Any) -> None:
+def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader) -> None:
     """Every tokenizer.* field of `source` (a GGUFReader) into `writer`."""
     from gguf import GGUFValueType
 
@@ -119,9 +122,10 @@ def _tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _Spec]:
     return specs
 
 
-def _add_info(w: Any, name: str, rows: int | tuple[int, int], cols: int, kind: str) -> None:
+def _add_info(w: GGUFWriter, name: str, rows: int | tuple[int, int], cols: int, kind: str) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    shape: tuple[int, ...]
     if isinstance(rows, tuple):
         shape = (*rows, cols)
     else:  # norms: one row, written as a vector
@@ -137,12 +141,12 @@ def _add_info(w: Any, name: str, rows: int | tuple[int, int], cols: int, kind: s
 
 
 def _data(rng: np.random.Generator, rows: int | tuple[int, int], cols: int, kind: str) -> np.ndarray:
+    if isinstance(rows, tuple):  # experts: quantized, one matrix each
+        return _blocks(rng, rows[0] * rows[1], cols, kind).reshape(rows[0], rows[1], -1)
     if kind == "F32":
         return np.ones(rows * cols, np.float32)
     if kind == "router":  # logits of spread ~1, so tokens spread over the experts
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-    if isinstance(rows, tuple):
-        return _blocks(rng, rows[0] * rows[1], cols, kind).reshape(rows[0], rows[1], -1)
     return _blocks(rng, rows, cols, kind)
 
 
@@ -159,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("make-model", help="write a GGUF of a real size (random weights) for speed figures")
     p.add_argument("--size", choices=sorted(SHAPES), default="1b",
                    help="Llama 3.2 1B / 3B, or Qwen3-30B-A3B (a mixture of experts)")

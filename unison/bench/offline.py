@@ -16,12 +16,21 @@ import os
 import random
 import threading
 import time
-from typing import Any
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from unison import Engine
+from unison.bench import Json
 from unison.bench.datasets import SampleRequest, random_ids, random_requests, sharegpt_requests
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 from unison.protocol import GetStepShapes
+
+if TYPE_CHECKING:  # loaded by the runs that need them
+    from torch import Tensor
+    from tqdm import tqdm
+
+SamplingParams = dict[str, float | int | bool]  # Engine.generate's sampling_params, as a dict
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -43,11 +52,45 @@ def load_requests(args: argparse.Namespace, engine: Engine) -> list[SampleReques
     return [SampleRequest(ids, len(ids), s.output_len) for ids, s in zip(prompts, samples)]
 
 
-def _greedy(n: int) -> dict[str, Any]:
+def token_ids(r: SampleRequest) -> list[int]:
+    """An offline request's prompt: token ids (load_requests and random_requests with a vocab)."""
+    if isinstance(r.prompt, str):
+        raise TypeError("an offline benchmark's prompts are token ids")
+    return r.prompt
+
+
+# ---- the Engine, typed by how it is called: one prompt, a list, a stream ---------------------
+
+def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Json]:
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert isinstance(outs, list)  # a list of prompts: one output each
+    return outs
+
+
+def stream(engine: Engine, ids: list[int], params: SamplingParams,
+           lora: str | None = None) -> Iterator[Json]:
+    chunks = engine.generate(input_ids=ids, sampling_params=params, stream=True, lora_path=lora)
+    assert not isinstance(chunks, dict | list)  # stream=True: an iterator of chunks
+    return chunks
+
+
+def timed_stream(engine: Engine, ids: list[int], params: SamplingParams,
+                 lora: str | None = None) -> tuple[float, float, int]:
+    """When the first and the last chunk came (perf_counter seconds), and the tokens streamed."""
+    first = last = 0.0
+    n = 0
+    for chunk in stream(engine, ids, params, lora):
+        last = time.perf_counter()
+        first = first or last
+        n = len(chunk["output_ids"])
+    return first, last, n
+
+
+def _greedy(n: int) -> SamplingParams:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 
 
-def _bar(total: int, unit: str, quiet: bool, desc: str) -> Any:
+def _bar(total: int, unit: str, quiet: bool, desc: str) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, unit=unit, desc=desc, disable=quiet, leave=False)
@@ -62,24 +105,20 @@ def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) 
     t0 = time.perf_counter()
     engine.generate(input_ids=prompt, sampling_params=_greedy(1))
     prefill = time.perf_counter() - t0
-    first = last = None
     t0 = time.perf_counter()
-    for chunk in engine.generate(input_ids=prompt[:32], sampling_params=_greedy(output_len), stream=True):
-        now = time.perf_counter()
-        first = first or now
-        last = now
-        n = len(chunk["output_ids"])
+    first, last, n = timed_stream(engine, prompt[:32], _greedy(output_len))
     return {"prefill_tok_s": prompt_len / prefill, "decode_tok_s": (n - 1) / (last - first),
             "ttft_ms": 1e3 * (first - t0)}
 
 
 async def _generate_all(engine: Engine, reqs: list[SampleRequest], quiet: bool,
-                        ignore_eos: bool, loras: list[str | None] | None = None) -> list[dict]:
+                        ignore_eos: bool, loras: list[str | None] | None = None) -> list[Json]:
     bar = _bar(len(reqs), "req", quiet, "unison")
 
-    async def one(r: SampleRequest, lora: str | None) -> dict:
+    async def one(r: SampleRequest, lora: str | None) -> Json:
         params = {**_greedy(r.output_len), "ignore_eos": ignore_eos}
-        out = await engine.async_generate(input_ids=r.prompt, sampling_params=params, lora_path=lora)
+        out = await engine.async_generate(input_ids=token_ids(r), sampling_params=params, lora_path=lora)
+        assert isinstance(out, dict)  # one prompt, not streamed: its output
         bar.update(1)
         return out
     try:
@@ -89,9 +128,15 @@ async def _generate_all(engine: Engine, reqs: list[SampleRequest], quiet: bool,
 
 
 def unison_throughput(engine: Engine, reqs: list[SampleRequest], quiet: bool = True,
-                      ignore_eos: bool = True, loras: list[str | None] | None = None) -> dict[str, Any]:
+                      ignore_eos: bool = True, loras: list[str | None] | None = None) -> dict[str, float]:
     """`loras`: the LoRA adapter of each request (None: the base model)."""
-    engine.generate(input_ids=reqs[0].prompt[:16], sampling_params=_greedy(2))
+    return unison_run(engine, reqs, quiet, ignore_eos, loras)[0]
+
+
+def unison_run(engine: Engine, reqs: list[SampleRequest], quiet: bool = True, ignore_eos: bool = True,
+               loras: list[str | None] | None = None) -> tuple[dict[str, float], Counter[tuple[int, int]]]:
+    """The run's rates, and the shapes of its steps' linears (for the ceiling)."""
+    engine.generate(input_ids=token_ids(reqs[0])[:16], sampling_params=_greedy(2))
     from unison.bench import ceiling  # torch: imported only by the runs that need it
 
     before = engine._control(GetStepShapes()).rows  # recorded: main() sets RECORD_STEP_SHAPES_ENV
@@ -100,8 +145,7 @@ def unison_throughput(engine: Engine, reqs: list[SampleRequest], quiet: bool = T
     dt = time.perf_counter() - t0
     shapes = ceiling.subtract(engine._control(GetStepShapes()).rows, before)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {**_rates(len(reqs), sum(len(r.prompt) for r in reqs), out_tokens, dt),
-            "step_shapes": shapes}
+    return _rates(len(reqs), sum(len(r.prompt) for r in reqs), out_tokens, dt), shapes
 
 
 def _rates(n: int, input_tokens: int, output_tokens: int, seconds: float) -> dict[str, float]:
@@ -141,7 +185,7 @@ class HFBaseline:
         self.load_s = time.perf_counter() - t0
         self.device = torch.device(device)
 
-    def generate(self, prompts: list[list[int]], output_len: int, bar: Any = None) -> float:
+    def generate(self, prompts: list[list[int]], output_len: int, bar: tqdm | None = None) -> float:
         torch = self.torch
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
@@ -150,7 +194,8 @@ class HFBaseline:
         if bar is not None:  # a logits processor runs once per generated token: the progress tick
             from transformers import LogitsProcessorList
 
-            def tick(_ids: Any, scores: Any) -> Any:
+            def tick(_ids: Tensor, scores: Tensor) -> Tensor:
+                assert bar is not None
                 bar.update(1)
                 return scores
             extra["logits_processor"] = LogitsProcessorList([tick])
@@ -174,11 +219,11 @@ class HFBaseline:
                    quiet: bool = True) -> dict[str, float]:
         """vLLM's HF backend: consecutive requests in batches of up to `max_batch`, each batch
         generating its longest output for every row; only the requested tokens count."""
-        self.generate([reqs[0].prompt[:16]], 2)
+        self.generate([token_ids(reqs[0])[:16]], 2)
         batches = [reqs[i: i + (max_batch or len(reqs))] for i in range(0, len(reqs), max_batch or len(reqs))]
         bar = _bar(sum(max(r.output_len for r in b) for b in batches), "step", quiet, "hf")
         try:
-            dt = sum(self.generate([r.prompt for r in b], max(r.output_len for r in b), bar)
+            dt = sum(self.generate([token_ids(r) for r in b], max(r.output_len for r in b), bar)
                      for b in batches)
         finally:
             bar.close()
@@ -198,7 +243,7 @@ ROWS = (("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"), ("ttft_ms", "ms")
         ("total_tok_s", "tok/s"), ("seconds", "s"))
 
 
-def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
+def report(ours: Json, base: dict[str, float], load_s: float) -> str:
     lines = [f"unison linears: {ours.get('quantization', '?')}; hf: float32; on {ours.get('device', 'cpu')}",
              f"{'metric':<28}{'unison':>10}{'hf':>10}", _row("engine ready", load_s, base.get("load_s"), "s")]
     lines += [_row(key, ours[key], base.get(key), unit) for key, unit in ROWS if key in ours]
@@ -219,7 +264,7 @@ def report(ours: dict[str, Any], base: dict[str, float], load_s: float) -> str:
     return "\n".join(lines)
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:  # Engine's keywords: values of many types
     """The engine options a benchmark was given (the rest keep the engine's defaults)."""
     names = ("device", "num_threads", "quantization", "dtype", "kv_cache_dtype", "speculative_config",
              "kv_events_config")
@@ -228,7 +273,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _subscriber(engine: Engine, attach: bool):
+def _subscriber(engine: Engine, attach: bool) -> Iterator[dict[str, int]]:
     """A thread that reads the engine's KV events into an index, as a router would; yields the
     counts (filled in once the run ends)."""
     counts: dict[str, int] = {}
@@ -299,13 +344,15 @@ def main(args: argparse.Namespace) -> int:
     engine = Engine(**engine_options(args))
     load_s = time.perf_counter() - t0
     try:
+        ours: Json  # the figures, and what they were measured on: the result file's "unison"
+        shapes: Counter[tuple[int, int]] = Counter()
         if args.bench == "latency":
-            ours = unison_latency(engine, args.prompt_len, args.output_len, args.seed)
+            ours = {**unison_latency(engine, args.prompt_len, args.output_len, args.seed)}
         else:
             reqs = load_requests(args, engine)
             with _subscriber(engine, getattr(args, "kv_events_subscriber", False)) as events:
-                ours = unison_throughput(engine, reqs, args.quiet, not args.no_ignore_eos)
-            ours["kv_events"] = events
+                rates, shapes = unison_run(engine, reqs, args.quiet, not args.no_ignore_eos)
+            ours = {**rates, "kv_events": events}
         info = engine.get_server_info()
         ours["quantization"], ours["device"] = info["quantization"], info["device"]
         ours["spec_decode"] = info["stats"]["spec_decode"]
@@ -314,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
     if args.bench == "offline" and not args.no_ceiling and ours["device"] == "cpu":  # CPU GEMMs
         from unison.bench import ceiling
 
-        ours["ceiling_s"] = ceiling.measure(args.model_path, ours["step_shapes"], args.num_threads,
+        ours["ceiling_s"] = ceiling.measure(args.model_path, shapes, args.num_threads,
                                             ours["quantization"])
     base: dict[str, float] = {}
     if args.baseline == "hf":
@@ -324,14 +371,13 @@ def main(args: argparse.Namespace) -> int:
         base["load_s"] = hf.load_s
     print(report(ours, base, load_s))
     if args.result_file:
-        ours.pop("step_shapes", None)
         with open(args.result_file, "w") as f:
             json.dump({"bench": args.bench, "args": vars(args) | {"func": None}, "unison": ours,
                        "hf": base or None, "engine_ready_s": load_s}, f, indent=2)
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name, helptext in (("latency", "load time, long-prompt prefill and single-stream decode"),
                            ("offline", "throughput of many requests submitted at once")):
         p = sub.add_parser(name, help=helptext)

@@ -12,29 +12,24 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
 
+from unison.bench import Json
 from unison.bench.datasets import SampleRequest
+from unison.bench.local_server import free_port
 
 READY_S = 300.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     def __init__(self, routing: str, size: int, serve_args: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{routing}-", suffix=".log")
         cmd = [sys.executable, "-m", "unison.cli", "serve", "--port", str(self.port),
@@ -93,8 +88,9 @@ def ceiling(samples: list[SampleRequest], url: str, block_size: int) -> float:
 
 
 def compare(samples: list[SampleRequest], routings: list[str], size: int, trials: int, serve_args: str,
-            run: Any) -> list[dict[str, Any]]:
-    """`run(base_url)` runs the benchmark once and returns its summary."""
+            run: Callable[[str], Json]) -> list[Json]:
+    """`run(base_url)` runs the benchmark once and returns its summary; a row per routing mode (as the
+    result file holds them)."""
     import httpx
 
     rows = []
@@ -106,9 +102,9 @@ def compare(samples: list[SampleRequest], routings: list[str], size: int, trials
             top = ceiling(samples, server.url, info["block_size"])
             summaries = []
             for _ in range(trials):
-                r = httpx.post(server.url + "/flush_cache", timeout=60)
-                if r.status_code != 200:
-                    raise RuntimeError(f"/flush_cache failed: {r.text}")
+                flushed = httpx.post(server.url + "/flush_cache", timeout=60)
+                if flushed.status_code != 200:
+                    raise RuntimeError(f"/flush_cache failed: {flushed.text}")
                 summaries.append(run(server.url))
         finally:
             server.stop()
@@ -128,7 +124,7 @@ def compare(samples: list[SampleRequest], routings: list[str], size: int, trials
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[Json]) -> str:
     lines = [f"{'routing':<13}{'hit rate':>9}{'ceiling':>9}{'of ceil':>9}{'req/s':>8}{'tok/s':>9}"
              f"{'vs least':>10}"]
     for r in rows:

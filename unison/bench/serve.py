@@ -21,10 +21,11 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
+from unison.bench import Json
 from unison.bench.datasets import (
     SampleRequest,
     grounded_requests,
@@ -33,6 +34,9 @@ from unison.bench.datasets import (
     shared_prefix_requests,
     sharegpt_requests,
 )
+
+if TYPE_CHECKING:  # httpx loads when a benchmark runs, not when the CLI builds its parsers
+    import httpx
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -51,6 +55,18 @@ class RequestResult:
     start: float = 0.0  # when it was sent, seconds after the benchmark began
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage, when reported)
+
+
+# vLLM's serving metrics by its names: counts, seconds, rates, ms per statistic, the first error.
+Summary = Json
+
+
+class BenchmarkRun(TypedDict):
+    model: str
+    url: str
+    duration: float  # seconds, the first arrival to the last completion
+    results: list[RequestResult]
+    summary: Summary
 
 
 # ---- arrivals -------------------------------------------------------------------------------
@@ -85,7 +101,7 @@ def _stats(values: list[float]) -> dict[str, float | None]:
             "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+def summarize(results: list[RequestResult], duration: float) -> Summary:
     """vLLM's serving metrics. Failed requests are counted, not timed; latencies in ms."""
     ok = [r for r in results if r.error is None]
     failed = [r for r in results if r.error is not None]
@@ -97,7 +113,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "itl": [gap for r in ok for gap in r.itl],
         "e2el": [r.latency for r in ok],
     }
-    summary: dict[str, Any] = {
+    summary: Summary = {
         "duration_s": duration,
         "completed": len(ok),
         "failed": len(failed),
@@ -115,8 +131,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     return summary
 
 
-def format_summary(s: dict[str, Any]) -> str:
-    def row(label: str, value: Any) -> str:
+def format_summary(s: Summary) -> str:
+    def row(label: str, value: float | str | None) -> str:
         if isinstance(value, float):
             value = f"{value:.2f}"
         return f"{label:<40}{'-' if value is None else value:>10}"
@@ -154,8 +170,8 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
 
 
 def build_payload(endpoint: str, model: str, sample: SampleRequest,
-                  ignore_eos: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "temperature": 0.0, "stream": True,
+                  ignore_eos: bool) -> Json:
+    body: Json = {"model": model, "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}}
     if endpoint == CHAT:
         body["messages"] = [{"role": "user", "content": sample.prompt}]
@@ -169,7 +185,7 @@ def build_payload(endpoint: str, model: str, sample: SampleRequest,
     return body
 
 
-def _has_content(choice: dict[str, Any]) -> bool:
+def _has_content(choice: Json) -> bool:
     if "delta" in choice:
         delta = choice["delta"] or {}
         return any(delta.get(k) for k in ("content", "reasoning_content", "reasoning"))
@@ -181,7 +197,7 @@ def _short(text: str, n: int = 300) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-async def send_request(client: Any, url: str, payload: dict[str, Any], prompt_tokens: int,
+async def send_request(client: httpx.AsyncClient, url: str, payload: Json, prompt_tokens: int,
                        headers: dict[str, str], t_start: float = 0.0) -> RequestResult:
     result = RequestResult(prompt_tokens=prompt_tokens)
     chunks, usage = 0, None
@@ -239,7 +255,7 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def first_model(client: Any, base_url: str, api_key: str | None) -> str:
+async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> str:
     url = endpoint_url(base_url, "/v1/models")
     try:
         resp = await client.get(url, headers=_headers(api_key))
@@ -253,7 +269,8 @@ async def first_model(client: Any, base_url: str, api_key: str | None) -> str:
 SPEC_COUNTERS = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
 
 
-async def spec_counters(client: Any, base_url: str, api_key: str | None) -> tuple[float, float] | None:
+async def spec_counters(client: httpx.AsyncClient, base_url: str,
+                        api_key: str | None) -> tuple[float, float] | None:
     """Drafted and accepted tokens so far, from the server's /metrics (Unison's or vLLM's names);
     None where the server exports neither."""
     try:
@@ -267,14 +284,17 @@ async def spec_counters(client: Any, base_url: str, api_key: str | None) -> tupl
         name = metric.split("{")[0].split(":")[-1]
         if name in found:
             found[name] += float(value)
-    return tuple(found.values()) if any(name in text for name in SPEC_COUNTERS) else None
+    if not any(name in text for name in SPEC_COUNTERS):
+        return None
+    drafted, accepted = (found[name] for name in SPEC_COUNTERS)
+    return drafted, accepted
 
 
 async def run_benchmark(samples: list[SampleRequest], base_url: str, endpoint: str = COMPLETIONS,
                         model: str | None = None, request_rate: float = math.inf,
                         max_concurrency: int | None = None, seed: int = 0,
                         api_key: str | None = None, ignore_eos: bool = False, quiet: bool = False,
-                        test_request: bool = True) -> dict[str, Any]:
+                        test_request: bool = True) -> BenchmarkRun:
     import httpx
 
     url = endpoint_url(base_url, endpoint)
@@ -381,7 +401,7 @@ def main(args: argparse.Namespace) -> int:
 def _compare_routings(args: argparse.Namespace, samples: list[SampleRequest]) -> int:
     from unison.bench.routing import compare, format_table
 
-    def run(url: str) -> dict[str, Any]:
+    def run(url: str) -> Summary:
         out = asyncio.run(run_benchmark(samples, url, args.endpoint, args.model, args.request_rate,
                                         args.max_concurrency, args.seed, args.api_key, args.ignore_eos,
                                         quiet=True, test_request=False))
@@ -397,7 +417,7 @@ def _compare_routings(args: argparse.Namespace, samples: list[SampleRequest]) ->
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL)")
     p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:30000")
     p.add_argument("--endpoint", choices=[COMPLETIONS, CHAT], default=COMPLETIONS)

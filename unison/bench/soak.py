@@ -24,16 +24,21 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from unison import registry
+from unison.bench import Json
+from unison.bench.local_server import free_port
+
+if TYPE_CHECKING:  # loaded when the soak runs
+    import httpx
+    from tqdm import tqdm
 
 PROMPTS = (
     "The capital of France is",
@@ -136,7 +141,7 @@ def check(plan: Plan, solo: Output, got: Output, tally: Tally) -> None:
         tally.reasons.append(f"prompt {plan.prompt}, max_tokens {plan.max_tokens}: {why}")
 
 
-def _absorb(out: Output, msg: dict[str, Any]) -> None:
+def _absorb(out: Output, msg: Json) -> None:
     for choice in msg.get("choices") or []:
         lp = choice.get("logprobs") or {}
         out.tokens += lp.get("tokens") or []
@@ -146,13 +151,13 @@ def _absorb(out: Output, msg: dict[str, Any]) -> None:
         out.completion_tokens = msg["usage"]["completion_tokens"]
 
 
-def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+def _body(prompt: str, max_tokens: int, stream: bool) -> Json:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP_N,
             "stream": stream}
     return body | ({"stream_options": {"include_usage": True}} if stream else {})
 
 
-async def send(client: Any, prompt: str, plan: Plan) -> Output | str | None:
+async def send(client: httpx.AsyncClient, prompt: str, plan: Plan) -> Output | str | None:
     """The output; None when the client walked away as planned; else what went wrong."""
     body = _body(prompt, plan.max_tokens, plan.stream)
     if not plan.stream:
@@ -185,12 +190,6 @@ async def send(client: Any, prompt: str, plan: Plan) -> Output | str | None:
 
 # ---- the server ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss(pid: int) -> int:
     """Resident bytes of a process (0 once it is gone)."""
     with contextlib.suppress(OSError, ValueError, IndexError):
@@ -211,7 +210,7 @@ class Server:
     def __init__(self, workers: int, args: list[str], log_path: str) -> None:
         import httpx
 
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(log_path, "w")  # noqa: SIM115 -- closed in stop()
         cmd = [sys.executable, "-m", "unison.cli", "serve", "--host", "127.0.0.1",
                "--port", self.url.rsplit(":", 1)[1], "--tokenizer-worker-num", str(workers), *args]
@@ -219,12 +218,12 @@ class Server:
                                      start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> Json:
         r = self.http.get("/get_server_info")
         r.raise_for_status()
         return r.json()
 
-    def wait_ready(self, workers: int, timeout: float) -> dict[str, Any]:
+    def wait_ready(self, workers: int, timeout: float) -> Json:
         import httpx
 
         deadline = time.monotonic() + timeout
@@ -235,7 +234,7 @@ class Server:
             time.sleep(0.2)
         raise RuntimeError(f"the server did not get ready (exit code {self.proc.poll()}); see its log")
 
-    def wait_idle(self, timeout: float) -> tuple[bool, dict[str, Any]]:
+    def wait_idle(self, timeout: float) -> tuple[bool, Json]:
         deadline = time.monotonic() + timeout
         while True:
             info = self.info()
@@ -295,7 +294,7 @@ async def solo_runs(url: str, max_tokens: int) -> list[Output]:
 
 
 async def load(url: str, plans: list[Plan], solos: list[Output], clients: int, tally: Tally,
-               bar: Any) -> float:
+               bar: tqdm | None) -> float:
     """Every plan through `clients` concurrent clients, into the tally; the seconds it took."""
     import httpx
 
@@ -325,12 +324,13 @@ async def load(url: str, plans: list[Plan], solos: list[Output], clients: int, t
 
 
 def soak_phases(server: Server, plans: list[Plan], clients: int, baseline_at: int,
-                pids: dict[str, int], idle_timeout: float, progress: bool) -> dict[str, Any]:
+                pids: dict[str, int], idle_timeout: float, progress: bool) -> Json:
     """The load in two parts with an idle server between them, where the baseline RSS is taken:
     idle against idle, because under load the core's heap moves by tens of MiB from one step to
     the next (the activations of each batch shape come and go)."""
     solos = asyncio.run(solo_runs(server.url, max(p.max_tokens for p in plans)))
-    tally, duration, rss_mib, not_idle = Tally(), 0.0, {}, []
+    tally, duration, not_idle = Tally(), 0.0, []
+    rss_mib: dict[str, dict[str, float]] = {}  # process -> baseline, end, growth
     bar = None
     if progress:
         from tqdm import tqdm
@@ -356,7 +356,7 @@ def soak_phases(server: Server, plans: list[Plan], clients: int, baseline_at: in
 def run_soak(requests: int, clients: int = 64, workers: int = 4, disconnect: float = 0.1,
              seed: int = 0, min_tokens: int = 8, max_tokens: int = 32, max_rss_growth_mib: float = 64.0,
              kv_tokens: int = 4096, server_args: tuple[str, ...] = (), log_path: str | None = None,
-             progress: bool = False, idle_timeout: float = 10.0) -> dict[str, Any]:
+             progress: bool = False, idle_timeout: float = 10.0) -> Json:
     """The soak; its report, whose `problems` is empty when it passed.
 
     The KV pool's pages become resident as its blocks are first used, so a pool of the default
@@ -367,7 +367,7 @@ def run_soak(requests: int, clients: int = 64, workers: int = 4, disconnect: flo
         raise ValueError("need requests >= 2, 1 <= min_tokens <= max_tokens, 0 <= disconnect <= 1")
     plans = make_plans(requests, len(PROMPTS), min_tokens, max_tokens, disconnect, seed)
     baseline_at = min(500, requests // 2)
-    report: dict[str, Any] = {
+    report: Json = {
         "config": {"requests": requests, "clients": clients, "workers": workers,
                    "disconnect": disconnect, "seed": seed, "min_tokens": min_tokens,
                    "max_tokens": max_tokens, "max_rss_growth_mib": max_rss_growth_mib,
@@ -410,7 +410,7 @@ def _tail(path: str, n: int = 40) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
 
 
-def problems(r: dict[str, Any], tally: Tally) -> list[str]:
+def problems(r: Json, tally: Tally) -> list[str]:
     c, out = r["config"], []
     if tally.failed:
         out.append(f"{tally.failed} request(s) failed")
@@ -433,7 +433,7 @@ def problems(r: dict[str, Any], tally: Tally) -> list[str]:
     return out
 
 
-def format_report(r: dict[str, Any]) -> str:
+def format_report(r: Json) -> str:
     c, g, i = r["config"], r["greedy"], r["idle_info"]
     lines = [f"{' Soak Result ':=^64}",
              f"{c['requests']} requests, {c['clients']} clients, {c['workers']} workers, "
@@ -475,7 +475,7 @@ def main(args: argparse.Namespace) -> int:
     return 1 if report["problems"] else 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("soak", help="soak unison serve: many clients, disconnects, memory, logs")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--clients", type=int, default=64, help="concurrent clients")

@@ -14,28 +14,33 @@ import os
 import random
 import statistics
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from unison import Engine
-from unison.bench.datasets import GROUNDED_KINDS, grounded_prompt, random_requests
-from unison.bench.offline import add_engine_arguments, engine_options, random_prompts, unison_throughput
+from unison.bench import Json
+from unison.bench.datasets import GROUNDED_KINDS, SampleRequest, grounded_prompt, random_requests
+from unison.bench.offline import (
+    SamplingParams,
+    add_engine_arguments,
+    engine_options,
+    generate_all,
+    random_prompts,
+    timed_stream,
+    unison_throughput,
+)
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
 
 
-def decode_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+def decode_rate(engine: Engine, prompts: list[list[int]], output_len: int, lora: str | None = None,
+                ignore_eos: bool = False) -> float:
     """Single-stream decode tok/s over the prompts, one at a time (first token excluded)."""
     tokens, seconds = 0, 0.0
+    params: SamplingParams = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
     for ids in prompts:
-        first = last = None
-        n = 0
-        for chunk in engine.generate(input_ids=ids, stream=True, sampling_params={
-                "temperature": 0, "max_new_tokens": output_len}):
-            last = time.perf_counter()
-            first = first or last
-            n = len(chunk["output_ids"])
+        first, last, n = timed_stream(engine, ids, params, lora)
         if n > 1:
             tokens, seconds = tokens + n - 1, seconds + (last - first)
     return tokens / seconds
@@ -44,8 +49,8 @@ def decode_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> fl
 def batch_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
     """Output tok/s of the prompts submitted together."""
     t0 = time.perf_counter()
-    greedy = {"temperature": 0, "max_new_tokens": output_len}
-    outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+    greedy: SamplingParams = {"temperature": 0, "max_new_tokens": output_len}
+    outs = generate_all(engine, prompts, greedy)
     return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
 
 
@@ -54,20 +59,26 @@ def spec_counts(engine: Engine) -> tuple[int, int, int]:
     return spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0)
 
 
-def measure(engine: Engine, workload: str, args: argparse.Namespace, data: Any) -> dict[str, float]:
+@dataclass
+class Workloads:
+    prompts: dict[str, list[list[int]]]  # grounded, random, grounded@N: token ids
+    offline: list[SampleRequest]
+
+
+def measure(engine: Engine, workload: str, args: argparse.Namespace, data: Workloads) -> dict[str, float]:
     before = spec_counts(engine)
     if workload == "offline":
-        rate = unison_throughput(engine, data, quiet=True)["output_tok_s"]
+        rate = unison_throughput(engine, data.offline, quiet=True)["output_tok_s"]
     elif "@" in workload:
-        rate = batch_rate(engine, data, args.output_len)
+        rate = batch_rate(engine, data.prompts[workload], args.output_len)
     else:
-        rate = decode_rate(engine, data, args.output_len)
+        rate = decode_rate(engine, data.prompts[workload], args.output_len)
     drafts, drafted, accepted = (b - a for a, b in zip(before, spec_counts(engine)))
     return {"tok_s": rate, "acceptance": accepted / drafted if drafted else 0.0,
             "per_draft": accepted / drafts if drafts else 0.0}
 
 
-def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+def workloads(engine: Engine, args: argparse.Namespace) -> Workloads:
     tok = engine.tokenizer
     rng = random.Random(args.seed)
     vocab = engine.get_server_info()["vocab_size"]
@@ -76,10 +87,10 @@ def workloads(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     ids = [tok.encode(p, add_special_tokens=False) for p in grounded]
     batches = {w: [ids[i % len(ids)] for i in range(int(w.split("@")[1]))]
                for w in args.workloads.split(",") if w.startswith("grounded@")}
-    return {**batches, "grounded": ids,
-            "random": random_prompts(len(GROUNDED_KINDS), args.prompt_len, vocab, args.seed),
-            "offline": random_requests(args.num_prompts, args.prompt_len, args.output_len, 0.0, args.seed,
-                                       vocab=vocab)}
+    return Workloads({**batches, "grounded": ids,
+                      "random": random_prompts(len(GROUNDED_KINDS), args.prompt_len, vocab, args.seed)},
+                     random_requests(args.num_prompts, args.prompt_len, args.output_len, 0.0, args.seed,
+                                     vocab=vocab))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -91,13 +102,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         data = workloads(engines["off"], args)
         for e in engines.values():  # warm both
-            e.generate(input_ids=data["grounded"][0], sampling_params={"temperature": 0, "max_new_tokens": 8})
+            e.generate(input_ids=data.prompts["grounded"][0],
+                       sampling_params={"temperature": 0, "max_new_tokens": 8})
         runs: dict[tuple[str, str], list[dict[str, float]]] = {}
         for _ in range(args.trials):
             for workload in args.workloads.split(","):
                 for mode, engine in engines.items():
                     engine.flush_cache()
-                    run = measure(engine, workload, args, data[workload])
+                    run = measure(engine, workload, args, data)
                     runs.setdefault((workload, mode), []).append(run)
                     print(f"{workload} {mode}: {run['tok_s']:.1f} tok/s, acceptance {run['acceptance']:.2f}",
                           flush=True)
@@ -110,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.Namespace,
-           info: dict[str, Any]) -> str:
+           info: Json) -> str:
     lines = [f"speculative_config: {json.dumps(info['speculative_config'])}; "
              f"linears: {info['quantization']}; medians of {args.trials} trials",
              f"{'workload':<12}{'off tok/s':>11}{'on tok/s':>11}{'on/off':>9}{'accepted':>10}"
@@ -127,7 +139,7 @@ def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.N
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("speculative", help="speculative decoding off and on: single streams and a batch")
     add_engine_arguments(p)  # its --speculative-config is the "on" engine's (default: DEFAULT_SPEC)
     p.add_argument("--workloads", default="grounded,random,offline",

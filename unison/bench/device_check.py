@@ -1,8 +1,14 @@
 """The GPU check: Unison's CUDA path on a bare CUDA machine, from this repository alone.
 
     make device-check               # on the GPU machine (python3 there holds a CUDA torch)
+    python3 unison/bench/device_check.py   # the same; `python3 -m unison.bench.device_check` too,
+                                           # where the packages `import unison` needs are installed
     DEVICE=cpu make device-check    # anywhere: the script itself, at toy sizes, in seconds
     make device-wheels              # where pip reaches PyPI: the wheels the GPU machine lacks
+
+Run by its path, it imports nothing of Unison (the standard library and, once the device is
+checked, torch): the `unison` package needs msgspec and pyzmq, which the GPU image lacks until
+this script installs them.
 
 Nothing is fetched here: Unison runs from this checkout (PYTHONPATH), and the packages it needs
 that the machine lacks are installed from wheels found in `.whl*/` folders (pip --no-index
@@ -35,9 +41,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]  # the repository: unison/bench/device_check.py
+# Run by its path, Python puts unison/bench/ first on sys.path, where serve.py, model.py and the
+# like would shadow same-named modules for everything imported after (torch included).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 SITE = ROOT / ".device" / "site"  # wheels installed here (git-ignored)
 # What Unison and its tests import, by distribution; the CUDA image lacks those marked in
 # GPU_MISSING (as its package list reads), which `make device-wheels` fetches.
@@ -110,6 +121,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, log: Log) -> bool:
 
     watchdog = threading.Timer(timeout, kill)
     watchdog.start()
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         for line in proc.stdout:
             log(line.rstrip("\n"))
@@ -138,7 +150,7 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _wheels(missing: list[str], log: Log) -> list[Path]:
+def _wheels(missing: list[str], log: Callable[[str], None]) -> list[Path]:
     """The wheels in .whl*/ folders for the missing distributions; pieces joined first."""
     folders = sorted(p for p in ROOT.glob(".whl*") if p.is_dir())
     pieces = sorted((f for d in folders for f in d.glob("*.whl.part-*")), key=lambda f: f.name)

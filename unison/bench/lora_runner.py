@@ -1,52 +1,39 @@
-"""LoRA at the model runner: decode steps with adapters against the base model's, and load time.
+"""`unison bench lora-runner`: LoRA at the model runner, decode steps with adapters against the base
+model's, and load time.
 
-    python benchmarks/lora_runner.py [--model PATH] [--rank 16] [--repeats 15]
+    unison bench lora-runner [--model PATH] [--rank 16] [--repeats 15]
 
 Prints, for decode steps of 1 and 64 rows at 128 tokens of context, the step time on the base
 model, with every row on one rank-16 adapter over all seven modules, and with four adapters mixed
 (rows round-robin), as medians of interleaved repeats; each as a ratio of the base's throughput.
 And the median time to read a PEFT adapter and make it runnable (read_peft + add_lora).
-Adapters are random, written in PEFT's layout (no peft needed).
+Adapters are random, written in PEFT's layout (no peft needed): `unison bench lora`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+from unison.bench.lora import write_adapter
 
-from unison.model.lora import LORA_TARGETS, module_shapes, read_peft
-from unison.model.runner import BatchItem, ModelRunner
+if TYPE_CHECKING:  # torch and the runner load inside main: the CLI imports this module for --help
+    from unison.model.runner import BatchItem, ModelRunner
 
 CONTEXT = 128
 
 
-def write_adapter(out: Path, runner: ModelRunner, rank: int, seed: int) -> Path:
-    """A random rank-`rank` adapter over every target module, as peft's save_pretrained writes it."""
-    g, cfg = torch.Generator().manual_seed(seed), runner.config
-    tensors = {}
-    for layer in range(cfg.num_hidden_layers):
-        for name, (n_in, n_out) in module_shapes(cfg).items():
-            group = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{group}.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS),
-        "bias": "none"}))
-    return out
-
-
 def decode_batch(runner: ModelRunner, rows: int, adapters: list[int]) -> list[BatchItem]:
     """`rows` requests with CONTEXT tokens cached, each decoding one token (adapters round-robin)."""
+    import torch
+
+    from unison.model.runner import BatchItem
+
     per = -(-(CONTEXT + 1) // runner.block_size)
     g = torch.Generator().manual_seed(rows)
     batch = []
@@ -71,17 +58,17 @@ def step_times(runner: ModelRunner, batches: dict[str, list[BatchItem]], repeats
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model path (default: the embedded model)")
-    parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from unison.model.lora import read_peft
+    from unison.model.runner import ModelRunner
+
     runner = ModelRunner(args.model, quantization=args.quantization, num_blocks=64 * 10 + 16)
     print(f"model: {runner.model_dir.name}, linears {runner.quantization}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [write_adapter(Path(tmp) / f"a{i}", runner, args.rank, i) for i in range(4)]
+        paths = [write_adapter(Path(tmp) / f"a{i}", runner.model_dir, args.rank, i, b_std=0.01)
+                 for i in range(4)]
         loads = []
         for i in range(5):
             start = time.perf_counter()
@@ -103,11 +90,17 @@ def main() -> None:
         for name, seconds in t.items():
             print(f"decode {rows:2d} rows, {name:12s}: {seconds * 1000:7.2f} ms/step, "
                   f"{rows / seconds:7.1f} tok/s, {t['base'] / seconds:.3f}x base")
+    return 0
 
 
 def _on(item: BatchItem, adapter: int) -> BatchItem:
-    return BatchItem(item.token_ids, item.start_pos, item.block_table, item.logits_start, adapter)
+    return dataclasses.replace(item, adapter=adapter)
 
 
-if __name__ == "__main__":
-    main()
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("lora-runner", help="LoRA in the model runner alone: decode steps, load time")
+    p.add_argument("--model", default=None, help="model path (default: the embedded model)")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=15)
+    p.set_defaults(func=main)
