@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import typing
+from collections.abc import Iterator
 from dataclasses import MISSING, fields
 
 from unison.config import HELP, EngineConfig
@@ -29,9 +30,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, action="store_const", const=True, default=None, help=HELP[f.name])
             continue
         kind = next(t for t in (int, float, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
-        many = {"nargs": "+"} if typing.get_origin(hints[f.name]) is tuple else {}
+        many = "+" if typing.get_origin(hints[f.name]) is tuple else None
         default = "" if f.default in (MISSING, None, ()) else f" (default: {f.default})"
-        group.add_argument(*flags, dest=f.name, type=kind, default=None, help=HELP[f.name] + default, **many)
+        group.add_argument(*flags, dest=f.name, type=kind, default=None, help=HELP[f.name] + default,
+                           nargs=many)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, typing.Any]:
@@ -52,10 +54,14 @@ def _generate(args: argparse.Namespace) -> int:
             text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             prompt, ids = None, engine.tokenizer.encode(text, add_special_tokens=False)
         if not args.stream:
-            print(engine.generate(prompt, params, input_ids=ids)["text"])
+            out = engine.generate(prompt, params, input_ids=ids)
+            assert isinstance(out, dict)  # one prompt: one result
+            print(out["text"])
             return 0
         shown = 0
-        for chunk in engine.generate(prompt, params, input_ids=ids, stream=True):
+        chunks = engine.generate(prompt, params, input_ids=ids, stream=True)
+        assert isinstance(chunks, Iterator)
+        for chunk in chunks:
             sys.stdout.write(chunk["text"][shown:])
             sys.stdout.flush()
             shown = len(chunk["text"])

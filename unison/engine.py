@@ -43,6 +43,7 @@ from unison.protocol import (
     Pause,
     PauseMode,
     ReplyT,
+    ServerInfo,
     UnloadLoraAdapter,
     UpdateTensors,
     UpdateWeights,
@@ -274,6 +275,10 @@ class Engine:
         info = self._control(GetServerInfo()).to_dict()
         info["worker_id"] = self._h.worker.worker_id
         return info
+
+    def server_info(self) -> ServerInfo:
+        """get_server_info()'s state as the typed struct it is made from (protocol.ServerInfo)."""
+        return self._control(GetServerInfo())
 
     def get_model_info(self) -> dict[str, Any]:
         """What is served now (a weight update changes model_path), in SGLang's keys."""

@@ -220,6 +220,14 @@ class ServerInfo(msgspec.Struct, tag=True):
                   "version": __version__}
         return {**sglang, **core, **info, "protocol_version": self.version, "version": __version__}
 
+    @classmethod
+    def from_dict(cls, info: dict[str, object]) -> ServerInfo:
+        """The struct back from `to_dict()`'s JSON (/get_server_info, Engine.get_server_info), so a
+        reader uses the fields this class names instead of string keys."""
+        core = {name: info[name] for name in CoreInfo.__struct_fields__ if name in info}
+        own = {name: info[name] for name in cls.__struct_fields__ if name in info}
+        return msgspec.convert({**own, "core": core, "version": info["protocol_version"]}, cls)
+
     def model_info(self) -> dict:
         """SGLang's get_model_info: what is served now."""
         return {"model_path": self.config.model_path, "tokenizer_path": self.core.model_dir,

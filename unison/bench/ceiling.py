@@ -91,13 +91,16 @@ def linears_time(model: DecoderModel, shapes: Counter[tuple[int, int]], reps: in
                     layer.gate_up(x), layer.down(y)
         return _best_of(run, reps)
 
-    def head(m: int) -> float:
-        x = torch.randn(m, cfg.hidden_size, dtype=model.dtype)
-        return _best_of(lambda: model.lm_head(x), reps)
-
     with torch.inference_mode():
         return total(shapes, _timer({t for t, _ in shapes}, layers),
-                     _timer({rows for _, rows in shapes if rows}, head))
+                     _timer({rows for _, rows in shapes if rows}, lambda m: lm_head_time(model, m, reps)))
+
+
+def lm_head_time(model: DecoderModel, m: int, reps: int = 3) -> float:
+    """Seconds of the LM head on `m` rows (best of `reps`)."""
+    x = torch.randn(m, model.cfg.hidden_size, dtype=model.dtype)
+    with torch.inference_mode():
+        return _best_of(lambda: model.lm_head(x), reps)
 
 
 def measure(model_path: str | None, shapes: Counter[tuple[int, int]], num_threads: int | None,

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from unison import Engine
+from unison.protocol import ServerInfo
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -141,15 +142,15 @@ def run_http(streams: int, requests: int, tokens: int, model_path: str | None) -
         while True:
             try:
                 with urllib.request.urlopen(url + "/get_server_info", timeout=2) as r:
-                    info = json.load(r)
-                if info["frontends"]:
+                    info = ServerInfo.from_dict(json.load(r))
+                if info.frontends:
                     break
             except OSError:
                 pass
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("unison serve did not start")
             time.sleep(0.2)
-        worker = info["frontends"][0]["pid"]
+        worker = info.frontends[0].pid
         asyncio.run(_sse_client(url, 2, 4, 8))  # warm up
         cpu0, t0 = _proc_cpu_seconds(worker), time.perf_counter()
         n = asyncio.run(_sse_client(url, streams, requests, tokens))

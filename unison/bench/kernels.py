@@ -1,7 +1,7 @@
-"""`unison bench kernels`: the model's linears summed (every layer's four and the LM head), timed
-at several batch sizes M on each int4 instruction-set path this CPU runs, beside oneDNN's fp32
-(and bf16, on CPUs with bf16 units) GEMMs of the same model. Best of `--reps` per cell: the
-kernel table of BENCHMARKS.md."""
+"""`unison bench kernels`: the model's linears summed (every layer's four and the LM head; or the
+LM head alone, `--lm-head`), timed at several batch sizes M on each int4 instruction-set path this
+CPU runs, beside oneDNN's fp32 (and bf16, on CPUs with bf16 units) GEMMs of the same model. Best of
+`--reps` per cell: the kernel table of BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _runner(model_path: str | None, quantization: str, dtype: str = "auto") -> M
 def main(args: argparse.Namespace) -> int:
     import torch  # here, not at import: the CLI builds every command's parser, `serve`'s too
 
-    from unison.bench.ceiling import linears_time
+    from unison.bench.ceiling import linears_time, lm_head_time
     from unison.model import cpu_kernels
 
     if args.num_threads:
@@ -36,6 +36,8 @@ def main(args: argparse.Namespace) -> int:
     columns: dict[str, list[float]] = {}
 
     def times(model: DecoderModel) -> list[float]:
+        if args.lm_head:
+            return [lm_head_time(model, m, args.reps) for m in sizes]
         return [linears_time(model, Counter({(m, m): 1}), args.reps) for m in sizes]
 
     quantized = _runner(args.model_path, "int4").model
@@ -50,7 +52,8 @@ def main(args: argparse.Namespace) -> int:
     for name, dtype in floats.items():
         columns[name] = times(_runner(args.model_path, "none", dtype).model)
     names = list(columns)
-    print(f"linears of {args.model_path or 'the embedded model'}, summed, ms (best of {args.reps}); "
+    what = "the LM head" if args.lm_head else "linears"
+    print(f"{what} of {args.model_path or 'the embedded model'}, summed, ms (best of {args.reps}); "
           f"x = fp32's time over this one's, {torch.get_num_threads()} threads")
     print(f"{'M':>6}" + "".join(f"{n:>22}" for n in names))
     for i, m in enumerate(sizes):
@@ -66,4 +69,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--m", default="1,16,64,512", help="batch sizes (rows), comma-separated")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--lm-head", action="store_true", help="time the LM head alone (int8 where the "
+                   "checkpoint's embedding is tied and 8-bit)")
     p.set_defaults(func=main)

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 from unison import Engine
-from unison.bench import Json
 from unison.bench.datasets import SampleRequest, random_requests
 from unison.bench.offline import add_engine_arguments, engine_options, token_ids, unison_throughput
 from unison.bench.speculative import decode_rate
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
+from unison.protocol import ServerInfo
 
 # model/lora.py's LORA_TARGETS, spelled here: importing that module imports torch, and the CLI
 # imports this one for its --help.
@@ -86,13 +86,13 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="unison-bench-lora-") as tmp, \
             Engine(**engine_options(args), enable_lora=True, max_lora_rank=args.rank,
                    max_loras_per_batch=args.num_adapters) as engine:
-        info = engine.get_server_info()
-        dirs = [write_adapter(Path(tmp) / name, info["model_dir"], args.rank, seed)
+        info = engine.server_info()
+        dirs = [write_adapter(Path(tmp) / name, info.core.model_dir, args.rank, seed)
                 for seed, name in enumerate(names)]
         for name, path in zip(names, dirs):
             assert engine.load_lora_adapter(name, str(path)), name
-        timed = write_adapter(Path(tmp) / "timed", info["model_dir"], args.rank, 99)
-        vocab = info["vocab_size"]
+        timed = write_adapter(Path(tmp) / "timed", info.core.model_dir, args.rank, 99)
+        vocab = info.core.vocab_size
         reqs = random_requests(args.num_prompts, args.input_len, args.output_len, 0.0, args.seed, vocab=vocab)
         prompts = [token_ids(r) for r in reqs[: args.single_streams]]
         trials = []
@@ -103,10 +103,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def report(trials: list[dict[str, float]], args: argparse.Namespace, info: Json) -> str:
+def report(trials: list[dict[str, float]], args: argparse.Namespace, info: ServerInfo) -> str:
     """Medians over trials; each ratio is the median of the trials' own ratios (a trial runs the
     base and the adapters back to back, so the machine's drift between trials cancels)."""
-    lines = [f"linears: {info['quantization']}; adapters: rank {args.rank} over {', '.join(TARGETS)}; "
+    lines = [f"linears: {info.core.quantization}; adapters: rank {args.rank} over {', '.join(TARGETS)}; "
              f"offline: {args.num_prompts} x {args.input_len}/{args.output_len}; "
              f"medians of {len(trials)} trials",
              f"{'workload':<24}{'tok/s':>10}{'over base':>11}   per trial"]

@@ -20,6 +20,8 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from unison import Engine
 from unison.bench import Json
 from unison.bench.datasets import SampleRequest, random_ids, random_requests, sharegpt_requests
@@ -42,7 +44,7 @@ def load_requests(args: argparse.Namespace, engine: Engine) -> list[SampleReques
     """Prompts as token ids: the lengths are what both engines are given."""
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.input_len, args.output_len or 128, args.range_ratio,
-                               args.seed, vocab=engine.get_server_info()["vocab_size"])
+                               args.seed, vocab=engine.server_info().core.vocab_size)
     if not args.dataset_path:
         raise ValueError("--dataset sharegpt needs --dataset-path")
     tok = engine.tokenizer
@@ -99,7 +101,7 @@ def _bar(total: int, unit: str, quiet: bool, desc: str) -> tqdm:
 # ---- Unison ---------------------------------------------------------------------------------
 
 def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
-    vocab = engine.get_server_info()["vocab_size"]
+    vocab = engine.server_info().core.vocab_size
     [prompt] = random_prompts(1, prompt_len, vocab, seed)
     engine.generate(input_ids=prompt[:16], sampling_params=_greedy(2))  # settle allocator and threads
     t0 = time.perf_counter()
@@ -286,14 +288,14 @@ def _subscriber(engine: Engine, attach: bool) -> Iterator[dict[str, int]]:
     from unison.kv_events import KVEventBatch
     from unison.kv_index import KVIndex
 
-    info = engine.get_server_info().get("kv_events")
+    info = engine.server_info().core.kv_events
     if info is None:
         raise ValueError("--kv-events-subscriber needs --kv-events-config with events enabled")
     stop, index, decoder = threading.Event(), KVIndex(), msgspec.msgpack.Decoder(KVEventBatch)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(info["endpoint"])
+    sub.connect(info.endpoint)
 
     def read() -> None:
         while not stop.is_set():
@@ -353,9 +355,9 @@ def main(args: argparse.Namespace) -> int:
             with _subscriber(engine, getattr(args, "kv_events_subscriber", False)) as events:
                 rates, shapes = unison_run(engine, reqs, args.quiet, not args.no_ignore_eos)
             ours = {**rates, "kv_events": events}
-        info = engine.get_server_info()
-        ours["quantization"], ours["device"] = info["quantization"], info["device"]
-        ours["spec_decode"] = info["stats"]["spec_decode"]
+        info = engine.server_info()
+        ours["quantization"], ours["device"] = info.core.quantization, info.config.device
+        ours["spec_decode"] = msgspec.to_builtins(info.stats.spec_decode)
     finally:
         engine.shutdown()
     if args.bench == "offline" and not args.no_ceiling and ours["device"] == "cpu":  # CPU GEMMs

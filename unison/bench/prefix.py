@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     cold = warm = 0.0
     for cache_on in (True, False):
         with Engine(disable_radix_cache=not cache_on, **opts) as engine:
-            vocab = engine.get_server_info()["vocab_size"]
+            vocab = engine.server_info().core.vocab_size
             if cache_on:
                 cold, warm = ttft_pair(engine, args.prefix_len, vocab, args.seed, args.runs)
             results[cache_on] = shared_prompt_throughput(engine, args.system_len, args.num_prompts,

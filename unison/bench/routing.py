@@ -23,6 +23,7 @@ from collections.abc import Callable
 from unison.bench import Json
 from unison.bench.datasets import SampleRequest
 from unison.bench.local_server import free_port
+from unison.protocol import ServerInfo
 
 READY_S = 300.0
 
@@ -98,8 +99,8 @@ def compare(samples: list[SampleRequest], routings: list[str], size: int, trials
         server = _Server(routing, size, serve_args)
         try:
             server.wait_ready()
-            info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-            top = ceiling(samples, server.url, info["block_size"])
+            info = ServerInfo.from_dict(httpx.get(server.url + "/get_server_info", timeout=30).json())
+            top = ceiling(samples, server.url, info.core.block_size)
             summaries = []
             for _ in range(trials):
                 flushed = httpx.post(server.url + "/flush_cache", timeout=60)

@@ -32,9 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from unison import registry
 from unison.bench import Json
 from unison.bench.local_server import free_port
+from unison.protocol import ServerInfo
 
 if TYPE_CHECKING:  # loaded when the soak runs
     import httpx
@@ -218,27 +221,27 @@ class Server:
                                      start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
-    def info(self) -> Json:
+    def info(self) -> ServerInfo:
         r = self.http.get("/get_server_info")
         r.raise_for_status()
-        return r.json()
+        return ServerInfo.from_dict(r.json())
 
-    def wait_ready(self, workers: int, timeout: float) -> Json:
+    def wait_ready(self, workers: int, timeout: float) -> ServerInfo:
         import httpx
 
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(httpx.TransportError, httpx.HTTPStatusError):
-                if len((info := self.info())["frontends"]) == workers:
+                if len((info := self.info()).frontends) == workers:
                     return info
             time.sleep(0.2)
         raise RuntimeError(f"the server did not get ready (exit code {self.proc.poll()}); see its log")
 
-    def wait_idle(self, timeout: float) -> tuple[bool, Json]:
+    def wait_idle(self, timeout: float) -> tuple[bool, ServerInfo]:
         deadline = time.monotonic() + timeout
         while True:
             info = self.info()
-            if info["num_running"] == info["num_waiting"] == info["kv_blocks_used"] == 0:
+            if info.num_running == info.num_waiting == info.kv_blocks_used == 0:
                 return True, info
             if time.monotonic() > deadline:
                 return False, info
@@ -339,7 +342,8 @@ def soak_phases(server: Server, plans: list[Plan], clients: int, baseline_at: in
     try:
         for part, name in ((plans[:baseline_at], "baseline"), (plans[baseline_at:], "end")):
             duration += asyncio.run(load(server.url, part, solos, clients, tally, bar))
-            idle, info = server.wait_idle(idle_timeout)
+            idle, state = server.wait_idle(idle_timeout)
+            info = msgspec.to_builtins(state)  # the report is JSON
             if not idle:
                 not_idle.append(info)
             for proc, rss_bytes in _sample(pids).items():
@@ -382,7 +386,7 @@ def run_soak(requests: int, clients: int = 64, workers: int = 4, disconnect: flo
     pids = {"launcher": server.proc.pid}
     try:
         info = server.wait_ready(workers, timeout=300)
-        pids |= {"core": info["core_pid"], **{f"worker {f['pid']}": f["pid"] for f in info["frontends"]}}
+        pids |= {"core": info.core_pid, **{f"worker {f.pid}": f.pid for f in info.frontends}}
         phases = soak_phases(server, plans, clients, baseline_at, pids, idle_timeout, progress)
     except BaseException:
         print(f"the end of the server's log:\n{_tail(log_file)}", file=sys.stderr)

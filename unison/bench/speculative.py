@@ -16,8 +16,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from unison import Engine
-from unison.bench import Json
 from unison.bench.datasets import GROUNDED_KINDS, SampleRequest, grounded_prompt, random_requests
 from unison.bench.offline import (
     SamplingParams,
@@ -29,6 +30,7 @@ from unison.bench.offline import (
     unison_throughput,
 )
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
+from unison.protocol import ServerInfo
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
@@ -55,8 +57,10 @@ def batch_rate(engine: Engine, prompts: list[list[int]], output_len: int) -> flo
 
 
 def spec_counts(engine: Engine) -> tuple[int, int, int]:
-    spec = engine.get_server_info()["stats"]["spec_decode"] or {}
-    return spec.get("num_drafts", 0), spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0)
+    spec = engine.server_info().stats.spec_decode
+    if spec is None:
+        return 0, 0, 0
+    return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
 
 
 @dataclass
@@ -81,7 +85,7 @@ def measure(engine: Engine, workload: str, args: argparse.Namespace, data: Workl
 def workloads(engine: Engine, args: argparse.Namespace) -> Workloads:
     tok = engine.tokenizer
     rng = random.Random(args.seed)
-    vocab = engine.get_server_info()["vocab_size"]
+    vocab = engine.server_info().core.vocab_size
     grounded = [tok.apply_chat_template([{"role": "user", "content": grounded_prompt(kind, rng)}])
                 for kind in GROUNDED_KINDS]
     ids = [tok.encode(p, add_special_tokens=False) for p in grounded]
@@ -113,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
                     runs.setdefault((workload, mode), []).append(run)
                     print(f"{workload} {mode}: {run['tok_s']:.1f} tok/s, acceptance {run['acceptance']:.2f}",
                           flush=True)
-        info = engines["on"].get_server_info()
+        info = engines["on"].server_info()
     finally:
         for e in engines.values():
             e.shutdown()
@@ -122,9 +126,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def report(runs: dict[tuple[str, str], list[dict[str, float]]], args: argparse.Namespace,
-           info: Json) -> str:
-    lines = [f"speculative_config: {json.dumps(info['speculative_config'])}; "
-             f"linears: {info['quantization']}; medians of {args.trials} trials",
+           info: ServerInfo) -> str:
+    lines = [f"speculative_config: {msgspec.json.encode(info.config.speculative_config).decode()}; "
+             f"linears: {info.core.quantization}; medians of {args.trials} trials",
              f"{'workload':<12}{'off tok/s':>11}{'on tok/s':>11}{'on/off':>9}{'accepted':>10}"
              f"{'per draft':>11}"]
     for workload in args.workloads.split(","):

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
+from unison.protocol import ServerInfo
 from unison.server.app import ENV, create_app
 from unison.server.settings import ServeSettings, WorkerSettings
 
@@ -45,6 +46,7 @@ def serve(config: EngineConfig, settings: ServeSettings) -> int:
     stopping = threading.Event()
     try:
         core.wait_published(config.startup_timeout)
+        assert core.registry_path is not None  # published: CoreProcess(publish=True)
         if config.listen:
             info = registry.read(core.registry_path).info
             log.warning("remote frontends attach at %s with server_key %s", info.tcp_address, info.server_key)
@@ -80,7 +82,7 @@ def _serve_data_parallel(config: EngineConfig, settings: ServeSettings) -> int:
         cores = RayReplicas(dataclasses.replace(config, tokenizer_worker_num=workers + 1), size,
                             settings.ray_address, Path(runtime) / "replicas.json")
         log.warning("%d replicas: %s", size, ", ".join(
-            f"core pid {w.core_pid} on {w.host} at {w.address}" for w in cores.where))
+            f"core pid {w.core_pid} on {w.host} at {w.address}" for w in cores.where if w is not None))
         to_workers = WorkerSettings(settings, _model_name(settings, config), "", os.getpid(),
                                     replicas_path=str(cores.path))
         threading.Thread(target=_announce_when_ready, daemon=True, name="unison-ready",
@@ -140,11 +142,11 @@ def _announce_when_ready(settings: ServeSettings, workers: int, timeout: float,
         try:
             req = urllib.request.Request(f"{url}/get_server_info", headers=headers)
             with urllib.request.urlopen(req, timeout=2) as r:
-                info = json.load(r)
-                if len(info["frontends"]) >= workers:
+                info = ServerInfo.from_dict(json.load(r))
+                if len(info.frontends) >= workers:
                     auth = " -H \"Authorization: Bearer $API_KEY\"" if api_key else ""
                     body = '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
-                    kinds = ", ".join(sorted(set(info.get("weights", {}).values()))) or "n/a"
+                    kinds = ", ".join(sorted(set(info.core.weights.values()))) or "n/a"
                     page = f"\n  Chat and watch the engine at {url}/, or try:" if ui else " Try:"
                     log.warning("Unison ready at %s with %d frontend worker(s), linears as %s.%s\n  curl "
                                 "%s/v1/completions -H 'Content-Type: application/json'%s -d '%s'",
