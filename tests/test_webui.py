@@ -27,7 +27,8 @@ from tests.serving import Server, serve
 from tests.utils import wait_until
 from unison import Engine
 from unison.cli import build_parser, main
-from unison.server.app import create_app
+from unison.protocol import ServerInfo
+from unison.server.app import UI_DIR, create_app
 from unison.server.settings import ServeSettings, WorkerSettings
 
 KEY = "sk-unison-ui"
@@ -155,6 +156,18 @@ def test_static_files_open_api_keyed_and_disable_ui():
 def test_ready_message_names_the_page(server):
     wait_until(lambda: f"Chat and watch the engine at {server.url}/" in server.output(), 10,
                "the ready message with the page's address")
+
+
+def test_engine_view_reads_the_fields_server_info_names(server):
+    """The page reads /get_server_info by the names ServerInfo's JSON has (replicas: data parallel
+    only); the launcher and the benchmarks read the same JSON back as the struct."""
+    info = server.server_info()
+    page = "".join(p.read_text() for p in (UI_DIR).glob("*.js"))
+    read = set(re.findall(r"\binfo\.([a-z_]+)", page))
+    assert read and read - {"replicas"} <= set(info), sorted(read - {"replicas"} - set(info))
+    typed = ServerInfo.from_dict(info)
+    assert typed.core_pid == info["core_pid"] and typed.core.weights == info["weights"]
+    assert len(typed.frontends) == len(info["frontends"]) >= 1
 
 
 def test_api_key_is_asked_once_and_a_wrong_one_shows_the_401(browser, server):
