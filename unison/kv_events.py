@@ -16,7 +16,7 @@ torch nor zmq: the core, the HTTP workers' router and any subscriber share it.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 
@@ -30,7 +30,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message: [EN
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[Any]
+    events: list[Any]  # vLLM's base: any events (KVEventBatch below decodes its own kinds)
     data_parallel_rank: int | None = None
 
 
@@ -108,6 +108,10 @@ def lora_id_of(adapter: int) -> int | None:
 # ---- endpoints per data-parallel rank (the option: config.KVEventsConfig) ----------------------
 
 
+@overload
+def offset_port(endpoint: str, rank: int) -> str: ...
+@overload
+def offset_port(endpoint: None, rank: int) -> None: ...
 def offset_port(endpoint: str | None, rank: int) -> str | None:
     """vLLM's rule: a data-parallel rank's tcp port is the given one plus the rank (ipc and
     inproc paths get a suffix); a "*" port is any free one, for every rank."""

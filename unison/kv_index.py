@@ -14,11 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from unison.kv_events import END_SEQ, KVEventBatch, KVEventsInfo, LoadReport
+from unison.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+    KVEventsInfo,
+    LoadReport,
+)
+
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 log = logging.getLogger("unison.server")
 
@@ -29,15 +41,14 @@ class KVIndex:
     def __init__(self) -> None:
         self.blocks: dict[int, set[int]] = {}  # replica -> the hashes of its cached blocks
 
-    def apply(self, replica: int, events: list[Any]) -> None:
+    def apply(self, replica: int, events: list[Event]) -> None:
         held = self.blocks.setdefault(replica, set())
         for event in events:
-            kind = type(event).__name__
-            if kind == "BlockStored":
+            if isinstance(event, BlockStored):
                 held.update(event.block_hashes)
-            elif kind == "BlockRemoved":
+            elif isinstance(event, BlockRemoved):
                 held.difference_update(event.block_hashes)
-            elif kind == "AllBlocksCleared":
+            elif isinstance(event, AllBlocksCleared):
                 held.clear()
 
     def forget(self, replica: int) -> None:
@@ -95,7 +106,7 @@ class Feed:
                     if sock is load:
                         report = self.load_decoder.decode(await load.recv())
                         self.loads[self.replica] = report
-                    else:
+                    elif sub is not None:  # (the other socket polled)
                         _, seq, payload = await sub.recv_multipart()
                         await self._batch(ctx, int.from_bytes(seq, "big"), payload)
         except asyncio.CancelledError:
@@ -106,7 +117,7 @@ class Feed:
             for sock in socks:
                 sock.close(linger=0)
 
-    async def _batch(self, ctx: Any, seq: int, payload: bytes) -> None:
+    async def _batch(self, ctx: zmq.asyncio.Context, seq: int, payload: bytes) -> None:
         if self.last_seq is not None and seq <= self.last_seq:
             return  # had it from a replay
         if self.last_seq is not None and seq > self.last_seq + 1:
@@ -119,7 +130,7 @@ class Feed:
         self.index.apply(self.replica, self.decoder.decode(payload).events)
         self.last_seq = seq
 
-    async def _replay(self, ctx: Any, start: int) -> None:
+    async def _replay(self, ctx: zmq.asyncio.Context, start: int) -> None:
         """Apply the buffered batches from `start` on (none without a replay socket)."""
         import zmq
 

@@ -7,9 +7,10 @@ From this one table come
   (server/openai_protocol.py);
 - the fuzz strategy that throws hostile values at the core (tests/test_protocol_fuzz.py).
 
-A new option is one line here and its effect in core/sampler.py (or the frontend, for options the
-core never sees). This module imports nothing of the frontend, the core or the server: all three
-read it.
+A new option is one line here, its field in SamplingParams (and in CoreSamplingParams when the core
+acts on it: both are plain classes a type checker reads, held to this table by tests/test_sampling.py),
+and its effect in core/sampler.py (or the frontend, for options the core never sees). This module
+imports nothing of the frontend, the core or the server: all three read it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from unison.json_types import JSONObject
 
 # Limits, named once and used by every layer that checks them.
 MAX_N = 128  # samples per prompt
@@ -36,12 +39,12 @@ class Option:
     OpenAI request gives it, and whether it travels to the core unchanged."""
 
     name: str
-    type: Any
-    default: Any
+    type: Any  # a type form (int | None, list[str] | None): typing has no type for those
+    default: object
     lo: float | None = None  # bounds of numbers; None: unbounded on that side
     hi: float | None = None
     lo_open: bool = False  # lo itself is out of range
-    forbid: tuple[Any, ...] = ()  # values inside the range that are still refused (top_k=0)
+    forbid: tuple[float, ...] = ()  # values inside the range that are still refused (top_k=0)
     openai: str | None = None  # the OpenAI / vLLM request field; None: not an OpenAI field
     core: bool = False  # a field of CoreSamplingParams, as given (else the frontend derives it)
     model_default: bool = False  # generation_config.json may set its default (as vLLM reads it)
@@ -51,7 +54,7 @@ class Option:
     def numeric(self) -> bool:
         return self.lo is not None or self.hi is not None
 
-    def problem(self, value: Any) -> str | None:
+    def problem(self, value: object) -> str | None:
         """Why `value` is not allowed, in the user's words; None when it is. Numbers only: options
         of other types are checked by SamplingParams (their rules are not ranges)."""
         kind = "integer" if _base(self.type) is int else "number"
@@ -71,7 +74,7 @@ class Option:
         return f"{left}{lo}, {hi}]{excluded}"
 
 
-def _base(tp: Any) -> Any:
+def _base(tp: object) -> object:
     """int for `int | None`, and so on: the type a present value has."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if isinstance(tp, types.UnionType) and len(args) == 1 else tp
@@ -101,7 +104,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("presence_penalty", float, 0.0, lo=-2.0, hi=2.0, openai="presence_penalty", core=True),
     Option("repetition_penalty", float, 1.0, lo=0.0, hi=2.0, lo_open=True, openai="repetition_penalty",
            core=True, model_default=True),
-    Option("logit_bias", dict[Any, float] | None, None, openai="logit_bias", doc="token id -> bias"),
+    Option("logit_bias", dict[int | str, float] | None, None, openai="logit_bias", doc="token id -> bias"),
     Option("sampling_seed", int | None, None, lo=0, hi=MAX_SEED, openai="seed"),
     # How the text reads.
     Option("skip_special_tokens", bool, True, openai="skip_special_tokens"),
@@ -109,7 +112,7 @@ OPTIONS: tuple[Option, ...] = (
     # Structured output, at most one (SGLang's names): a JSON Schema (dict or string), a regex the
     # whole output must match, or an EBNF grammar (GBNF or Lark). OpenAI's response_format maps
     # onto json_schema in the server.
-    Option("json_schema", str | dict[str, Any] | None, None),
+    Option("json_schema", str | JSONObject | None, None),  # a JSON Schema: arbitrary JSON
     Option("regex", str | None, None, openai="regex"),
     Option("ebnf", str | None, None, openai="ebnf"),
     # Token ids after which the constraint holds (a reasoning model's "</think>"): the output is
@@ -120,8 +123,10 @@ BY_NAME = {o.name: o for o in OPTIONS}
 CORE_OPTIONS = tuple(o for o in OPTIONS if o.core)
 
 
-class _DerivedCoreFields(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The core's fields that the frontend computes from the user's options rather than copies."""
+class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The part of SamplingParams the core acts on: the fields the frontend derives from the
+    user's options, then every `core` option as given (tests/test_sampling.py holds them to
+    OPTIONS' types and defaults)."""
 
     max_new_tokens: int = 128  # None resolved against the context
     logit_bias: dict[int, float] = {}  # keys as token ids
@@ -131,19 +136,24 @@ class _DerivedCoreFields(msgspec.Struct, frozen=True, omit_defaults=True):
     # With a reasoning parser: the tokens that close the reasoning section (</think>). The grammar
     # holds the output only after them, as SGLang constrains reasoning models.
     grammar_after: list[int] = []
+    # The `core` options, in OPTIONS' order.
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.top_k == 1  # type: ignore[attr-defined]
+        return self.temperature < 1e-6 or self.top_k == 1
 
 
-# The part of SamplingParams the core acts on: the derived fields, then every `core` option.
-CoreSamplingParams = msgspec.defstruct(
-    "CoreSamplingParams", [(o.name, o.type, o.default) for o in CORE_OPTIONS],
-    bases=(_DerivedCoreFields,), module=__name__, frozen=True, omit_defaults=True)
-
-
-def core_problem(p: Any) -> str | None:
+def core_problem(p: CoreSamplingParams) -> str | None:
     """The core's re-check of a CoreSamplingParams (whoever sent it: a frontend may be buggy or not
     ours): every core option in its declared range, every number finite, a seed it can use."""
     for o in CORE_OPTIONS:

@@ -14,10 +14,13 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +52,16 @@ class Grammars:
         template.add_done_callback(lambda t: _copy_into(t, fresh))
         return fresh
 
-    def _load_tokenizer(self) -> Any:
+    def _load_tokenizer(self) -> LLTokenizer:
         import llguidance
 
         text = (Path(self.model_dir) / "tokenizer.json").read_text()
         return llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos)
 
-    def _build(self, grammar: str) -> Any:
+    def _build(self, grammar: str) -> LLMatcher:
         import llguidance
 
+        assert self._tokenizer is not None  # submitted by compile before any grammar
         matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid grammar: {matcher.get_error()}")
@@ -74,7 +78,7 @@ def _copy_into(template: Future, fresh: Future) -> None:
         fresh.set_exception(e)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[LLMatcher]) -> None:
     """Masks, in place, logits[row] to the tokens each matcher allows next."""
     vocab = logits.shape[1]
     for row, matcher in zip(rows, matchers):

@@ -102,9 +102,11 @@ class Publisher:
         """Answer each waiting request: the buffered [seq, payload] messages from its start
         sequence number on, then [END_SEQ, b""]. REQ clients send an empty delimiter frame, DEALER
         clients may not: the reply keeps the request's envelope."""
+        replay = self.replay
+        assert replay is not None  # polled only when configured
         for _ in range(MAX_REPLAYS_PER_POLL):
             try:
-                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+                frames = replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             envelope, start = frames[:-1], frames[-1]
@@ -115,8 +117,8 @@ class Publisher:
             try:
                 for seq, payload in self.buffer:
                     if seq >= first:
-                        self.replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
-                self.replay.send_multipart((*envelope, END_SEQ, b""), zmq.NOBLOCK)
+                        replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+                replay.send_multipart((*envelope, END_SEQ, b""), zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("a replay client stopped reading; its replay was cut short")
 

@@ -54,6 +54,12 @@ class Node:
         self.lock_ref = 0
         self.last_access = next(_clock)
 
+    @property
+    def above(self) -> Node:
+        """The parent of a node below a root (every node but the roots has one)."""
+        assert self.parent is not None
+        return self.parent
+
 
 class RadixCache:
     def __init__(self, pool: BlockPool, block_size: int, events: CacheEvents | None = None) -> None:
@@ -115,7 +121,7 @@ class RadixCache:
         head = Node(node.parent, node.tokens[:cut], node.blocks[:n_blocks], node.hashes[:n_blocks])
         head.lock_ref = node.lock_ref
         head.last_access = node.last_access
-        node.parent.children[self._key(head.tokens)] = head
+        node.above.children[self._key(head.tokens)] = head
         node.parent = head
         node.tokens, node.blocks = node.tokens[cut:], node.blocks[n_blocks:]
         node.hashes = node.hashes[n_blocks:]
@@ -139,15 +145,17 @@ class RadixCache:
         return have
 
     def lock(self, node: Node) -> None:
-        while node is not None:
-            node.lock_ref += 1
-            node = node.parent
+        at: Node | None = node
+        while at is not None:
+            at.lock_ref += 1
+            at = at.parent
 
     def unlock(self, node: Node) -> None:
-        while node is not None:
-            node.lock_ref -= 1
-            assert node.lock_ref >= 0, "radix cache: unlock without lock"
-            node = node.parent
+        at: Node | None = node
+        while at is not None:
+            at.lock_ref -= 1
+            assert at.lock_ref >= 0, "radix cache: unlock without lock"
+            at = at.parent
 
     def evict(self, n_blocks: int, quiet: bool = False) -> int:
         """Free up to n_blocks by evicting unlocked leaves, least recently used first (`quiet`:
@@ -162,7 +170,7 @@ class RadixCache:
             self.num_evicted += len(leaf.blocks)
             if self.events is not None and not quiet:
                 self.events.removed(leaf.hashes)
-            parent = leaf.parent
+            parent = leaf.above
             del parent.children[self._key(leaf.tokens)]
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
@@ -221,6 +229,6 @@ class RadixCache:
         for node in self._nodes():
             assert len(node.tokens) == len(node.blocks) * self.block_size, "edge length mismatch"
             assert self.events is None or len(node.hashes) == len(node.blocks), "a block without its hash"
-            assert node.parent.children.get(self._key(node.tokens)) is node, "broken parent link"
+            assert node.above.children.get(self._key(node.tokens)) is node, "broken parent link"
             locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= locks, f"node locked less ({node.lock_ref}) than its children ({locks})"

@@ -5,9 +5,14 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from unison.protocol import CoreSamplingParams, Generate
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from unison.core.radix_cache import Node
 
 
 @dataclass(slots=True, eq=False)
@@ -34,10 +39,10 @@ class Request:
     next_prompt_logprob: int = -1  # next prompt position whose logprob is owed (see __post_init__)
     num_preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    cache_node: Any = None  # the radix cache node this request holds locked
+    cache_node: Node | None = None  # the radix cache node this request holds locked
     finish: str | None = None
     matched: int | None = None
-    grammar: Future | None = None  # the request's matcher, once compiled (see core/grammar.py)
+    grammar: Future[LLMatcher] | None = None  # the request's matcher, once compiled (see core/grammar.py)
     grammar_started: bool = True  # False until params.grammar_after appeared in the output
     draft_misses: int = 0  # speculative decoding: drafts in a row with nothing accepted
     drafts_resume_at: int = 0  # ... and the step from which it drafts again after them
@@ -48,8 +53,10 @@ class Request:
         return not self.held and (self.grammar is None or self.grammar.done())
 
     @property
-    def matcher(self) -> Any:
-        return None if self.grammar is None else self.grammar.result()
+    def matcher(self) -> LLMatcher:
+        """The compiled matcher of a request with a grammar."""
+        assert self.grammar is not None
+        return self.grammar.result()
 
     @property
     def constrained(self) -> bool:

@@ -104,21 +104,21 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions  # then admitting more would only thrash
         adapters = {r.adapter for r in self.running if r.adapter}
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
-            req = self._next_waiting(adapters)
-            if req is None:
+            new = self._next_waiting(adapters)
+            if new is None:
                 break  # what waits is still compiling its grammar, or its adapter must wait
-            self._match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
-                self._free(req, cache=False)
+            self._match_prefix(new)
+            n = min(new.num_tokens - new.num_computed_tokens, budget)
+            if not self._grow(new, new.num_computed_tokens + n):
+                self._free(new, cache=False)
                 break
-            self.waiting.remove(req)
-            self.running.append(req)
-            if req.adapter:
-                adapters.add(req.adapter)
-            self.last_served[req.frontend] = next(self.ticks)
-            self.admissions.append((req.frontend, req.rid))
-            items.append(self._item(req, n))
+            self.waiting.remove(new)
+            self.running.append(new)
+            if new.adapter:
+                adapters.add(new.adapter)
+            self.last_served[new.frontend] = next(self.ticks)
+            self.admissions.append((new.frontend, new.rid))
+            items.append(self._item(new, n))
             budget -= n
         return items
 

@@ -106,6 +106,7 @@ class CoreServer:
         self.controls = Controls(self)
         self.kv = None  # KV events and load reports (kv_events_config)
         if core.kv_events is not None:
+            assert self.config.kv_events is not None  # the core logs events only when configured
             self.kv = Publisher(self.ctx, self.config.kv_events, self.config.data_parallel_rank,
                                 core.kv_events)
             if self.kv.replay is not None:
@@ -164,6 +165,7 @@ class CoreServer:
         self.sock.close(linger=0)
         if self.tcp is not None:
             self.tcp.close(linger=0)
+        if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
 
@@ -177,7 +179,7 @@ class CoreServer:
         if self.core.compiling and not busy:
             timeout = SHORT_POLL_MS  # a grammar is compiling on its thread: look again soon
         for what, _ in self.poller.poll(timeout):
-            if what is self.sock or what is self.tcp:
+            if what is self.sock or (self.tcp is not None and what is self.tcp):
                 self.drain(what)
             elif self.kv is not None and what is self.kv.replay:
                 self.kv.serve_replay()

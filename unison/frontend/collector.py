@@ -15,10 +15,10 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
 
 from unison.frontend.detokenizer import TokenIds
 from unison.frontend.request import ReqState, finish_reason_dict
+from unison.json_types import JSONObject
 
 
 class _LoopWaker:
@@ -160,7 +160,7 @@ class Collector:
 
     # ---- sglang.Engine-shaped output dicts ---------------------------------------------------
 
-    def output(self, i: int, indexed: bool = False, delta: bool = False) -> dict[str, Any]:
+    def output(self, i: int, indexed: bool = False, delta: bool = False) -> JSONObject:
         """Request i so far: cumulative text and ids, as sglang.Engine streams them (`delta`:
         only what is new since the last delta). No text without a tokenizer, as SGLang's."""
         s = self.states[i]
@@ -185,17 +185,17 @@ class Collector:
             chars, n = self.shown[i]
             self.shown[i] = (len(text), len(ids))
             text, ids = text[chars:], ids[n:]
-        out = {"output_ids": list(ids), "meta_info": meta}
+        out: JSONObject = {"output_ids": list(ids), "meta_info": meta}  # JSON for the caller
         if not isinstance(s.detok, TokenIds):
             out = {"text": text, **out}
         if indexed:
             out["index"] = i
         return out
 
-    def outputs(self, changed: list[int]) -> list[dict[str, Any]]:
+    def outputs(self, changed: list[int]) -> list[JSONObject]:
         """The stream items for `changed`: an `index` says which request when there are several."""
         return [self.output(i, self.batch, self.incremental) for i in changed]
 
-    def results(self) -> dict[str, Any] | list[dict[str, Any]]:
+    def results(self) -> JSONObject | list[JSONObject]:
         dicts = [self.output(i) for i in range(len(self.states))]
         return dicts if self.batch else dicts[0]

@@ -14,7 +14,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -27,11 +27,15 @@ from unison.protocol import (
     Hello,
     Reject,
     StepOutputs,
+    ToCore,
     Welcome,
     decode_to_frontend,
     encode,
 )
 from unison.registry import pid_alive
+
+if TYPE_CHECKING:
+    from zmq.utils.monitor import _MonitorMessage  # the type recv_monitor_message returns
 
 MAX_MESSAGES_PER_WAKE = 64  # messages taken in one pass when they queue up
 RETRY_SEND_S = 0.001  # while the pipe to the core is full
@@ -39,7 +43,7 @@ GOODBYE_LINGER_MS = 200
 
 log = logging.getLogger("unison.frontend")
 
-HANDSHAKE_EVENTS_NAMES = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+HANDSHAKE_EVENTS_NAMES: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: protocol",
                           zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed: key not trusted"}
 # The connection's events, watched over TCP: a refused handshake while attaching, and after it a
@@ -89,13 +93,19 @@ class CoreConnection:
         self._monitor: zmq.Socket | None = None  # CURVE handshake events, while attaching
         self._beat: asyncio.TimerHandle | None = None
 
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The loop `open` ran on: everything but `open` runs after it."""
+        assert self.loop is not None
+        return self.loop
+
     # ---- handshake ---------------------------------------------------------------------------
 
     async def open(self, timeout: float, alive: Callable[[], str | None]) -> Welcome:
         """Connect, say Hello and return the core's Welcome; from then on the core is watched.
         `alive` returns why the engine cannot answer, or None. Raises ConnectionRefusedError
         (Reject, an untrusted key), EngineDeadError or TimeoutError, the socket closed."""
-        self.loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -105,9 +115,9 @@ class CoreConnection:
         # A plain socket read from the loop's own reader: every message is taken as it comes,
         # without a future or a task per message. ZMQ's FD is edge-triggered, so every send and
         # receive is followed by a look at what is pending (_check_pending).
-        self._fd = self._sock.getsockopt(zmq.FD)
-        self.loop.add_reader(self._fd, self._on_readable)
-        self._welcome = self.loop.create_future()
+        self._fd = self._sock.fileno()
+        loop.add_reader(self._fd, self._on_readable)
+        self._welcome = loop.create_future()
         self.send(Hello(pid=os.getpid(), token=self.token, want_files=self.curve is not None))
         reply = await self._await_welcome(timeout, alive)
         if isinstance(reply, Reject):
@@ -115,9 +125,9 @@ class CoreConnection:
             raise ConnectionRefusedError(f"the engine refused this frontend: {reply.reason}")
         self.core_pid = reply.core_pid
         if reply.heartbeat_s > 0:  # over TCP: no pidfd across hosts
-            self._beat = self.loop.call_later(reply.heartbeat_s, self._heartbeat, reply.heartbeat_s)
+            self._beat = loop.call_later(reply.heartbeat_s, self._heartbeat, reply.heartbeat_s)
             if self._monitor is not None:
-                self.loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+                loop.add_reader(self._monitor.fileno(), self._on_monitor)
                 self._on_monitor()
         else:
             self._watch_core()
@@ -162,7 +172,7 @@ class CoreConnection:
         """Tell the core this frontend is alive (from the loop: a stopped or wedged frontend
         stays silent, and the core drops it and frees its requests)."""
         self.send(Heartbeat())
-        self._beat = self.loop.call_later(interval, self._heartbeat, interval)
+        self._beat = self._loop.call_later(interval, self._heartbeat, interval)
 
     def _on_monitor(self) -> None:
         """Attached over TCP: a lost connection is a dead engine (ZMQ would reconnect under a new
@@ -180,7 +190,7 @@ class CoreConnection:
         except (ProcessLookupError, OSError):
             self._mark_dead(why)
             return
-        self.loop.add_reader(self._pidfd, self._mark_dead, why)
+        self._loop.add_reader(self._pidfd, self._mark_dead, why)
 
     def _mark_dead(self, why: str) -> None:
         for timer in (self._retry, self._beat):
@@ -189,7 +199,7 @@ class CoreConnection:
         self._retry = self._beat = None
         self._outbox.clear()  # nobody will read it
         if self._pidfd is not None:
-            self.loop.remove_reader(self._pidfd)
+            self._loop.remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
         if self.dead is None:
@@ -214,11 +224,11 @@ class CoreConnection:
             return
         if self._monitor is not None:
             with contextlib.suppress(ValueError, OSError):
-                self.loop.remove_reader(self._monitor.getsockopt(zmq.FD))
+                self._loop.remove_reader(self._monitor.fileno())
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
-        self.loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._fd)
         if self._retry is not None:
             self._retry.cancel()
         self._sock.close(linger=linger)
@@ -227,7 +237,7 @@ class CoreConnection:
 
     # ---- messages ----------------------------------------------------------------------------
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: ToCore) -> None:
         """Send now, or, while the pipe to the core is full, in order as soon as it has room."""
         if self._sock is None:
             return
@@ -241,17 +251,16 @@ class CoreConnection:
             try:
                 self._sock.send(self._outbox[0], zmq.NOBLOCK)
             except zmq.Again:
-                self._retry = self.loop.call_later(RETRY_SEND_S, self._flush)
+                self._retry = self._loop.call_later(RETRY_SEND_S, self._flush)
                 break
             self._outbox.popleft()
         self._check_pending()
 
     def _check_pending(self) -> None:
         """After a send: messages that arrived meanwhile raise no new edge on the FD; look."""
-        if self._sock is not None and not self._read_scheduled \
-                and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self._sock is not None and not self._read_scheduled and _readable(self._sock):
             self._read_scheduled = True
-            self.loop.call_soon(self._on_readable)
+            self._loop.call_soon(self._on_readable)
 
     def _on_readable(self) -> None:
         self._read_scheduled = False
@@ -264,13 +273,13 @@ class CoreConnection:
     def _receive(self) -> None:
         """Take what has arrived, up to a batch: a frontend behind the core applies several
         steps in one pass, wakes each consumer once and acknowledges them with one Ack."""
-        frames = []
+        frames: list[bytes] = []
         while len(frames) < MAX_MESSAGES_PER_WAKE and self._sock is not None:
             try:
                 frames.append(self._sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
-        news = []
+        news: list[StepOutputs | ControlReply] = []
         for msg in map(decode_to_frontend, frames):
             if not isinstance(msg, (Welcome, Reject)):
                 news.append(msg)
@@ -283,9 +292,14 @@ class CoreConnection:
             self.send(Ack(seqs[-1]))
         if len(frames) == MAX_MESSAGES_PER_WAKE:  # more may wait: let the consumers run first
             self._read_scheduled = True
-            self.loop.call_soon(self._on_readable)
+            self._loop.call_soon(self._on_readable)
         else:
             self._check_pending()
+
+
+def _readable(sock: zmq.Socket) -> bool:
+    events = sock.getsockopt(zmq.EVENTS)
+    return isinstance(events, int) and bool(events & zmq.POLLIN)  # (EVENTS: an int option)
 
 
 def _use_curve(sock: zmq.Socket, server_key: str, secret_key: str, heartbeat_timeout_s: float) -> zmq.Socket:
@@ -305,7 +319,7 @@ def _use_curve(sock: zmq.Socket, server_key: str, secret_key: str, heartbeat_tim
     return sock.get_monitor_socket(HANDSHAKE_EVENTS)
 
 
-def _events(monitor: zmq.Socket | None) -> Iterator[dict]:
+def _events(monitor: zmq.Socket | None) -> Iterator[_MonitorMessage]:
     """The connection's events that have come (over TCP; none without a monitor), oldest first."""
     from zmq.utils.monitor import recv_monitor_message
 

@@ -265,7 +265,7 @@ def _max_width(pattern: re.Pattern) -> int:
     """The most characters a match of `pattern` spans (re's own parser: no width bound in the
     public API)."""
     try:
-        from re import _parser  # Python 3.11+
+        from re import _parser  # type: ignore[attr-defined]  # (Python 3.11+; private: typeshed has no stub)
 
         return min(_parser.parse(pattern.pattern, pattern.flags).getwidth()[1], StopRegex.UNBOUNDED)
     except Exception:  # a parser we cannot read: search everything

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -20,6 +19,7 @@ from unison.errors import EngineOverloadedError, UnknownAdapterError
 from unison.frontend.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
+from unison.json_types import JSONObject
 from unison.protocol import ReqOutput
 
 Logprob = tuple[float | None, int, None]  # (logprob, token id, token text), as sglang.Engine
@@ -47,7 +47,7 @@ class AbortFinish(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
 FinishReason = StopFinish | LengthFinish | AbortFinish
 
 
-def finish_reason_dict(reason: FinishReason | None) -> dict[str, Any] | None:
+def finish_reason_dict(reason: FinishReason | None) -> JSONObject | None:
     """SGLang's meta_info["finish_reason"]: {"type": "stop", "matched": ...}, {"type": "length",
     "length": ...} or {"type": "abort", "message": ...}."""
     return None if reason is None else msgspec.to_builtins(reason)
@@ -175,7 +175,7 @@ class ReqState:
             parts.append(self._checked(self.detok.add([token]), parts))
         return "".join(parts)
 
-    def _checked(self, delta: str, parts: list[str] = ()) -> str:
+    def _checked(self, delta: str, parts: Sequence[str] = ()) -> str:
         """`delta` (after self.text and `parts`), cut at the end of a stop_regex match, which
         then ends the request."""
         if self.stop_regex is None or not delta or self.detok.finished:

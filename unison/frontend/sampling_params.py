@@ -1,28 +1,56 @@
 """SamplingParams: what a user may ask of one request, named and bounded as in SGLang.
 
-Its fields are the options of unison/sampling.py (declared there once, with their bounds); this
-file holds the checks that are more than a range, and the mapping onto the core's wire struct.
+Its fields are the options of unison/sampling.py (declared there with their bounds; tests/test_sampling.py
+holds these fields to that table); this file holds the checks that are more than a range, and the
+mapping onto the core's wire struct.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import field, fields, make_dataclass
-from typing import Any
+from dataclasses import dataclass, fields
 
 from unison.errors import InvalidParam
 from unison.frontend.structured import grammar_text
+from unison.json_types import JSONObject
 from unison.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, OPTIONS, CoreSamplingParams
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
-class _Checks:
-    """SamplingParams' behaviour; the fields come from OPTIONS (see make_dataclass below)."""
+@dataclass
+class SamplingParams:
+    """What one request asks for; every field is an option of unison/sampling.py, in its order."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int | str, float] | None = None
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    json_schema: str | JSONObject | None = None  # a JSON Schema: arbitrary JSON
+    regex: str | None = None
+    ebnf: str | None = None
+    structured_after: list[int] | None = None
 
     @classmethod
-    def from_any(cls, params: Any) -> SamplingParams:
+    def from_any(cls, params: object) -> SamplingParams:
+        """A SamplingParams, a dict of its fields, or None (the defaults)."""
         if params is None:
             return SamplingParams()
         if isinstance(params, SamplingParams):
@@ -130,14 +158,15 @@ class _Checks:
         try:
             return grammar_text(self.json_schema, self.regex, self.ebnf)
         except ValueError as e:
-            raise InvalidParam(self.grammar_kind, str(e)) from None  # (only a given one is converted)
+            assert self.grammar_kind is not None  # only a given constraint is converted
+            raise InvalidParam(self.grammar_kind, str(e)) from None
 
     def _bias_items(self, vocab_size: int) -> dict[int, float]:
         if self.logit_bias is None:
             return {}
         if not isinstance(self.logit_bias, dict):
             raise InvalidParam("logit_bias", "logit_bias must be a dict of token id -> bias")
-        out = {}
+        out: dict[int, float] = {}
         for key, bias in self.logit_bias.items():
             try:
                 tid = int(key)
@@ -159,24 +188,21 @@ class _Checks:
             seed = (rng or random).getrandbits(63)
         else:
             seed = self.sampling_seed + index
+        # The `core` options as given, an int given for a float travelling as one.
         return CoreSamplingParams(
             max_new_tokens=max_new_tokens, logit_bias=self._bias_items(vocab_size), seed=seed % 2**63,
             stop_token_ids=list(self.stop_token_ids or []), grammar=self._grammar(),
             grammar_after=list(self.structured_after or []),
-            **{o.name: _plain(getattr(self, o.name), o.type) for o in OPTIONS if o.core},
+            min_new_tokens=self.min_new_tokens, ignore_eos=self.ignore_eos,
+            temperature=float(self.temperature), top_p=float(self.top_p), top_k=self.top_k,
+            min_p=float(self.min_p), typical_p=float(self.typical_p),
+            frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
+            repetition_penalty=float(self.repetition_penalty),
         )
 
 
-def _plain(value: Any, kind: Any) -> Any:
-    return float(value) if kind is float else value  # an int given for a float travels as one
-
-
-def _token_id(name: str, tid: Any, vocab_size: int) -> None:
+def _token_id(name: str, tid: object, vocab_size: int) -> None:
     if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
         raise InvalidParam(name, f"{name}: token ids must be integers in [0, {vocab_size - 1}], "
                                  f"got {tid!r}")
 
-
-SamplingParams = make_dataclass(
-    "SamplingParams", [(o.name, o.type, field(default=o.default)) for o in OPTIONS],
-    bases=(_Checks,), namespace={"__module__": __name__, "__doc__": __doc__})

@@ -20,6 +20,8 @@ import functools
 import json
 from typing import Any
 
+from unison.json_types import JSONObject
+
 KINDS = ("json_schema", "regex", "ebnf")
 JSON_OBJECT = {"type": "object", "additionalProperties": True}  # response_format json_object: any
 # Between JSON tokens: at most one space, as in `{"a": 1, "b": 2}`. llguidance's default allows
@@ -34,7 +36,7 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: see with_additional_properties
 
 
-def with_additional_properties(schema: Any, allowed: bool) -> Any:
+def with_additional_properties(schema: Any, allowed: bool) -> Any:  # Any: JSON, returned in its shape
     """A copy of `schema` where every object schema that does not say whether it allows
     properties it does not name says `allowed`. Strict (False) is what xgrammar, the default of
     vLLM and SGLang, compiles by default, and what OpenAI's `strict: true` requires: without it a
@@ -61,7 +63,7 @@ def with_additional_properties(schema: Any, allowed: bool) -> Any:
     return out
 
 
-def grammar_text(json_schema: str | dict[str, Any] | None = None, regex: str | None = None,
+def grammar_text(json_schema: str | JSONObject | None = None, regex: str | None = None,
                  ebnf: str | None = None) -> str | None:
     """llguidance grammar text for at most one constraint; ValueError naming the problem."""
     given = {k: v for k, v in zip(KINDS, (json_schema, regex, ebnf)) if v is not None}

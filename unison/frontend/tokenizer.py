@@ -24,6 +24,7 @@ import tokenizers.decoders
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from unison.errors import InvalidParam
+from unison.json_types import JSONObject
 
 ROLES = ("system", "user", "assistant", "tool")
 # Names of special tokens a template may read as variables, as transformers' special_tokens_map.
@@ -36,9 +37,9 @@ class Tokenizer:
     def __init__(
         self,
         tok: tokenizers.Tokenizer,
-        tokenizer_config: dict[str, Any],
-        generation_config: dict[str, Any] | None = None,
-        model_config: dict[str, Any] | None = None,
+        tokenizer_config: JSONObject,
+        generation_config: JSONObject | None = None,
+        model_config: JSONObject | None = None,
         chat_template: str | dict[str, str] | None = None,
     ) -> None:
         self._tok = tok
@@ -72,12 +73,12 @@ class Tokenizer:
                 f"no tokenizer.json in {path}: Unison needs a Hugging Face fast tokenizer "
                 "(save one with transformers' AutoTokenizer.save_pretrained)"
             )
-        template: str | dict[str, str] | None = None
-        if (p := path / "chat_template.jinja").is_file():
-            template = p.read_text(encoding="utf-8")
+        p = path / "chat_template.jinja"
+        default = p.read_text(encoding="utf-8") if p.is_file() else None
+        template: str | dict[str, str] | None = default
         if (extra := path / "additional_chat_templates").is_dir():
             named = {f.stem: f.read_text(encoding="utf-8") for f in sorted(extra.glob("*.jinja"))}
-            template = named | ({"default": template} if template else {})
+            template = named | ({"default": default} if default else {})
         return cls(
             tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")),
             _read_json(path / "tokenizer_config.json") or {},
@@ -117,14 +118,14 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[JSONObject],
         add_generation_prompt: bool = True,
         *,
         chat_template: str | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        documents: list[dict[str, Any]] | None = None,
+        tools: list[JSONObject] | None = None,
+        documents: list[JSONObject] | None = None,
         continue_final_message: bool = False,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> str:
         """Render `messages` to the prompt text; `chat_template` is a template name or source.
         `continue_final_message`: the text ends inside the last (assistant) message, so the model
@@ -168,14 +169,14 @@ class Tokenizer:
         return own
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def normalize_messages(messages: object) -> list[JSONObject]:
     """Check OpenAI-style chat messages; join text parts; drop None fields as transformers does."""
     if not isinstance(messages, list) or not messages:
         raise InvalidParam("messages", f"messages must be a non-empty list of dicts, got {messages!r:.80}")
     return [_normalize_message(i, m) for i, m in enumerate(messages)]
 
 
-def _normalize_message(i: int, message: Any) -> dict[str, Any]:
+def _normalize_message(i: int, message: object) -> JSONObject:
     if not isinstance(message, dict):
         raise InvalidParam(f"messages[{i}]", f"messages[{i}] must be a dict with role and content, "
                                              f"got {message!r:.80}")
@@ -193,7 +194,7 @@ def _normalize_message(i: int, message: Any) -> dict[str, Any]:
     return message
 
 
-def _text_part(i: int, j: int, part: Any) -> str:
+def _text_part(i: int, j: int, part: object) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     raise InvalidParam(
@@ -203,13 +204,15 @@ def _text_part(i: int, j: int, part: Any) -> str:
     )
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> JSONObject | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _token_str(token: Any) -> str | None:
+def _token_str(token: object) -> str | None:
     # Older configs store special tokens as serialized AddedToken dicts.
-    return token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
 
 
 # The Jinja environment below mirrors transformers' `_compile_jinja_template`, so that templates
@@ -226,34 +229,34 @@ class _Generation(jinja2.ext.Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
-    def _render(self, caller: Any) -> str:
+    def _render(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
 class _TemplateDict:
     # `dict` without the type behind it, so templates cannot reach class internals.
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:  # Any: what a template passes to dict()
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:  # Any: as dict.fromkeys takes
         return dict.fromkeys(*args, **kwargs)
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
     # Namespaces refuse underscore names, which could otherwise reach CPython internals.
-    def __init__(*args: Any, **kwargs: Any) -> None:
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Any: what a template passes to namespace()
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
             _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check_name(name: Any) -> None:
+    def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
@@ -264,7 +267,7 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+def _tojson(x: object, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys

@@ -57,7 +57,7 @@ def _make_call(obj: object, arg_keys: tuple[str, ...]) -> ToolCall | None:
     """A ToolCall from a decoded JSON value, or None if it is not a well-formed call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args = next((obj[key] for key in arg_keys if key in obj), {})  # no arguments at all: `{}`
+    args: object = next((obj[key] for key in arg_keys if key in obj), {})  # no arguments at all: `{}`
     if isinstance(args, str):  # some fine-tunes encode the arguments twice
         try:
             args = json.loads(args)

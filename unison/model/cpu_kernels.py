@@ -23,6 +23,7 @@ forces one (tests compare them; an unsupported one is an error, not a silent fal
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -41,20 +42,16 @@ SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_l
 HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h", CSRC / "lora.h", CSRC / "moe.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
-_loaded: CpuKernels | None | bool = False  # False: not tried yet
-
-
+@functools.cache  # built and loaded once, on first use
 def load() -> CpuKernels | None:
     """The compiled kernels, or None where they cannot be built here (callers fall back)."""
-    global _loaded
-    if _loaded is False:
-        _loaded = None
-        if os.environ.get("UNISON_CPU_KERNELS", "1") != "0":
-            try:
-                _loaded = CpuKernels(ctypes.CDLL(str(build())))
-            except (OSError, subprocess.SubprocessError) as e:
-                log.warning("CPU kernels unavailable (%s): using torch ops", e)
-    return _loaded
+    if os.environ.get("UNISON_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(build())))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernels unavailable (%s): using torch ops", e)
+        return None
 
 
 def build(defines: tuple[str, ...] = ()) -> Path:

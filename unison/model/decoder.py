@@ -37,7 +37,8 @@ class Linear:
     __slots__ = ("weight", "bias", "packed", "dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight, self.bias, self.dtype = weight, bias, weight.dtype
+        self.weight: torch.Tensor | None = weight
+        self.bias, self.dtype = bias, weight.dtype
         self.packed = _onednn_pack(weight)
         if self.packed is not None:
             self.weight = None  # the packed copy is all that is needed
@@ -51,8 +52,16 @@ class Linear:
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None:
+            assert self.weight is not None  # dropped only once packed
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    @property
+    def held(self) -> torch.Tensor:
+        """The tensor kept: the weight, or its packed copy."""
+        held = self.weight if self.weight is not None else self.packed
+        assert held is not None  # one of the two is always kept
+        return held
 
 
 _ONEDNN: bool | None = None  # whether packed oneDNN linears work here; probed on first use
@@ -115,16 +124,25 @@ class Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
-            return F.embedding(ids, self.table)
+            return F.embedding(ids, self.float_table)
+        assert self.kernels is not None  # quantized weights run on the C kernels only
         return self.kernels.dequantize_rows(self.quant, ids)
 
     @property
+    def float_table(self) -> torch.Tensor:
+        """The float table (of an embedding that is not quantized)."""
+        assert self.table is not None
+        return self.table
+
+    @property
     def kind(self) -> str:
-        return str(self.table.dtype).removeprefix("torch.") if self.quant is None else self.quant.kind
+        return str(self.float_table.dtype).removeprefix("torch.") if self.quant is None else self.quant.kind
 
     @property
     def nbytes(self) -> int:
-        return self.quant.nbytes if self.quant is not None else self.table.numel() * self.table.element_size()
+        if self.quant is not None:
+            return self.quant.nbytes
+        return self.float_table.numel() * self.float_table.element_size()
 
 
 def _nbytes(linear: Linear | QuantLinear | FloatMoe | QuantMoe) -> int:
@@ -132,14 +150,14 @@ def _nbytes(linear: Linear | QuantLinear | FloatMoe | QuantMoe) -> int:
         return linear.nbytes
     if isinstance(linear, QuantLinear):
         return sum(p.nbytes for p in linear.parts)
-    w = linear.weight if linear.weight is not None else linear.packed
+    w = linear.held
     return w.numel() * w.element_size() + (0 if linear.bias is None else linear.bias.numel() * 4)
 
 
 def _kind(linear: Linear | QuantLinear | FloatMoe | QuantMoe) -> str:
     if isinstance(linear, QuantLinear | FloatMoe | QuantMoe):
         return linear.kind
-    return str((linear.weight if linear.weight is not None else linear.packed).dtype).removeprefix("torch.")
+    return str(linear.held.dtype).removeprefix("torch.")
 
 
 @dataclass(slots=True)
@@ -161,7 +179,12 @@ class Layer:
     @property
     def linears(self) -> dict[str, Linear | QuantLinear | FloatMoe | QuantMoe]:
         """The layer's weight-holding parts by name, in forward order."""
-        mlp = {"experts": self.moe} if self.moe is not None else {"gate_up": self.gate_up, "down": self.down}
+        mlp: dict[str, Linear | QuantLinear | FloatMoe | QuantMoe]
+        if self.moe is not None:
+            mlp = {"experts": self.moe}
+        else:
+            assert self.gate_up is not None and self.down is not None  # a dense MLP has both
+            mlp = {"gate_up": self.gate_up, "down": self.down}
         return {"qkv": self.qkv, "o_proj": self.o_proj, **mlp}
 
 
@@ -253,6 +276,7 @@ class DecoderModel:
             if layer.moe is not None:  # (LoRA adapters never target the experts: refused at load)
                 delta = layer.moe(x)
             else:
+                assert layer.gate_up is not None and layer.down is not None  # a dense MLP has both
                 gate_up = layer.gate_up(x)
                 hook(4 * i + 2, x, gate_up)
                 act = ops.act_mul(gate_up, cfg.family.activation)
@@ -276,6 +300,7 @@ class DecoderModel:
         n = qkv.shape[0]
         if layer.q_norm is not None:  # before the rotation: per head (Qwen3, Gemma 3), or over
             per_head = cfg.family.qk_norm == "head"  # the whole q and k projections (OLMo 2)
+            assert layer.k_norm is not None  # q and k are normed together
             self.ops.norm_groups_(qkv[:, :qs], heads if per_head else 1, d if per_head else qs,
                                   layer.q_norm, eps)
             self.ops.norm_groups_(qkv[:, qs: qs + kvs], kv_heads if per_head else 1, d if per_head else kvs,
@@ -355,6 +380,12 @@ class _WeightGetter:
     def has(self, name: str) -> bool:
         return name in self.weights
 
+    @property
+    def quant_kernels(self) -> cpu_kernels.CpuKernels:
+        """The C kernels, which quantized weights need (resolve_quantization allows them on CPU only)."""
+        assert self.kernels is not None
+        return self.kernels
+
     def _fetched(self, name: str) -> str:
         self.shapes[name] = tuple(self.weights.shape(name))
         return name
@@ -389,24 +420,25 @@ class _WeightGetter:
             return Linear(w.to(device=self.device, dtype=self.linear_dtype), bias_t)
         parts: list[QuantWeight] = []
         for name, b in zip(names, bits):
-            w = self.weights.quantized(name, b)
-            if parts and parts[-1].record == w.record and parts[-1].n % quant.TILE == 0:
-                parts[-1] = quant.concat([parts[-1], w])  # one kernel call for same-kind parts
+            assert b is not None  # the quantization mode quantizes every linear or none
+            q = self.weights.quantized(name, b)
+            if parts and parts[-1].record == q.record and parts[-1].n % quant.TILE == 0:
+                parts[-1] = quant.concat([parts[-1], q])  # one kernel call for same-kind parts
             else:
-                parts.append(w)
-        return QuantLinear(parts, bias_t, self.kernels)
+                parts.append(q)
+        return QuantLinear(parts, bias_t, self.quant_kernels)
 
     def embedding(self, name: str) -> Embedding:
         bits = self._bits(self._fetched(name), head=True)
         if bits is None:
             return Embedding(self(name))
-        return Embedding(None, self.weights.quantized(name, bits), self.kernels)
+        return Embedding(None, self.weights.quantized(name, bits), self.quant_kernels)
 
     def head(self, embed: Embedding) -> Linear | QuantLinear:
         """The LM head of a tied model: the embedding's own tensor, float or quantized."""
         if embed.quant is None:
-            return Linear(embed.table.to(self.linear_dtype))
-        return QuantLinear([embed.quant], None, self.kernels)
+            return Linear(embed.float_table.to(self.linear_dtype))
+        return QuantLinear([embed.quant], None, self.quant_kernels)
 
 
 def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | QuantMoe:
@@ -420,12 +452,13 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
     if any(b is None for b in bits.values()):
         tensors = {p: torch.stack([get(n) for n in per_proj[p]]) for p in PROJECTIONS}
         return FloatMoe(moe, cfg.family.activation, router, **tensors)
+    widths = {p: b for p, b in bits.items() if b is not None}  # (every one: checked above)
     # Experts convert one by one in numpy, which lets go of the GIL: a thread per core loads a
     # 128-expert layer about twice as fast on two cores.
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        stacked = {p: quant.stack(list(pool.map(partial(get.weights.quantized, bits=bits[p]), per_proj[p])))
+        stacked = {p: quant.stack(list(pool.map(partial(get.weights.quantized, bits=widths[p]), per_proj[p])))
                    for p in PROJECTIONS}
-    return QuantMoe(moe, cfg.family.activation, router, **stacked, kernels=get.kernels)
+    return QuantMoe(moe, cfg.family.activation, router, **stacked, kernels=get.quant_kernels)
 
 
 def dummy_model(cfg: ModelConfig, device: torch.device,

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from unison.json_types import JSONObject
 
 from .rope import Rope
 
@@ -105,7 +106,7 @@ class MoeConfig:
     norm_topk_prob: bool
 
     @classmethod
-    def from_hf(cls, family: Family, hf: dict[str, Any]) -> MoeConfig:
+    def from_hf(cls, family: Family, hf: JSONObject) -> MoeConfig:
         arch = family.hf_architecture
         # Variants with parts this MLP lacks are refused by name rather than run wrongly.
         for key in ("shared_expert_intermediate_size", "n_shared_experts", "n_group", "topk_group"):
@@ -115,13 +116,10 @@ class MoeConfig:
         if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
             raise ValueError(f"{arch} with dense layers (mlp_only_layers={hf.get('mlp_only_layers')}, "
                              f"decoder_sparse_step={hf.get('decoder_sparse_step')}) is not supported")
-        experts = hf.get("num_experts") or hf.get("num_local_experts")
-        top_k = hf.get("num_experts_per_tok")
-        size = hf.get("moe_intermediate_size") or hf.get("intermediate_size")
-        for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
-                            ("moe_intermediate_size", size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{arch}: {name} must be a positive integer, got {value!r}")
+        experts = _positive(arch, "num_experts", hf.get("num_experts") or hf.get("num_local_experts"))
+        top_k = _positive(arch, "num_experts_per_tok", hf.get("num_experts_per_tok"))
+        size = _positive(arch, "moe_intermediate_size",
+                         hf.get("moe_intermediate_size") or hf.get("intermediate_size"))
         if experts > 1024:  # the kernel's bound (csrc/moe.c); no released model comes near it
             raise ValueError(f"{arch}: num_experts ({experts}) is over 1024, which is not supported")
         if top_k > experts:
@@ -177,7 +175,7 @@ class ModelConfig:
         return cls.from_hf(hf, _read_json(gen_file) if gen_file.is_file() else {})
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
+    def from_hf(cls, hf: JSONObject, gen: JSONObject | None = None) -> ModelConfig:
         family = family_of(hf.get("architectures"))
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"):
             if hf.get(key) is not None:
@@ -213,7 +211,7 @@ class ModelConfig:
         self.eos_token_ids = list(dict.fromkeys(self.eos_token_ids))
 
 
-def _attention_layout(family: Family, hf: dict[str, Any], head_dim: int, layers: int,
+def _attention_layout(family: Family, hf: JSONObject, head_dim: int, layers: int,
                       positions: int) -> tuple[list[Rope], list[int], list[int | None]]:
     """(distinct ropes, each layer's rope, each layer's window) from an HF config."""
     factors = tuple(hf["rope_freqs"]) if hf.get("rope_freqs") else None  # written by gguf.py
@@ -246,11 +244,17 @@ def _attention_layout(family: Family, hf: dict[str, Any], head_dim: int, layers:
     return [rope], [0] * layers, [window] * layers
 
 
+def _positive(arch: str, name: str, value: object) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{arch}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
 def _ids(value: int | list[int] | None) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> JSONObject:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:

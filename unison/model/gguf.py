@@ -14,12 +14,15 @@ import json
 import mmap
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from unison.json_types import JSONObject
 
 from . import quant
 from .families import BY_ARCHITECTURE, BY_GGUF, Family
@@ -71,7 +74,7 @@ class TensorInfo:
 
 @dataclass(slots=True)
 class GGUFHeader:
-    fields: dict[str, Any]  # scalar and string fields; arrays as their length
+    fields: JSONObject  # scalar and string fields; arrays as their length
     tensors: list[TensorInfo]
 
 
@@ -103,7 +106,7 @@ def _parse_header(buf: mmap.mmap) -> GGUFHeader:
         (n,) = struct.unpack_from("<Q", buf, pos)
         return bytes(buf[pos + 8: pos + 8 + n]).decode(), pos + 8 + n
 
-    def value(kind: int, pos: int) -> tuple[Any, int]:
+    def value(kind: int, pos: int) -> tuple[Any, int]:  # Any: a field of the file's own type
         if kind == _STRING:
             return string(pos)
         if kind == _ARRAY:
@@ -146,7 +149,7 @@ def open_gguf(path: Path) -> GGUFHeader:
     return read_header(path)
 
 
-def _field(header: GGUFHeader, key: str, default: Any = None) -> Any:
+def _field(header: GGUFHeader, key: str, default: Any = None) -> Any:  # Any: a header field, as stored
     return header.fields.get(key, default)
 
 
@@ -166,11 +169,11 @@ def gguf_family(header: GGUFHeader) -> Family:
     return BY_GGUF[arch]
 
 
-def hf_config(header: GGUFHeader) -> dict[str, Any]:
+def hf_config(header: GGUFHeader) -> JSONObject:
     """A Hugging Face config.json for the file, as transformers' GGUF loader builds it."""
     arch = gguf_architecture(header)
 
-    def a(key: str, default: Any = None) -> Any:
+    def a(key: str, default: Any = None) -> Any:  # Any: a header field, as stored
         return _field(header, f"{arch}.{key}", default)
 
     heads = int(a("attention.head_count"))
@@ -222,7 +225,7 @@ def hf_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
-def _moe_config(family: Family, a: Any) -> dict[str, Any]:
+def _moe_config(family: Family, a: Callable[..., Any]) -> JSONObject:  # a: reads a header field (Any)
     """A mixture of experts' fields, as the family's HF config names them. llama.cpp
     renormalizes the top-k weights of Qwen3-MoE and Mixtral and not OLMoE's, unless the file
     says (expert_weights_norm)."""
@@ -277,7 +280,7 @@ class _Tensor:
 class GGUFWeights:
     """A GGUF file's tensors under their Hugging Face names, read from an mmap on demand."""
 
-    def __init__(self, path: str | Path, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Path, config: JSONObject | None = None) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path)
@@ -398,12 +401,13 @@ def _split_experts(t: _Tensor, layer: int, proj: str, family: Family) -> dict[st
     if len(t.dims) != 3:
         raise ValueError(f"GGUF tensor {t.name!r} has dims {list(t.dims)}: expected 3 (k, rows, experts)")
     experts, per_expert = t.dims[2], t.n_bytes // t.dims[2]
+    assert family.moe is not None  # (a mixture-of-experts family's tensors)
     return {family.moe.expert(layer, e, proj): _Tensor(
         f"{t.name}[{e}]", t.type_name, t.dims[:2], t.offset + e * per_expert, per_expert, t.data[e])
         for e in range(experts)}
 
 
-def _check_experts(weights: GGUFWeights, header: GGUFHeader, family: Family, config: dict[str, Any]) -> None:
+def _check_experts(weights: GGUFWeights, header: GGUFHeader, family: Family, config: JSONObject) -> None:
     """Every layer's router and expert tensors, present and of the shapes the metadata gives,
     or a ValueError naming the tensor (before anything is converted)."""
     hidden = config["hidden_size"]
@@ -516,7 +520,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _convert_tokenizer(gguf_path, out_dir, config["max_position_embeddings"])
 
 
-def write_config(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
+def write_config(gguf_path: Path, out_dir: Path) -> JSONObject:
     """config.json and generation_config.json for `gguf_path`; returns the config."""
     header = open_gguf(gguf_path)
     config = hf_config(header)
@@ -528,7 +532,7 @@ def write_config(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     return config
 
 
-def _generation_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
+def _generation_config(header: GGUFHeader, config: JSONObject) -> JSONObject:
     # Chat models often end a turn with an end-of-turn token distinct from eos: stop on both.
     eos = [config["eos_token_id"], _field(header, "tokenizer.ggml.eot_token_id")]
     eos = list(dict.fromkeys(i for i in eos if i is not None))
@@ -555,5 +559,5 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> N
     _write_json(path, cfg)
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
+def _write_json(path: Path, obj: JSONObject) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

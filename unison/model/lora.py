@@ -212,7 +212,9 @@ def _build(config: dict, modules: list[tuple[int, str]], tensors: dict[str, Tens
            max_rank: int, path: Path) -> LoraWeights:
     where, shapes, rslora = config["_file"], module_shapes(cfg), bool(config.get("use_rslora"))
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    layers = [[[] for _ in LINEARS] for _ in range(cfg.num_hidden_layers)]
+    # [layer][linear]: (index among the linear's parts, the part)
+    layers: list[list[list[tuple[int, LoraPart]]]] = [[[] for _ in LINEARS]
+                                                      for _ in range(cfg.num_hidden_layers)]
     nbytes, rank = 0, 0
     for layer, name in modules:
         group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
@@ -294,9 +296,12 @@ class Adapter:
 
     def plain(self, linear: int) -> tuple[tuple[Tensor, Tensor, int], ...]:
         """(A, B, offset) of each part of linear `linear`, plain and on the device: torch's path."""
+        def on_device(p: LoraPart) -> tuple[Tensor, Tensor, int]:
+            a, b = p.plain()
+            return a.to(self.device), b.to(self.device), p.offset
+
         if self._plain is None:
-            self._plain = [tuple((*(m.to(self.device) for m in p.plain()), p.offset) for p in parts)
-                           for parts in self.linears]
+            self._plain = [tuple(on_device(p) for p in parts) for parts in self.linears]
         return self._plain[linear]
 
 

@@ -132,9 +132,9 @@ def pack(n: int, k: int, bits: int, rows: Callable[[int, int], BlockQuant], symm
 
 
 def _pad_rows(bq: BlockQuant, rows: int) -> BlockQuant:
-    def pad(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else np.concatenate([a, np.zeros((rows - a.shape[0], a.shape[1]), a.dtype)])
-    return BlockQuant(bq.bits, pad(bq.q), pad(bq.d), pad(bq.m))
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a, np.zeros((rows - a.shape[0], a.shape[1]), a.dtype)])
+    return BlockQuant(bq.bits, pad(bq.q), pad(bq.d), None if bq.m is None else pad(bq.m))
 
 
 # ---- quantizing floats --------------------------------------------------------------------------

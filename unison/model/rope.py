@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from unison.json_types import JSONObject
+
 SCALINGS = ("default", "linear", "llama3", "yarn")
 
 
@@ -19,12 +21,12 @@ class Rope:
 
     head_dim: int
     theta: float = 10000.0
-    scaling: tuple[tuple[str, Any], ...] = ()  # sorted items of an HF rope_parameters dict
+    scaling: tuple[tuple[str, Any], ...] = ()  # sorted items of an HF rope_parameters dict (JSON: Any)
     factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 4096
 
     @classmethod
-    def from_params(cls, head_dim: int, params: dict[str, Any], max_positions: int) -> Rope:
+    def from_params(cls, head_dim: int, params: JSONObject, max_positions: int) -> Rope:
         params = dict(params)
         theta = float(params.pop("rope_theta", 10000.0))
         kind = params.pop("rope_type", params.pop("type", "default"))
@@ -68,7 +70,7 @@ class Rope:
 _CACHE: dict[Rope, tuple[torch.Tensor, float]] = {}
 
 
-def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+def _llama3(inv_freq: torch.Tensor, s: JSONObject) -> torch.Tensor:
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -79,7 +81,7 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn(rope: Rope, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+def _yarn(rope: Rope, s: JSONObject) -> tuple[torch.Tensor, float]:
     """YaRN (Qwen2.5 / Qwen3 long context): interpolated low frequencies, extrapolated high ones,
     and cos / sin scaled by the attention factor (transformers' _compute_yarn_parameters)."""
     d, base = rope.head_dim, rope.theta

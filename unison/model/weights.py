@@ -75,7 +75,7 @@ class SafetensorsWeights(DictWeights):
         files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
-        self._files: dict[str, object] = {}
+        self._files: dict[str, safe_open] = {}
         for f in files:
             try:
                 handle = safe_open(str(f), framework="pt")

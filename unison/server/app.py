@@ -16,7 +16,6 @@ import re
 import signal
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -58,6 +57,7 @@ def create_app(settings: WorkerSettings | None = None) -> FastAPI:
                                             _exit_when_engine_dies)
         app.state.replicas = replicas
         worker = replicas.any
+        assert worker.info is not None  # (attached)
         app.state.sampling_defaults = generation_defaults(serve.generation_config, worker.info.model_dir)
         app.state.chat_template = _template_text(serve.chat_template)
         log.info("worker %d attached as frontend %d of %d replica(s)", os.getpid(), worker.worker_id,
@@ -224,7 +224,7 @@ def _exit_when_engine_dies() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _field_path(loc: Any) -> str | None:
+def _field_path(loc: tuple[int | str, ...]) -> str | None:
     """pydantic's error location as a field path, `messages[0].role`, without its union-member tags."""
     path = ""
     for x in loc:

@@ -64,13 +64,16 @@ class CoreActor:
         self.index, self.stopping = index, False
         self.core = CoreProcess(cfg, publish=True)  # the registry tells the address it bound
         self.core.wait_published(cfg.startup_timeout)
-        info = registry.read(self.core.registry_path)
-        self.where = ReplicaAddress(index, info.info.tcp_address, info.info.server_key, info.core_pid,
-                                    socket.gethostname())
+        assert self.core.registry_path is not None  # (publish=True)
+        self.registry_path = self.core.registry_path
+        info = registry.read(self.registry_path)
+        address, key = info.info.tcp_address, info.info.server_key
+        assert address is not None and key is not None  # a core that listens publishes both
+        self.where = ReplicaAddress(index, address, key, info.core_pid, socket.gethostname())
         threading.Thread(target=self._exit_with_core, daemon=True, name="unison-core-watch").start()
 
     def state(self) -> bytes:
-        served = registry.read(self.core.registry_path).config.model_path  # the core republishes it
+        served = registry.read(self.registry_path).config.model_path  # the core republishes it
         return msgspec.msgpack.encode(ReplicaState(self.where, served))
 
     def update_weights(self, model_path: str) -> tuple[bool, str]:
@@ -148,11 +151,12 @@ class RayReplicas:
                 log.warning("replica %d is back: core pid %d on %s", i, state.where.core_pid,
                             state.where.host)
             self.where[i], changed = state.where, True
-        if changed and None not in self.where:
-            write_replica_set(self.path, ReplicaSet(list(self.where), self.secret))
+        ready = [w for w in self.where if w is not None]
+        if changed and len(ready) == len(self.where):
+            write_replica_set(self.path, ReplicaSet(ready, self.secret))
         return answered
 
-    def caught_up(self, i: int, actor: Any, state: ReplicaState) -> bool:
+    def caught_up(self, i: int, actor: Any, state: ReplicaState) -> bool:  # Any: Ray's handles are untyped
         """Whether a replica's new core serves the weights its siblings do, after loading them if
         the weights were updated since the server started. One that cannot stays out of service
         (logged), rather than serve other weights than the rest."""

@@ -3,9 +3,9 @@ also use): {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi.responses import JSONResponse
+
+from unison.json_types import JSONObject
 
 
 def error_kind(status: int) -> str:
@@ -24,7 +24,7 @@ class HTTPError(Exception):
 
 
 def error_body(status: int, message: str, kind: str = "invalid_request_error",
-               param: str | None = None) -> dict[str, Any]:
+               param: str | None = None) -> JSONObject:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

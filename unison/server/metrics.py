@@ -120,7 +120,7 @@ class _Engines:
     """Every replica's metrics as one family per name, a sample set per `engine` label."""
 
     def __init__(self, infos: list[ServerInfo], engines: list[str] | None) -> None:
-        labels = engines or [None] * len(infos)
+        labels: list[str | None] = list(engines) if engines else [None] * len(infos)
         self.collectors = [_EngineCollector(i, e) for i, e in zip(infos, labels)]
 
     def collect(self) -> Iterator[Metric]:

@@ -7,8 +7,6 @@ frontend (and on every replica's core, data parallel)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -139,7 +137,7 @@ async def _control_all(request: Request, req: ControlRequest[ReplyT],
         raise HTTPError(503, f"the engine is not running: {e}") from None
 
 
-def _results(indexed: list[tuple[int, OpResult]], **extra: Any) -> JSONResponse:
+def _results(indexed: list[tuple[int, OpResult]], **extra: object) -> JSONResponse:
     """SGLang's {success, message}: 200 when every replica succeeded, else 400 saying why."""
     results = [r for _, r in indexed]
     ok = all(r.success for r in results)

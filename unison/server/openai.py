@@ -8,13 +8,15 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from unison.config import EngineConfig
 from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.generate_args import GenerateArgs
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
+from unison.frontend.tokenizer import Tokenizer
 from unison.frontend.worker import TokenizerWorker
-from unison.protocol import GetServerInfo, LoraAdapterInfo
+from unison.protocol import CoreInfo, GetServerInfo, LoraAdapterInfo
 from unison.server.errors import HTTPError
 from unison.server.openai_format import Formatter
 from unison.server.openai_protocol import (
@@ -32,6 +34,13 @@ RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "a
                            "continue_final_message"}
 
 
+def attached(worker: TokenizerWorker) -> tuple[Tokenizer, CoreInfo, EngineConfig]:
+    """A serving worker's tokenizer, core info and engine config (set by its Welcome: a worker
+    answers routes only once attached)."""
+    assert worker.tokenizer is not None and worker.info is not None and worker.config is not None
+    return worker.tokenizer, worker.info, worker.config
+
+
 def _model_of(request: Request, name: str | None) -> tuple[str, str | None]:
     """The model a request names and the LoRA adapter that is (None: the base model). Whether an
     adapter is loaded only the core knows: a name it lacks comes back as UnknownAdapterError,
@@ -39,7 +48,7 @@ def _model_of(request: Request, name: str | None) -> tuple[str, str | None]:
     served = request.app.state.settings.served_model_name
     if name in (None, served):
         return served, None
-    if not worker_of(request).config.enable_lora:
+    if not attached(worker_of(request))[2].enable_lora:
         raise _no_model(name, served)
     return name, name
 
@@ -61,7 +70,7 @@ async def _check_model(request: Request, name: str | None) -> str:
 
 
 async def _adapters(request: Request) -> list[LoraAdapterInfo]:
-    if not worker_of(request).config.enable_lora:
+    if not attached(worker_of(request))[2].enable_lora:
         return []
     return (await worker_of(request).control(GetServerInfo())).lora_adapters
 
@@ -72,7 +81,7 @@ def _model_card(request: Request, name: str, adapter: LoraAdapterInfo | None = N
     return {"id": name, "object": "model", "owned_by": "unison",
             "created": int(adapter.loaded_at if adapter else time.time()),
             "root": adapter.path if adapter else served, "parent": served if adapter else None,
-            "max_model_len": worker_of(request).info.context_length}
+            "max_model_len": attached(worker_of(request))[1].context_length}
 
 
 @router.get("/v1/models")
@@ -98,33 +107,34 @@ async def version():
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
-    worker = worker_of(request)
+    tokenizer, info, _ = attached(worker_of(request))
     await _check_model(request, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        text = worker.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                                    add_generation_prompt=body.add_generation_prompt,
-                                                    chat_template=request.app.state.chat_template)
+        text = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
+                                             add_generation_prompt=body.add_generation_prompt,
+                                             chat_template=request.app.state.chat_template)
         special = bool(body.add_special_tokens)  # the template writes its own
     else:
+        assert body.prompt is not None  # (exactly one of the two: checked above)
         text, special = body.prompt, body.add_special_tokens is not False
-    tokens = worker.tokenizer.encode(text, add_special_tokens=special)
-    strs = [worker.tokenizer.decode([t], skip_special_tokens=False) for t in tokens] \
+    tokens = tokenizer.encode(text, add_special_tokens=special)
+    strs = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens] \
         if body.return_token_strs else None
-    return {"count": len(tokens), "max_model_len": worker.info.context_length, "tokens": tokens,
+    return {"count": len(tokens), "max_model_len": info.context_length, "tokens": tokens,
             "token_strs": strs}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
-    worker = worker_of(request)
+    tokenizer, info, _ = attached(worker_of(request))
     await _check_model(request, body.model)
-    vocab = worker.info.vocab_size
+    vocab = info.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise HTTPError(400, f"tokens must hold token ids in [0, {vocab - 1}], got {bad}", param="tokens")
-    return {"prompt": worker.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
 @router.post("/v1/completions")
@@ -141,7 +151,7 @@ async def completions(body: CompletionRequest, request: Request):
                         return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
                         top_logprobs_num=k or 0, priority=body.priority, lora_path=adapter)
     collector = await _submit(request, worker, head, args, body.add_special_tokens is not False)
-    fmt = Formatter(worker.tokenizer, collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
+    fmt = Formatter(attached(worker)[0], collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
                     logprobs=k is not None, top_n=k or 0, echo=body.echo,
                     tokens_as_ids=body.return_tokens_as_token_ids)
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
@@ -158,6 +168,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     Responses API runs on this too)."""
     check_encodable(body.model_dump(exclude_none=True), "")
     worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
+    tokenizer, info, config = attached(worker)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                        request.app.state.settings.serve.tool_call_parser)
     if body.top_logprobs and not body.logprobs:
@@ -169,23 +180,23 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     if reserved:
         raise HTTPError(400, f"chat_template_kwargs may not set {reserved}: they are request fields",
                         param="chat_template_kwargs")
-    text = worker.tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         messages, **(body.chat_template_kwargs or {}), add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
         chat_template=request.app.state.chat_template)
     # The template writes its own special tokens: none more unless asked (vLLM's default).
-    prompt_ids = worker.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-    context = worker.info.context_length
+    prompt_ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    context = info.context_length
     params = body.sampling_params(max(context - len(prompt_ids), 1), request.app.state.sampling_defaults)
     if tools is not None and tools.json_schema is not None:  # required / named: valid calls only
         if params.grammar_kind is not None:
             raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "
                                  "it cannot be combined with response_format", param="tool_choice")
         params.json_schema = tools.json_schema
-    parser = worker.config.reasoning_parser
+    parser = config.reasoning_parser
     if parser and starts_in_reasoning(parser, text) and params.grammar_kind is not None:
         # the constraint holds the answer, after the reasoning section (as SGLang's)
-        params.structured_after = worker.tokenizer.encode(REASONING_END, add_special_tokens=False)
+        params.structured_after = tokenizer.encode(REASONING_END, add_special_tokens=False)
     try:
         args = GenerateArgs(input_ids=prompt_ids, sampling_params=params, return_logprob=body.logprobs,
                             top_logprobs_num=body.top_logprobs or 0, priority=body.priority,
@@ -196,7 +207,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
             raise
         raise HTTPError(400, str(e).replace("max_new_tokens", "max_completion_tokens", 1),
                         param="max_completion_tokens") from None
-    fmt = Formatter(worker.tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
+    fmt = Formatter(tokenizer, collector, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}",
                     model=model, logprobs=body.logprobs, top_n=body.top_logprobs or 0,
                     tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
                     reasoning=(parser, text) if parser else None)

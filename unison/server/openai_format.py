@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
 
 import msgspec
 
@@ -18,6 +17,7 @@ from unison.frontend.collector import Collector
 from unison.frontend.reasoning import ReasoningSplitter, split_whole
 from unison.frontend.request import LengthFinish, ReqState
 from unison.frontend.tokenizer import Tokenizer
+from unison.json_types import JSONObject
 from unison.sampling import OPTIONS
 from unison.server.errors import HTTPError
 from unison.server.openai_tools import ToolPlan
@@ -45,7 +45,7 @@ def invalid_param(e: InvalidParam, openai: bool, chat: bool = False) -> HTTPErro
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     role: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[JSONObject] | None = None
     reasoning_content: str | None = None  # with a reasoning parser (vLLM's and SGLang's field)
 
 
@@ -53,14 +53,14 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
+    logprobs: JSONObject | None = None
 
 
 class CompletionChunkChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
+    logprobs: JSONObject | None = None
 
 
 class Chunk(msgspec.Struct):
@@ -68,8 +68,8 @@ class Chunk(msgspec.Struct):
     object: str
     created: int
     model: str
-    choices: list[ChatChunkChoice] | list[CompletionChunkChoice]
-    usage: dict[str, Any] | None = None
+    choices: list[ChatChunkChoice | CompletionChunkChoice]  # one kind per chunk
+    usage: JSONObject | None = None
 
 
 def finish_reason(state: ReqState) -> str | None:
@@ -106,18 +106,22 @@ class Formatter:
             return f"token_id:{tid}"
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def _chat_lp(self, tid: int, logprob: float) -> dict:
+    def _chat_lp(self, tid: int, logprob: float | None) -> JSONObject:
         token = self._tok(tid)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    def _lp_content(self, i: int, start: int) -> list[dict] | dict:
+    def _chat_lp_content(self, i: int, start: int) -> list[JSONObject]:
         state = self.collector.states[i]
         lps, tops = state.logprobs[start:], state.top_logprobs[start:]
-        if self.chat:
-            return [{**self._chat_lp(t, lp),
-                     "top_logprobs": [self._chat_lp(tt, tl)
-                                      for tl, tt, _ in (tops[k] if k < len(tops) else [])][: self.top_n]}
-                    for k, (lp, t, _) in enumerate(lps)]
+        return [{**self._chat_lp(t, lp),
+                 "top_logprobs": [self._chat_lp(tt, tl)
+                                  for tl, tt, _ in (tops[k] if k < len(tops) else [])][: self.top_n]}
+                for k, (lp, t, _) in enumerate(lps)]
+
+    def _lp_content(self, i: int, start: int) -> JSONObject:
+        """A completion's logprobs, in OpenAI's legacy shape."""
+        state = self.collector.states[i]
+        lps, tops = state.logprobs[start:], state.top_logprobs[start:]
         if self.echo:  # the echoed prompt's tokens come first, as in vLLM; the first has no logprob
             done = self.sent_prompt_lp[i]
             self.sent_prompt_lp[i] = len(state.prompt_logprobs)
@@ -150,8 +154,9 @@ class Formatter:
             lp_start, self.sent_lp[i] = self.sent_lp[i], len(state.logprobs)
             first, self.started[i] = not self.started[i], True
             if self.chat:
-                logprobs = {"content": self._lp_content(i, lp_start)} if self.logprobs else None
-                content, calls, finish, reasoning = new_text, None, finish_reason(state), None
+                logprobs = {"content": self._chat_lp_content(i, lp_start)} if self.logprobs else None
+                content, finish, reasoning = new_text, finish_reason(state), None
+                calls: list[JSONObject] | None = None
                 if self.splitters is not None:
                     split = self.splitters[i].feed(new_text)
                     if state.finished:
@@ -159,18 +164,20 @@ class Formatter:
                     content, reasoning = split.content, split.reasoning or None
                 if self.tools is not None:  # calls are read from the answer, never the reasoning
                     content, calls, finish = self.tools[i].delta(content, state.finished, finish)
+                shown: str | None = content
                 if self.tools is not None or self.splitters is not None:
                     news = content or calls or reasoning or (logprobs and logprobs["content"])
                     if not (news or first or finish):
                         continue  # held back (a tag or a tool call's JSON still being decided)
                     if (calls or reasoning) and not content:
-                        content = None  # as OpenAI's tool-call deltas: no content key
-                choice: Any = ChatChunkChoice(i, ChatDelta(content, "assistant" if first else None,
-                                                           calls or None, reasoning), finish, logprobs)
+                        shown = None  # as OpenAI's tool-call deltas: no content key
+                choice: ChatChunkChoice | CompletionChunkChoice = ChatChunkChoice(
+                    i, ChatDelta(shown, "assistant" if first else None, calls or None, reasoning), finish,
+                    logprobs)
             else:
                 text = (self._echo_prefix(i) if first else "") + new_text
-                logprobs = self._lp_content(i, lp_start) if self.logprobs else None
-                choice = CompletionChunkChoice(i, text, finish_reason(state), logprobs)
+                choice = CompletionChunkChoice(i, text, finish_reason(state),
+                                               self._lp_content(i, lp_start) if self.logprobs else None)
             chunks.append(Chunk(self.rid, kind, self.created, self.model, [choice]))
         return chunks
 
@@ -195,13 +202,14 @@ class Formatter:
                 if self.reasoning is not None:
                     split = split_whole(*self.reasoning, text)
                     text, reasoning = split.content, split.reasoning
-                message, finish = {"role": "assistant", "content": text}, finish_reason(state)
+                message: JSONObject = {"role": "assistant", "content": text}
+                finish = finish_reason(state)
                 if self.tools is not None:  # calls are read from the answer, never the reasoning
                     message, finish = self.tools[i].final(text, finish)
                 if self.reasoning is not None:
                     message["reasoning_content"] = reasoning or None
                 choice = {"index": i, "message": message, "finish_reason": finish,
-                          "logprobs": {"content": self._lp_content(i, 0)} if self.logprobs else None}
+                          "logprobs": {"content": self._chat_lp_content(i, 0)} if self.logprobs else None}
             else:
                 choice = {"index": i, "text": self._echo_prefix(i) + state.text,
                           "finish_reason": finish_reason(state),

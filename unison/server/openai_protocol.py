@@ -6,20 +6,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field
 
 from unison.errors import InvalidParam
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.structured import JSON_OBJECT, with_additional_properties
+from unison.json_types import JSONObject
 from unison.sampling import MAX_TOP_LOGPROBS, OPTIONS
 
 # generation_config.json keys that are request defaults (vLLM applies the same ones).
 MODEL_DEFAULTS = tuple(o.name for o in OPTIONS if o.model_default)
 # The sampling options an OpenAI request may set, under their OpenAI / vLLM names.
-OPENAI_OPTIONS = tuple(o for o in OPTIONS if o.openai is not None)
+OPENAI_OPTIONS = {o.openai: o for o in OPTIONS if o.openai is not None}
 
 
-def generation_defaults(setting: str, model_dir: str) -> dict[str, Any]:
+def generation_defaults(setting: str, model_dir: str) -> JSONObject:
     """vLLM's --generation-config: "auto" reads the model's generation_config.json, "vllm" none,
     anything else is a folder holding one."""
     if setting == "vllm":
@@ -39,42 +40,69 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# One field per OpenAI sampling option; null or absent means the option's default (or the model's,
-# from generation_config.json).
-_SamplingFields = create_model(
-    "_SamplingFields", __base__=_Strict,
-    **{o.openai: (o.type | None, Field(default=None, description=f"{o.doc} (default: {o.default})".lstrip()))
-       for o in OPENAI_OPTIONS})
+def _doc(openai_name: str) -> str:
+    o = OPENAI_OPTIONS[openai_name]
+    return f"{o.doc} (default: {o.default})".lstrip()
+
+
+class _SamplingFields(_Strict):
+    """One field per OpenAI sampling option (tests/test_sampling.py holds them to OPTIONS); null
+    or absent means the option's default (or the model's, from generation_config.json)."""
+
+    max_tokens: int | None = Field(default=None, description=_doc("max_tokens"))
+    min_tokens: int | None = Field(default=None, description=_doc("min_tokens"))
+    n: int | None = Field(default=None, description=_doc("n"))
+    stop: str | list[str] | None = Field(default=None, description=_doc("stop"))
+    stop_token_ids: list[int] | None = Field(default=None, description=_doc("stop_token_ids"))
+    ignore_eos: bool | None = Field(default=None, description=_doc("ignore_eos"))
+    include_stop_str_in_output: bool | None = Field(default=None,
+                                                    description=_doc("include_stop_str_in_output"))
+    temperature: float | None = Field(default=None, description=_doc("temperature"))
+    top_p: float | None = Field(default=None, description=_doc("top_p"))
+    top_k: int | None = Field(default=None, description=_doc("top_k"))
+    min_p: float | None = Field(default=None, description=_doc("min_p"))
+    typical_p: float | None = Field(default=None, description=_doc("typical_p"))
+    frequency_penalty: float | None = Field(default=None, description=_doc("frequency_penalty"))
+    presence_penalty: float | None = Field(default=None, description=_doc("presence_penalty"))
+    repetition_penalty: float | None = Field(default=None, description=_doc("repetition_penalty"))
+    logit_bias: dict[int | str, float] | None = Field(default=None, description=_doc("logit_bias"))
+    seed: int | None = Field(default=None, description=_doc("seed"))
+    skip_special_tokens: bool | None = Field(default=None, description=_doc("skip_special_tokens"))
+    spaces_between_special_tokens: bool | None = Field(default=None,
+                                                       description=_doc("spaces_between_special_tokens"))
+    regex: str | None = Field(default=None, description=_doc("regex"))
+    ebnf: str | None = Field(default=None, description=_doc("ebnf"))
 
 
 class _Base(_SamplingFields):
     model: str | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: JSONObject | None = None
     # Standard fields that do not change the output: accepted and ignored.
     user: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: JSONObject | None = None
     store: bool | None = None
     service_tier: str | None = None
     priority: int = 0  # higher is admitted first (SGLang's convention)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     add_special_tokens: bool | None = None  # vLLM's defaults: true for completions, false for chat
     # Structured output: OpenAI's response_format (or SGLang's regex / ebnf, sampling options).
-    response_format: dict[str, Any] | None = None
+    response_format: JSONObject | None = None
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+    def sampling_params(self, default_max_tokens: int, defaults: JSONObject | None = None
                         ) -> SamplingParams:
         """`defaults`: the model's generation_config.json sampling values, for the fields this
         request left unset; its max_new_tokens caps every request (vLLM's --generation-config)."""
         defaults = defaults or {}
-        given = {o.name: value for o in OPENAI_OPTIONS if (value := getattr(self, o.openai)) is not None}
+        given = {o.name: value for name, o in OPENAI_OPTIONS.items()
+                 if (value := getattr(self, name)) is not None}
         values = {k: v for k, v in defaults.items() if k in MODEL_DEFAULTS} | given
         max_tokens = given.get("max_new_tokens", default_max_tokens)
         if isinstance(defaults.get("max_new_tokens"), int) and isinstance(max_tokens, int):
             max_tokens = min(max_tokens, defaults["max_new_tokens"])
         return SamplingParams(**values | {"max_new_tokens": max_tokens, "json_schema": self._json_schema()})
 
-    def _json_schema(self) -> dict[str, Any] | str | None:
+    def _json_schema(self) -> JSONObject | str | None:
         """OpenAI's response_format as a JSON schema (None: plain text)."""
         rf = self.response_format
         if rf is None or rf.get("type") == "text":
@@ -108,7 +136,7 @@ class CompletionRequest(_Base):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: for the chat template
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[JSONObject] | None = None
 
 
 class ChatCompletionRequest(_Base):
@@ -116,16 +144,16 @@ class ChatCompletionRequest(_Base):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[JSONObject] | None = None
+    tool_choice: Any = None  # JSON: a mode's name or a function object (server/openai_tools.py)
     parallel_tool_calls: bool | None = None
     # vLLM's and SGLang's chat fields: the template's own variables (Qwen3's enable_thinking, ...),
     # and how the conversation ends.
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+    def sampling_params(self, default_max_tokens: int, defaults: JSONObject | None = None
                         ) -> SamplingParams:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens

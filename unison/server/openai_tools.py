@@ -25,6 +25,7 @@ from unison.frontend.tool_parsers import (
     get_parser,
     new_call_id,
 )
+from unison.json_types import JSONObject
 from unison.server.errors import HTTPError
 
 ANY_OBJECT = {"type": "object", "properties": {}}
@@ -33,17 +34,17 @@ ANY_OBJECT = {"type": "object", "properties": {}}
 @dataclass
 class ToolPlan:
     mode: str  # none | auto | required | named
-    tools: list[dict[str, Any]]  # as the request gave them: what the chat template is shown
+    tools: list[JSONObject]  # as the request gave them: what the chat template is shown
     parallel: bool  # parallel_tool_calls: false allows at most one call
     name: str | None = None  # the named function
     parser: ToolParser | None = None  # auto
-    json_schema: dict[str, Any] | None = None  # required, named: what the output is held to
+    json_schema: JSONObject | None = None  # required, named: what the output is held to
 
     def output(self) -> ToolOutput:
         return ToolOutput(self)
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
+def plan_tools(tools: list[JSONObject] | None, tool_choice: object, parallel: bool | None,
                parser_name: str | None) -> ToolPlan | None:
     """Check tools and tool_choice; None when the request has no tools."""
     if not tools:
@@ -73,7 +74,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
     return ToolPlan("named", tools, parallel, name=name, json_schema=schemas[name])
 
 
-def _function(tool: Any, i: int) -> dict[str, Any]:
+def _function(tool: object, i: int) -> JSONObject:
     fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise HTTPError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
@@ -84,7 +85,7 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
     return fn
 
 
-def _parameters(fn: dict[str, Any], i: int) -> dict[str, Any]:
+def _parameters(fn: JSONObject, i: int) -> JSONObject:
     """The function's parameters schema as the output is held to it: strict unless the function
     says `strict: false` (OpenAI's field), and checked here, so that a bad one is named as the
     field the client sent."""
@@ -99,7 +100,7 @@ def _parameters(fn: dict[str, Any], i: int) -> dict[str, Any]:
     return schema
 
 
-def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+def _required_schema(schemas: dict[str, JSONObject], parallel: bool) -> JSONObject:
     """vLLM's: a non-empty list of calls, each one of the tools with its own parameters."""
     calls = [{"type": "object", "required": ["name", "parameters"],
               "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params}}
@@ -108,7 +109,7 @@ def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict
     return schema | ({"maxItems": 1} if not parallel else {})
 
 
-def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def messages_for_template(messages: list[JSONObject]) -> list[JSONObject]:
     """Assistant tool calls carry their arguments as JSON strings; HF templates expect dicts. A
     turn that only calls tools gets empty content: templates without tool support read it."""
     out = []
@@ -121,10 +122,10 @@ def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def _with_dict_arguments(call: Any, i: int, j: int) -> dict[str, Any]:
+def _with_dict_arguments(call: object, i: int, j: int) -> object:
     fn = call.get("function") if isinstance(call, dict) else None
     args = fn.get("arguments") if isinstance(fn, dict) else None
-    if isinstance(args, str):
+    if isinstance(call, dict) and isinstance(fn, dict) and isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError as e:
@@ -134,13 +135,13 @@ def _with_dict_arguments(call: Any, i: int, j: int) -> dict[str, Any]:
     return call
 
 
-def _complete_items(text: str) -> list[Any]:
+def _complete_items(text: str) -> list[Any]:  # Any: JSON values, read as calls by the caller
     """The items of a JSON array, or of as much of it as is whole: max_tokens may cut the last
     call, and the ones before it are still valid calls."""
     decoder, at = json.JSONDecoder(), text.find("[") + 1
     if at == 0:
         return []
-    items = []
+    items: list[Any] = []  # (JSON values)
     while True:
         while at < len(text) and text[at] in " \t\r\n,":
             at += 1
@@ -153,7 +154,7 @@ def _complete_items(text: str) -> list[Any]:
         items.append(item)
 
 
-def _call_dict(call: ToolCall) -> dict[str, Any]:
+def _call_dict(call: ToolCall) -> JSONObject:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
@@ -170,6 +171,7 @@ class ToolOutput:
     def _calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         plan = self.plan
         if plan.mode == "named":
+            assert plan.name is not None  # (a named plan names its function)
             return None, [ToolCall(self.named_id, plan.name, text)]
         if plan.mode == "required":
             try:
@@ -179,16 +181,17 @@ class ToolOutput:
                 calls = []
             return (None, calls) if calls else (text, [])  # nothing whole (max_tokens): content
         if plan.mode == "auto":
+            assert plan.parser is not None  # (an auto plan has its parser)
             parsed = plan.parser.parse(text)
             return parsed.content, parsed.tool_calls
         return text, []
 
-    def final(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    def final(self, text: str, finish: str | None) -> tuple[JSONObject, str | None]:
         """The assistant message and the finish_reason."""
         content, calls = self._calls(text)
         if not self.plan.parallel:
             calls = calls[:1]
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message: JSONObject = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [_call_dict(c) for c in calls]
             if finish == "stop" and self.plan.mode in ("auto", "required"):
@@ -196,7 +199,7 @@ class ToolOutput:
         return message, finish
 
     def delta(self, new_text: str, finished: bool, finish: str | None
-              ) -> tuple[str, list[dict[str, Any]], str | None]:
+              ) -> tuple[str, list[JSONObject], str | None]:
         """(content, tool-call deltas in OpenAI's shape, finish_reason) for this chunk."""
         mode = self.plan.mode
         if mode == "named":  # the arguments stream as they come, after the call's header
@@ -215,6 +218,7 @@ class ToolOutput:
             deltas = [self._delta_dict(d) for i, c in enumerate(calls) for d in call_deltas(i, c)]
             return content or "", deltas, self._finish(bool(calls), finish)
         if mode == "auto":
+            assert self.streamer is not None  # (an auto plan has its parser)
             out = self.streamer.feed(new_text)
             if finished:
                 end = self.streamer.finish()
@@ -226,7 +230,7 @@ class ToolOutput:
         return new_text, [], finish
 
     @staticmethod
-    def _delta_dict(d: ToolCallDelta) -> dict[str, Any]:
+    def _delta_dict(d: ToolCallDelta) -> JSONObject:
         """A parser's delta in OpenAI's shape: the header (id, type, name) first, then arguments."""
         if d.id is not None:
             return {"index": d.index, "id": d.id, "type": "function",

@@ -24,12 +24,12 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from unison.errors import EngineDeadError
 from unison.frontend.worker import TokenizerWorker
+from unison.json_types import JSONObject
 from unison.kv_events import KVEventsInfo, LoadReport, block_hashes
 from unison.kv_index import Feed, KVIndex
 from unison.protocol import ControlRequest, ReplyT, ServerInfo
@@ -63,7 +63,7 @@ class ReplicaRow(msgspec.Struct, frozen=True):
     address: str  # where its core listens
     host: str
     pid: int  # its core's
-    state: dict[str, Any]  # its core's own state: the replica's `internal_states` entry, as SGLang's
+    state: JSONObject  # its core's own state: the replica's `internal_states` entry, as SGLang's
     kv_events: KVEventsInfo | None = None  # where its core publishes KV events and load reports
     indexed_blocks: int = 0  # its cached blocks as this worker's index has them (kv routing)
     load: LoadReport | None = None  # its latest load report, as this worker has it
@@ -119,9 +119,10 @@ class Replicas:
         """Attach to each replica that is new or moved (Ray restarted it: a new core, a new
         address), and again to one whose connection was lost at the same address (a network
         cut); all at once, so that one slow replica holds up no other."""
+        assert self.replicas_path is not None  # (remote replicas only)
         spec = _read(self.replicas_path)
-        todo = [a for a in spec.replicas if self.workers[a.index] is None
-                or self.addresses[a.index] != a or self.workers[a.index].dead is not None]
+        todo = [a for a in spec.replicas if (w := self.workers[a.index]) is None
+                or self.addresses[a.index] != a or w.dead is not None]
         await asyncio.gather(*(self._attach(a, spec.client_key, strict) for a in todo))
 
     async def _attach(self, addr: ReplicaAddress, client_key: str, strict: bool) -> None:
@@ -154,6 +155,7 @@ class Replicas:
         predecessor had cached (it died with its core, whose events say nothing more)."""
         if (old := self.feeds.pop(index, None)) is not None:
             old.close()
+        assert worker.info is not None  # (attached)
         if worker.info.kv_events is not None:
             self.feeds[index] = Feed(index, worker.info.kv_events, host, self.index, self.loads,
                                      events=self.routing == "kv")
@@ -197,7 +199,9 @@ class Replicas:
             head = prompt[:PREFIX_CHARS].encode()
             i = max(live, key=lambda iw: hashlib.blake2b(head + bytes([iw[0]]), digest_size=8).digest())[0]
         elif self.routing == "kv" and input_ids:
-            block_size = live[0][1].info.block_size
+            first = live[0][1].info
+            assert first is not None  # (attached)
+            block_size = first.block_size
             hashes = functools.cache(lambda lora_id: block_hashes(input_ids, block_size, lora_id))
 
             def cost(iw: tuple[int, TokenizerWorker]) -> tuple[float, int]:
@@ -210,7 +214,7 @@ class Replicas:
             i = min(live, key=lambda iw: (self.load(*iw), len(iw[1].states), iw[0]))[0]
         if i in self.loads:
             self.sent[i] = self.sent.get(i, 0) + 1
-        return self.workers[i]
+        return dict(live)[i]
 
     def _lora_id(self, index: int, lora_name: str | None) -> int | None:
         report = self.loads.get(index)
@@ -249,6 +253,7 @@ class Replicas:
         rows = []
         for i, info in infos:
             where = self.addresses[i]
+            assert where is not None  # a replica that answered is attached
             report = self.loads.get(i)
             rows.append(ReplicaRow(i, where.address, where.host, where.core_pid,
                                    info.to_dict()["internal_states"][0], info.core.kv_events,

@@ -22,9 +22,10 @@ from pydantic import BaseModel, ConfigDict
 from unison.errors import InvalidParam
 from unison.frontend.collector import Collector
 from unison.frontend.request import LengthFinish
+from unison.json_types import JSONObject
 from unison.server.errors import HTTPError
 from unison.server.openai import start_chat
-from unison.server.openai_format import Formatter, invalid_param
+from unison.server.openai_format import ChatChunkChoice, Formatter, invalid_param
 from unison.server.openai_protocol import ChatCompletionRequest
 from unison.server.streaming import stream, wait
 
@@ -36,21 +37,21 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[JSONObject]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    text: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    text: JSONObject | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: Any = None  # JSON: a mode's name or a function object, checked by the chat route
     parallel_tool_calls: bool | None = None
     stream: bool = False
     previous_response_id: str | None = None
     # Accepted, with no effect here: nothing is stored, reasoning effort is the model's own.
     store: bool | None = None
-    reasoning: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    reasoning: JSONObject | None = None
+    metadata: JSONObject | None = None
     user: str | None = None
     include: list[str] | None = None
     truncation: str | None = None
@@ -66,19 +67,19 @@ class ResponsesRequest(BaseModel):
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += _messages(self.input)
         tools = [_chat_tool(t, i) for i, t in enumerate(self.tools or [])] or None
-        return ChatCompletionRequest(
+        return ChatCompletionRequest.model_validate(dict(
             model=self.model, messages=messages, max_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, tools=tools,
             tool_choice=_chat_tool_choice(self.tool_choice), parallel_tool_calls=self.parallel_tool_calls,
-            response_format=_response_format(self.text))
+            response_format=_response_format(self.text)))
 
 
-def _messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(given: str | list[JSONObject]) -> list[JSONObject]:
     """Input items as chat messages: messages, function calls (one assistant turn for a run of
     them) and their outputs (tool turns); reasoning items are the model's own and dropped."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
-    out: list[dict[str, Any]] = []
+    out: list[JSONObject] = []
     for i, item in enumerate(given):
         kind = item.get("type", "message")
         if kind == "message":
@@ -104,7 +105,7 @@ def _messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content: Any, field: str) -> str:
+def _text(content: object, field: str) -> str:
     if isinstance(content, str):
         return content
     parts = content if isinstance(content, list) else None
@@ -114,7 +115,7 @@ def _text(content: Any, field: str) -> str:
                     param=field)
 
 
-def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+def _chat_tool(tool: JSONObject, i: int) -> JSONObject:
     if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
         raise HTTPError(400, f"tools[{i}] must be {{\"type\": \"function\", \"name\": ..., \"parameters\": "
                              "{...}}: this server runs function tools only", param=f"tools[{i}]")
@@ -122,13 +123,13 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _chat_tool_choice(choice: Any) -> Any:
+def _chat_tool_choice(choice: object) -> object:
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
 
 
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+def _response_format(text: JSONObject | None) -> JSONObject | None:
     fmt = (text or {}).get("format")
     if not fmt or fmt.get("type") == "text":
         return None
@@ -177,13 +178,13 @@ class ResponseBuilder:
         self.body, self.fmt, self.collector = body, fmt, collector
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.seq = 0
-        self.items: list[dict[str, Any]] = []  # output items so far (streaming: as they were added)
-        self.open: dict[str, Any] | None = None  # the item being streamed
-        self.calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
+        self.items: list[JSONObject] = []  # output items so far (streaming: as they were added)
+        self.open: JSONObject | None = None  # the item being streamed
+        self.calls: dict[int, JSONObject] = {}  # tool-call index -> its function_call item
 
     # ---- the response object ------------------------------------------------------------------
 
-    def response(self, status: str) -> dict[str, Any]:
+    def response(self, status: str) -> JSONObject:
         state = self.collector.states[0]
         incomplete = isinstance(state.finish_reason, LengthFinish) and status != "in_progress"
         usage = self.fmt.usage() if state.finished else None
@@ -206,7 +207,7 @@ class ResponseBuilder:
                 "output_tokens_details": {"reasoning_tokens": 0}},
         }
 
-    def final_items(self) -> list[dict[str, Any]]:
+    def final_items(self) -> list[JSONObject]:
         """The output items of a whole (not streamed) response."""
         message = self.fmt.final()["choices"][0]["message"]
         items = []
@@ -221,11 +222,12 @@ class ResponseBuilder:
 
     # ---- streaming: chat chunks become Responses events -----------------------------------------
 
-    def events(self, changed: list[int]) -> list[dict[str, Any]]:
+    def events(self, changed: list[int]) -> list[JSONObject]:
         out = [] if self.seq else [self._event("response.created", response=self.response("in_progress")),
                                    self._event("response.in_progress", response=self.response("in_progress"))]
         for chunk in self.fmt.chunks(changed):
             for choice in chunk.choices:
+                assert isinstance(choice, ChatChunkChoice)  # (a chat's chunks)
                 delta = choice.delta
                 if delta.reasoning_content:
                     out += self._text_delta("reasoning", delta.reasoning_content)
@@ -235,12 +237,12 @@ class ResponseBuilder:
                     out += self._call_delta(call)
         return out
 
-    def tail(self) -> list[dict[str, Any]]:
+    def tail(self) -> list[JSONObject]:
         out = self.events([]) if not self.seq else []  # a response that produced nothing at all
         out += self._close()
         return out + [self._event("response.completed", response=self.response("completed"))]
 
-    def _text_delta(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _text_delta(self, kind: str, text: str) -> list[JSONObject]:
         out = []
         if self.open is None or self.open["type"] != kind:
             out += self._close()
@@ -254,11 +256,11 @@ class ResponseBuilder:
         item = self.open
         item["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: JSONObject = {} if kind == "reasoning" else {"logprobs": []}
         return out + [self._event(name, item_id=item["id"], output_index=len(self.items), content_index=0,
                                   delta=text, **extra)]
 
-    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def _call_delta(self, call: JSONObject) -> list[JSONObject]:
         out = []
         index = call["index"]
         if index not in self.calls:
@@ -276,7 +278,7 @@ class ResponseBuilder:
                                    output_index=len(self.items), delta=piece))
         return out
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self) -> list[JSONObject]:
         """The open item's done events; it joins the output."""
         item, self.open = self.open, None
         if item is None:
@@ -289,7 +291,7 @@ class ResponseBuilder:
         else:
             part, reasoning = item["content"][0], item["type"] == "reasoning"
             name = "response.reasoning_text.done" if reasoning else "response.output_text.done"
-            extra = {} if reasoning else {"logprobs": []}
+            extra: JSONObject = {} if reasoning else {"logprobs": []}
             out.append(self._event(name, item_id=item["id"], output_index=at, content_index=0,
                                    text=part["text"], **extra))
             out.append(self._event("response.content_part.done", item_id=item["id"], output_index=at,
@@ -298,7 +300,7 @@ class ResponseBuilder:
         self.items.append(item)
         return out
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def _event(self, kind: str, **fields: object) -> JSONObject:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
@@ -307,22 +309,22 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _message_item(item_id: str, text: str) -> dict[str, Any]:
+def _message_item(item_id: str, text: str) -> JSONObject:
     return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+def _reasoning_item(item_id: str, text: str) -> JSONObject:
     return {"type": "reasoning", "id": item_id, "status": "completed", "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _call_item(item_id: str, call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:
+def _call_item(item_id: str, call_id: str | None, name: str | None, arguments: str) -> JSONObject:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": "completed"}
 
 
-def _empty(item: dict[str, Any]) -> dict[str, Any]:
+def _empty(item: JSONObject) -> JSONObject:
     """An item as output_item.added shows it: no content yet (content_part.added brings it)."""
     return {**item, "content": []}
 
