@@ -13,10 +13,10 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from unison import registry
 from unison.config import EngineConfig
@@ -32,6 +32,7 @@ from unison.frontend.generate_args import (
     with_generate_args,
 )
 from unison.frontend.worker import TokenizerWorker
+from unison.json_types import JSONObject
 from unison.protocol import (
     CheckIntegrity,
     Continue,
@@ -49,6 +50,11 @@ from unison.protocol import (
     UpdateWeights,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
 
 class _LoopThread:
     """An asyncio loop in a daemon thread: the frontend's home behind the sync API."""
@@ -58,10 +64,10 @@ class _LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="unison-frontend", daemon=True)
         self.thread.start()
 
-    def submit(self, coro) -> Future:
+    def submit(self, coro: Coroutine[object, object, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro, timeout: float | None = None) -> Any:
+    def run(self, coro: Coroutine[object, object, T], timeout: float | None = None) -> T:
         return self.submit(coro).result(timeout)
 
     def stop(self) -> None:
@@ -77,7 +83,7 @@ class _Stream:
     """A sync stream of output dicts. Closing it, or dropping it, aborts what is unfinished, even
     before the first item was read (a bare generator would not run its cleanup then)."""
 
-    def __init__(self, gen: Iterator[dict], abort: Callable[[], None]) -> None:
+    def __init__(self, gen: Generator[dict, None, None], abort: Callable[[], None]) -> None:
         self._gen = gen
         self._finalizer = weakref.finalize(self, abort)
 
@@ -95,7 +101,7 @@ class _Stream:
 class _AsyncStream:
     """The async counterpart of _Stream."""
 
-    def __init__(self, gen: AsyncIterator[dict], abort: Callable[[], None]) -> None:
+    def __init__(self, gen: AsyncGenerator[dict, None], abort: Callable[[], None]) -> None:
         self._gen = gen
         self._finalizer = weakref.finalize(self, abort)
 
@@ -136,7 +142,7 @@ class _Handle:
 
 class Engine:
     def __init__(self, model_path: str | None = None, *, curve_secret_key: str | None = None,
-                 **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:  # Any: EngineConfig's options, checked by from_kwargs
         """Start an engine core and attach this process's frontend. `listen="tcp://HOST:PORT"`
         (with `trusted_client_keys`) lets remote frontends attach too; the core's CURVE key is
         `curve_secret_key`, or a fresh one (its public half: `server_key`)."""
@@ -153,7 +159,7 @@ class Engine:
             self._h.close()
             raise
 
-    def _start(self, attaching: Coroutine[Any, Any, TokenizerWorker]) -> None:
+    def _start(self, attaching: Coroutine[object, object, TokenizerWorker]) -> None:
         """Run the frontend's start (or attach) on a fresh loop thread: its home from now on."""
         h = self._h
         h.loop = _LoopThread()
@@ -163,12 +169,12 @@ class Engine:
     @property
     def tcp_address(self) -> str | None:
         """Where remote frontends attach (with `listen`), as the core bound it."""
-        return self._h.worker.info.tcp_address
+        return self._frontend.info.tcp_address
 
     @property
     def server_key(self) -> str | None:
         """The core's CURVE public key, which remote frontends need (with `listen`)."""
-        return self._h.worker.info.server_key
+        return self._frontend.info.server_key
 
     @classmethod
     def attach_tokenizer_worker(cls, parent_pid: int | None = None, *,
@@ -207,7 +213,7 @@ class Engine:
         except BaseException:
             self._h.close()
             raise
-        self.config = self._h.worker.config
+        self.config = self._frontend.config
         return self
 
     # ---- generation --------------------------------------------------------------------------
@@ -226,7 +232,7 @@ class Engine:
                           RuntimeWarning, stacklevel=2)
         args = _generate_args(prompt, sampling_params, input_ids, image_data, stream, kwargs)
         worker = self._worker()
-        collector = self._h.loop.run(worker.submit(worker.make_request(args)))
+        collector = self._loop.run(worker.submit(worker.make_request(args)))
         if stream:
             return _Stream(_items(collector.follow_sync(), collector), collector.close)
         for _ in collector.follow_sync():
@@ -242,11 +248,11 @@ class Engine:
         worker = self._worker()
         # Tokenizing (a long prompt, a JSON schema's grammar) must not stall the caller's loop.
         req = await asyncio.to_thread(worker.make_request, args)
-        submitted = self._h.loop.submit(worker.submit(req))
+        submitted = self._loop.submit(worker.submit(req))
         try:
             collector = await asyncio.shield(asyncio.wrap_future(submitted))
         except asyncio.CancelledError:  # the submit finishes on its loop; then abort what it queued
-            submitted.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            submitted.add_done_callback(_close_if_submitted)
             raise
         if stream:
             return _AsyncStream(_aitems(collector.follow(), collector), collector.close)
@@ -262,25 +268,25 @@ class Engine:
         worker = self._worker()
         rids = list(worker.states) if abort_all else [rid]
         for r in rids:
-            self._h.loop.run(worker.abort(r), timeout=5)
+            self._loop.run(worker.abort(r), timeout=5)
 
     # ---- engine-wide controls, acted on in the core ------------------------------------------
 
     def _control(self, req: ControlRequest[ReplyT], timeout: float | None = 30.0) -> ReplyT:
-        return self._h.loop.run(self._worker().control(req, timeout))
+        return self._loop.run(self._worker().control(req, timeout))
 
-    def get_server_info(self) -> dict[str, Any]:
+    def get_server_info(self) -> JSONObject:
         """The engine's state, every frontend seeing the same: SGLang's keys (its options, then
         status, max_total_num_tokens, max_req_input_len, internal_states, version), and ours."""
         info = self._control(GetServerInfo()).to_dict()
-        info["worker_id"] = self._h.worker.worker_id
+        info["worker_id"] = self._frontend.worker_id
         return info
 
     def server_info(self) -> ServerInfo:
         """get_server_info()'s state as the typed struct it is made from (protocol.ServerInfo)."""
         return self._control(GetServerInfo())
 
-    def get_model_info(self) -> dict[str, Any]:
+    def get_model_info(self) -> JSONObject:
         """What is served now (a weight update changes model_path), in SGLang's keys."""
         return self._control(GetServerInfo()).model_info()
 
@@ -312,7 +318,7 @@ class Engine:
         r = self._control(UpdateWeights(path, load_format, bool(abort_all_requests)), timeout=None)
         return r.success, r.message, r.num_paused_requests
 
-    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+    def update_weights_from_tensor(self, named_tensors: object, load_format: str | None = None,
                                    flush_cache: bool = True) -> tuple[bool, str]:
         """Replace some of the model's tensors, given as (name, tensor) pairs (or a dict) under
         the checkpoint's names, e.g. "model.layers.0.mlp.up_proj.weight"; as SGLang's, for a
@@ -375,7 +381,7 @@ class Engine:
         """The processes this Engine started: its core (none when attached)."""
         return [self._h.core.pid] if self._h.core is not None else []
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         # sglang.Engine's other methods: say why there is none, rather than a bare AttributeError.
         if name in SGLANG_METHODS:
             raise AttributeError(f"Engine.{name} (an sglang.Engine method) is not supported by Unison: "
@@ -387,13 +393,23 @@ class Engine:
     @property
     def tokenizer(self):
         """The frontend's tokenizer (encode, decode, apply_chat_template)."""
-        return self._h.worker.tokenizer
+        return self._frontend.tokenizer
 
     def _worker(self) -> TokenizerWorker:
         if self._h.closed:
             raise EngineDeadError("this Engine was shut down")
-        self._h.worker.check_alive()
+        self._frontend.check_alive()
+        return self._frontend
+
+    @property
+    def _frontend(self) -> TokenizerWorker:
+        assert self._h.worker is not None  # attached by _start, before anything else runs
         return self._h.worker
+
+    @property
+    def _loop(self) -> _LoopThread:
+        assert self._h.loop is not None  # the frontend's loop, from _start on
+        return self._h.loop
 
     def shutdown(self) -> None:
         """Owner: stop the core and clean up. Attached: detach this frontend only."""
@@ -402,16 +418,16 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
 
-def _items(follow: Iterator[list[int]], collector: Collector) -> Iterator[dict]:
+def _items(follow: Iterator[list[int]], collector: Collector) -> Generator[dict, None, None]:
     for changed in follow:
         yield from collector.outputs(changed)
 
 
-async def _aitems(follow: AsyncIterator[list[int]], collector: Collector) -> AsyncIterator[dict]:
+async def _aitems(follow: AsyncIterator[list[int]], collector: Collector) -> AsyncGenerator[dict, None]:
     async for changed in follow:
         for item in collector.outputs(changed):
             yield item
@@ -456,7 +472,7 @@ SGLANG_METHODS = {
 
 
 def _generate_args(prompt: Prompt, sampling_params: SamplingArg, input_ids: InputIds, image_data: object,
-                   stream: bool, kwargs: dict[str, Any]) -> GenerateArgs:
+                   stream: bool, kwargs: dict[str, Any]) -> GenerateArgs:  # Any: as generate's
     """generate()'s arguments as GenerateArgs, SGLang's unserved ones refused by name."""
     _expect("stream", stream, bool, "True or False")
     _refuse_unsupported(image_data=image_data, **{k: v for k, v in kwargs.items() if k not in FIELDS})
@@ -478,7 +494,7 @@ def _refuse_unsupported(**args: object) -> None:
                                      "leave it unset")
 
 
-def _named_tensors(given: Any) -> dict[str, Any]:
+def _named_tensors(given: dict | list | tuple) -> dict[str, torch.Tensor]:
     """update_weights_from_tensor's (name, tensor) pairs, checked: InvalidParam saying which."""
     import torch
 
@@ -500,7 +516,13 @@ def _named_tensors(given: Any) -> dict[str, Any]:
     return tensors
 
 
-def _expect(name: str, value: Any, kinds: type | tuple[type, ...], what: str, optional: bool = False) -> None:
+def _close_if_submitted(submitted: Future[Collector]) -> None:
+    if submitted.exception() is None:
+        submitted.result().close()
+
+
+def _expect(name: str, value: object, kinds: type | tuple[type, ...], what: str,
+            optional: bool = False) -> None:
     """TypeError naming the argument, before anything is sent (bool is no int here)."""
     if optional and value is None:
         return

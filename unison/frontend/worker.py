@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from unison import registry
 from unison.config import EngineConfig
@@ -34,11 +34,14 @@ from unison.protocol import (
     Control,
     ControlReply,
     ControlRequest,
+    ControlRequests,
     CoreInfo,
     Generate,
     ReplyT,
     ReqOutput,
     StepOutputs,
+    ToCore,
+    Welcome,
 )
 from unison.sampling import MAX_TOP_LOGPROBS
 
@@ -60,8 +63,7 @@ class TokenizerWorker:
         self.conn = CoreConnection(endpoint, token, core_pid, curve, self._on_messages, self._fail_all,
                                    heartbeat_timeout_s)
         self.tokenizer: Tokenizer | None = None  # loaded from the directory Welcome names
-        self.info: CoreInfo | None = None
-        self.config: EngineConfig | None = None  # the engine's, from Welcome
+        self._welcome: Welcome | None = None  # the core's, once attached
         self.rng = random.Random()  # draws unseeded requests' sampling seeds (see random_seed)
         self.worker_id = -1
         self.states: dict[str, ReqState] = {}
@@ -106,7 +108,7 @@ class TokenizerWorker:
                     alive: Callable[[], str | None] = lambda: None) -> TokenizerWorker:
         """Connect and say Hello; `alive` returns why the engine cannot answer, or None."""
         reply = await self.conn.open(timeout, alive)
-        self.worker_id, self.info, self.config = reply.worker_id, reply.info, reply.config
+        self.worker_id, self._welcome = reply.worker_id, reply
         if self.config.random_seed is not None:  # each frontend its own stream, reproducible
             self.rng = random.Random(f"{self.config.random_seed}:{self.worker_id}")
         if not self.config.skip_tokenizer_init:
@@ -117,6 +119,18 @@ class TokenizerWorker:
                 await self.close()
                 raise
         return self
+
+    @property
+    def info(self) -> CoreInfo:
+        """The model and KV cache, as the core described them when this frontend attached."""
+        assert self._welcome is not None, "the frontend is not attached"
+        return self._welcome.info
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration, from the same Welcome."""
+        assert self._welcome is not None, "the frontend is not attached"
+        return self._welcome.config
 
     async def close(self, goodbye: bool = True, why: str = "this frontend was shut down") -> None:
         self.on_dead = None  # a chosen end, not a death to react to
@@ -170,10 +184,10 @@ class TokenizerWorker:
         return_logprob = False if return_logprob is None else return_logprob
         if not isinstance(return_logprob, bool):
             raise InvalidParam("return_logprob", f"return_logprob must be a bool, got {return_logprob!r}")
-        start = -1 if one.logprob_start_len is None else one.logprob_start_len
-        top = 0 if one.top_logprobs_num is None else one.top_logprobs_num
-        _check_int("logprob_start_len", start, -1)
-        _check_int("top_logprobs_num", top, 0, MAX_TOP_LOGPROBS)
+        given_start = one.logprob_start_len
+        start = _check_int("logprob_start_len", -1 if given_start is None else given_start, -1)
+        top = _check_int("top_logprobs_num", 0 if one.top_logprobs_num is None else one.top_logprobs_num, 0,
+                         MAX_TOP_LOGPROBS)
         by_id = cast(list[int] | None, one.token_ids_logprob)  # split() made it one prompt's list
         vocab = self.info.vocab_size
         if by_id is not None:
@@ -199,6 +213,7 @@ class TokenizerWorker:
                 raise InvalidParam("prompt", f"prompt must be a string, got {type(prompt).__name__}")
             if not prompt:
                 raise InvalidParam("prompt", "prompt is empty")
+            assert self.tokenizer is not None  # _prompt refused a text prompt without one
             input_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         vocab = self.info.vocab_size
         if not isinstance(input_ids, list) or not input_ids:
@@ -215,7 +230,7 @@ class TokenizerWorker:
     async def submit(self, req: GenerateRequest) -> Collector:
         """Queue a checked request (each prompt n times); returns the Collector that follows it."""
         self.check_alive()
-        loop, states, msgs = self.conn.loop, [], []
+        loop, states, msgs = asyncio.get_running_loop(), [], []  # this worker's loop
         limited = self.info.max_queued_requests is not None  # then hear that each was queued
         for p in req.prompts:
             base, sp = p.rid or uuid.uuid4().hex, p.params
@@ -269,7 +284,7 @@ class TokenizerWorker:
         cid = next(self._cids)
         fut = asyncio.get_running_loop().create_future()
         self._controls[cid] = fut
-        self._send(Control(cid, req))
+        self._send(Control(cid, cast(ControlRequests, req)))  # every ControlRequest is one of them
         try:
             reply: ControlReply = await asyncio.wait_for(fut, timeout)
         finally:
@@ -280,7 +295,7 @@ class TokenizerWorker:
 
     # ---- core -> frontend --------------------------------------------------------------------
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: ToCore) -> None:
         self.conn.send(msg)
 
     def _on_messages(self, messages: list[StepOutputs | ControlReply]) -> None:
@@ -309,8 +324,10 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
         return Tokenizer.from_dir(tmp)
 
 
-def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    """`value`, if it is an integer within the bounds; else InvalidParam naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo) \
             or (hi is not None and value > hi):
         bounds = f" in [{lo}, {'inf' if hi is None else hi}]" if lo is not None else ""
         raise InvalidParam(name, f"{name} must be an integer{bounds}, got {value!r}")
+    return value

@@ -57,7 +57,6 @@ def create_app(settings: WorkerSettings | None = None) -> FastAPI:
                                             _exit_when_engine_dies)
         app.state.replicas = replicas
         worker = replicas.any
-        assert worker.info is not None  # (attached)
         app.state.sampling_defaults = generation_defaults(serve.generation_config, worker.info.model_dir)
         app.state.chat_template = _template_text(serve.chat_template)
         log.info("worker %d attached as frontend %d of %d replica(s)", os.getpid(), worker.worker_id,

@@ -37,7 +37,7 @@ RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "chat_template", "a
 def attached(worker: TokenizerWorker) -> tuple[Tokenizer, CoreInfo, EngineConfig]:
     """A serving worker's tokenizer, core info and engine config (set by its Welcome: a worker
     answers routes only once attached)."""
-    assert worker.tokenizer is not None and worker.info is not None and worker.config is not None
+    assert worker.tokenizer is not None  # the server's engines always load one
     return worker.tokenizer, worker.info, worker.config
 
 

@@ -155,7 +155,6 @@ class Replicas:
         predecessor had cached (it died with its core, whose events say nothing more)."""
         if (old := self.feeds.pop(index, None)) is not None:
             old.close()
-        assert worker.info is not None  # (attached)
         if worker.info.kv_events is not None:
             self.feeds[index] = Feed(index, worker.info.kv_events, host, self.index, self.loads,
                                      events=self.routing == "kv")
