@@ -17,11 +17,17 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
-import pytest
+# The suite runs a test process, engine cores and HTTP workers on two shared cores: OpenMP threads
+# that spin at barriers then steal the core their partner waits for (a spec-decoding test took 84 s
+# instead of 31 beside two busy processes). Sleeping waiters cost ~5 % when the CPU is idle.
+# Every process the tests start inherits it; set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from unison.model.loader import resolve_model_dir
-from unison.registry import REGISTRY_DIR
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+from unison.model.loader import resolve_model_dir  # noqa: E402
+from unison.registry import REGISTRY_DIR  # noqa: E402
 
 # Every process this run starts inherits the mark, so it is found even once orphaned (a core
 # whose launcher was killed), while other runs' processes on the same machine are left alone.

@@ -36,7 +36,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                            nargs=many)
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, typing.Any]:
+def engine_options(args: argparse.Namespace) -> dict[str, typing.Any]:  # Any: each option's own type
     opts = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
             if f.name not in _SERVE_OWN and getattr(args, f.name, None) is not None}
     return {"model_path": args.model_path, **opts}

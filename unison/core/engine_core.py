@@ -60,7 +60,8 @@ class EngineCore:
             max_adapters=config.max_loras_per_batch,
         )
         self.loras = LoraRegistry(self.runner, max_rank=config.max_lora_rank,
-                                  max_loaded=config.max_loaded_loras, on_free=cache and cache.drop)
+                                  max_loaded=config.max_loaded_loras,
+                                  on_free=None if cache is None else cache.drop)
         for module in config.lora_modules():  # a bad one fails the start, naming it
             try:
                 self.loras.load(module.name, module.path, module.pinned)
@@ -68,6 +69,7 @@ class EngineCore:
                 raise ValueError(f"lora_paths: {module.name}: {e}") from None
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         spec = config.speculative_config
+        assert not isinstance(spec, str)  # EngineConfig parsed it
         self.drafter = None if spec is None else Drafter(spec)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
         self.model_dir = model_dir
@@ -92,9 +94,9 @@ class EngineCore:
         """Move requests whose grammar finished compiling out of `compiling` (failures are refused
         at the next step)."""
         if self.compiling:
-            done = [r for r in self.compiling if r.grammar.done()]
-            self.bad_grammars += [r for r in done if r.grammar.exception() is not None]
-            self.compiling = [r for r in self.compiling if not r.grammar.done()]
+            done = [r for r in self.compiling if _compiled(r)]
+            self.bad_grammars += [r for r in done if _grammar_error(r) is not None]
+            self.compiling = [r for r in self.compiling if not _compiled(r)]
 
     @property
     def cached_blocks(self) -> int:
@@ -378,6 +380,7 @@ class EngineCore:
         rooms = [min(r.params.max_new_tokens - r.num_output_tokens, self.context_length - r.num_tokens) - 1
                  for r in reqs]
         budget = self.scheduler.token_budget - sum(it.num_new for it in items)
+        assert self.drafter is not None  # called with speculation on
         for it, draft in zip(decoding, self.drafter.drafts(reqs, rooms, len(items), self._stats.steps)):
             if draft and budget > 0:
                 budget -= self.scheduler.add_draft(it, draft[:budget])
@@ -388,6 +391,8 @@ class EngineCore:
         (penalties, grammar and seeded noise see the tokens kept so far), and keep drafted tokens
         while they are what was sampled. Row i's logits are plain decoding's at that position, so
         the tokens kept are plain decoding's, bit for bit; the first differing sample is kept too."""
+        assert self.drafter is not None  # drafted rows come only with speculation on
+        drafter = self.drafter
         pending = [(row, it.req, out, it.draft) for row, it, out in drafted]
         pos = 0
         while pending:
@@ -399,7 +404,7 @@ class EngineCore:
                     req.num_computed_tokens += 1  # the drafted token's KV, written this step, holds
                     still.append((row, req, out, draft))
                 else:
-                    self.drafter.verified(req, draft, pos, self._stats.steps)
+                    drafter.verified(req, draft, pos, self._stats.steps)
                     self.scheduler.trim(req)
             pending, pos = still, pos + 1
 
@@ -409,7 +414,7 @@ class EngineCore:
         while self.bad_grammars:
             req = self.bad_grammars[0]
             self._drop(req)
-            error = str(req.grammar.exception())
+            error = str(_grammar_error(req))
             refused[req.frontend].append(ReqOutput(req.rid, finish="abort", error=error))
         return refused
 
@@ -450,7 +455,7 @@ class EngineCore:
             if req.first_token_at is None:
                 req.first_token_at = now
                 ttft.observe(now - req.arrival)
-            else:
+            elif req.last_token_at is not None:  # set with the first token
                 itl.observe(now - req.last_token_at)
             req.last_token_at = now
             tok = result.token_ids[i]
@@ -460,8 +465,9 @@ class EngineCore:
                 out.logprobs.append(result.logprobs[i])
                 if req.top_logprobs_num and result.top_logprobs is not None:
                     out.top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
-                if req.token_ids_logprob and result.token_ids_logprobs is not None:
-                    out.token_ids_logprobs.append(result.token_ids_logprobs[i])
+                row_ids = result.token_ids_logprobs[i] if result.token_ids_logprobs is not None else None
+                if req.token_ids_logprob and row_ids is not None:
+                    out.token_ids_logprobs.append(row_ids)
             self._check_finish(req, tok)
             if req.constrained:
                 self._advance_grammar(req, tok)
@@ -502,3 +508,13 @@ class EngineCore:
             if out.token_ids or out.finish or out.prompt_logprobs:  # not a silent mid-prompt chunk
                 outputs[req.frontend].append(out)
         return outputs
+
+
+def _compiled(req: Request) -> bool:
+    return req.grammar is not None and req.grammar.done()
+
+
+def _grammar_error(req: Request) -> BaseException | None:
+    """Why a compiled grammar failed (None: it did not)."""
+    assert req.grammar is not None
+    return req.grammar.exception()

@@ -17,12 +17,13 @@ from typing import Any, TypeVar, cast
 
 from unison.errors import InvalidParam
 from unison.frontend.sampling_params import SamplingParams
+from unison.json_types import JSONObject
 
 # The three arguments sglang.Engine.generate also takes positionally.
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
 # A JSON object of sampling options (sampling.OPTIONS names), or one per prompt.
-SamplingArg = dict[str, Any] | list[dict[str, Any]] | SamplingParams | list[SamplingParams] | None
+SamplingArg = JSONObject | list[JSONObject] | SamplingParams | list[SamplingParams] | None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -280,13 +280,21 @@ class ModelRunner:
         ids, positions, logits_rows = self._prepare(batch)
         try:
             if self._compiled is not None:
-                p, cfg = self._step.paged, self.config
+                step, cfg = self._current, self.config
+                p = step.paged
+                assert p is not None  # the compiled forward runs on the C kernels' metadata
                 cos_sin = [r.cos_sin(positions, torch.float32) for r in cfg.ropes]
-                return self._compiled.forward(ids, cos_sin, self._step.slots, p.tables, p.row_seq, p.row_len,
-                                              logits_rows, self._step.serial, lora)
+                return self._compiled.forward(ids, cos_sin, step.slots, p.tables, p.row_seq, p.row_len,
+                                              logits_rows, step.serial, lora)
             return self.model.forward(ids, positions, self._attention, logits_rows, lora)
         finally:
             self._step = None
+
+    @property
+    def _current(self) -> _Step:
+        """This forward's attention metadata (set by _prepare, cleared when the forward ends)."""
+        assert self._step is not None
+        return self._step
 
     def _lora_step(self, batch: list[BatchItem]) -> LoraStep | None:
         if all(item.adapter == 0 for item in batch):
@@ -304,7 +312,10 @@ class ModelRunner:
 
     def _prepare(self, batch: list[BatchItem]) -> tuple[Tensor, Tensor, Tensor | None]:
         bs, dev = self.block_size, self.device
-        ids, positions, slots, logits_rows = [], [], [], []
+        ids: list[int] = []
+        positions: list[np.ndarray] = []  # per item
+        slots: list[np.ndarray] = []
+        logits_rows: list[int] = []
         row, work = 0, 0
         for item in batch:
             n, start = len(item.token_ids), item.start_pos
@@ -408,7 +419,7 @@ class ModelRunner:
     # --- attention, called by the model for each layer ------------------------------------
 
     def _attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if not self._step.serial:
+        if not self._current.serial:
             return self._attend(layer, q, k, v)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -418,9 +429,10 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        step, (n, heads, d) = self._step, q.shape
+        step, (n, heads, d) = self._current, q.shape
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [blocks, block_size, kv_heads, d]
         if step.paged is not None:
+            assert self._kernel is not None  # paged metadata is built only for the C kernels
             self._kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots)
             p = step.paged
             threads = 1 if step.serial else torch.get_num_threads()
@@ -447,6 +459,7 @@ class ModelRunner:
         # head's query group stands in for the query length, so K/V are never repeated.
         b, heads, d = q.shape
         kv_heads = kc.shape[2]
+        assert a.blocks is not None  # decodes always read the cache
         keys = self._gather(0, kc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
         values = self._gather(1, vc, a.blocks).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q.view(b, kv_heads, self._group, d), keys, values,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
 
 import msgspec
 from fastapi import Request
@@ -21,7 +20,7 @@ DISCONNECT_POLL_S = 0.5
 _encode = msgspec.json.Encoder().encode
 
 
-def sse(obj: Any) -> bytes:
+def sse(obj: object) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
