@@ -49,8 +49,8 @@ BAD_CALLS = [
     ("attach_tokenizer_worker", {"heartbeat_timeout_s": 0}, "heartbeat_timeout_s"),
     ("attach_tokenizer_worker", {"heartbeat_timeout_s": "3"}, "heartbeat_timeout_s"),
 ]
-NO_ARGUMENTS = {"get_server_info", "get_model_info", "flush_cache", "continue_generation", "check_integrity",
-                "get_all_child_pids", "shutdown"}
+NO_ARGUMENTS = {"get_server_info", "server_info", "get_model_info", "flush_cache", "continue_generation",
+                "check_integrity", "get_all_child_pids", "shutdown"}
 
 
 def test_every_public_method_is_covered():

@@ -246,7 +246,7 @@ def test_server_binds_loopback_by_default(monkeypatch):
     import unison.server.launch as launch
     from unison import cli
 
-    seen: dict = {}
-    monkeypatch.setattr(launch, "serve", lambda config, **kw: seen.update(kw) or 0)
+    seen = []
+    monkeypatch.setattr(launch, "serve", lambda config, settings: seen.append(settings) or 0)
     assert cli.main(["serve"]) == 0
-    assert seen["host"] == "127.0.0.1", "only an explicit --host may expose the server"
+    assert seen[0].host == "127.0.0.1", "only an explicit --host may expose the server"

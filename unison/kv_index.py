@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
 from unison.kv_events import (
     END_SEQ,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
@@ -42,13 +41,16 @@ class KVIndex:
         self.blocks: dict[int, set[int]] = {}  # replica -> the hashes of its cached blocks
 
     def apply(self, replica: int, events: list[Event]) -> None:
+        """Events are told apart by class name, not isinstance: a subscriber that decodes into its
+        own copies of vLLM's structs (as vLLM's example subscriber does) keeps an index too."""
         held = self.blocks.setdefault(replica, set())
         for event in events:
-            if isinstance(event, BlockStored):
-                held.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                held.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                held.update(cast(BlockStored, event).block_hashes)
+            elif kind == "BlockRemoved":
+                held.difference_update(cast(BlockRemoved, event).block_hashes)
+            elif kind == "AllBlocksCleared":
                 held.clear()
 
     def forget(self, replica: int) -> None:
