@@ -248,13 +248,13 @@ def test_the_mirror_equals_the_radix_cache_after_any_workload(core, mirror, ops,
 
 def test_the_mirror_stays_exact_through_preemption_and_eviction(core, mirror):
     """Four long requests outgrow the tiny cache while decoding: preempted, recomputed, evicting."""
-    evicted, preempted = core.num_evicted_blocks, core.scheduler.num_preemptions
+    evicted, preempted = core.report.num_evicted_blocks, core.scheduler.num_preemptions
     rng = random.Random(0)
     for _ in range(4):
         add(core, [rng.randrange(1, 5000) for _ in range(30)], 30)
     while core.has_work:
         step(core)
-    assert core.num_evicted_blocks > evicted and core.scheduler.num_preemptions > preempted
+    assert core.report.num_evicted_blocks > evicted and core.scheduler.num_preemptions > preempted
     settle(core, mirror)
 
 

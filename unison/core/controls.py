@@ -95,18 +95,19 @@ class Controls:
     # ---- the handlers, one per request type ------------------------------------------------------
 
     def server_info(self, req: GetServerInfo, by: Caller) -> ServerInfo:
-        server, core, frontends = self.server, self.core, self.server.frontends
-        inflight = core.requests_per_frontend()
+        server, report, frontends = self.server, self.core.report, self.server.frontends
+        inflight = report.requests_per_frontend()
         return ServerInfo(
             version=PROTOCOL_VERSION, core_pid=os.getpid(), owner_pid=server.args.owner_pid,
             config=server.config, core=server.info(), paused=self.paused is not None,
             pause_mode=self.paused.value if self.paused else None, weights_version=self.update.version,
-            num_running=core.num_running, num_waiting=core.num_waiting,
-            kv_blocks_used=core.kv_blocks_used, kv_blocks_cached=core.cached_blocks,
-            num_evicted_blocks=core.num_evicted_blocks, stats=core.stats(), histograms=core.latency.data(),
-            admissions=[(frontends.worker_ids.get(f, -1), rid) for f, rid in core.admissions()],
+            num_running=report.num_running, num_waiting=report.num_waiting,
+            kv_blocks_used=report.kv_blocks_used, kv_blocks_cached=report.cached_blocks,
+            num_evicted_blocks=report.num_evicted_blocks, stats=report.stats(),
+            histograms=self.core.latency.data(),
+            admissions=[(frontends.worker_ids.get(f, -1), rid) for f, rid in report.admissions()],
             frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident], fe.remote) for fe in frontends],
-            lora_adapters=core.lora_adapters(),
+            lora_adapters=report.lora_adapters(),
         )
 
     def flush_cache(self, req: FlushCache, by: Caller) -> OpResult:

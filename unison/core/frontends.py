@@ -140,7 +140,7 @@ class Frontends:
     def drop(self, fe: Frontend, why: str) -> None:
         aborted = len(self.core.abort_frontend(fe.ident))
         self.by_key.pop(fe.ident, None)
-        named = {f for f, _ in self.core.admissions()} | self.by_key.keys()
+        named = {f for f, _ in self.core.report.admissions()} | self.by_key.keys()
         self.worker_ids = {f: w for f, w in self.worker_ids.items() if f in named}  # bounded
         if fe.pidfd is not None and fe.pidfd != self.owner_pidfd:
             self.by_pidfd.pop(fe.pidfd, None)
@@ -185,7 +185,7 @@ class Frontends:
     def abort_lagging(self) -> None:
         """Abort the requests of a frontend that stopped processing its outputs, so that it
         cannot hold KV blocks and batch slots indefinitely."""
-        cfg, busy = self.config, self.core.requests_per_frontend()
+        cfg, busy = self.config, self.core.report.requests_per_frontend()
         for fe in self:
             why = fe.lagging(cfg.frontend_max_lag_s, cfg.frontend_max_unacked) if fe.ident in busy else None
             if why is None:

@@ -22,6 +22,8 @@ import torch
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
 
+    from unison.core.request import Request
+
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
@@ -69,6 +71,67 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarGate:
+    """The core's constrained requests before they run: those whose grammar is compiling (not
+    admitted yet) and those whose grammar failed (refused at the next step). The compiler and
+    its vocabulary start with the first constrained request."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._vocab = (model_dir, vocab_size, eos_token_ids)
+        self._grammars: Grammars | None = None
+        self.compiling: list[Request] = []
+        self.failed: list[Request] = []
+
+    def compile(self, req: Request, grammar: str) -> None:
+        if self._grammars is None:
+            self._grammars = Grammars(*self._vocab)
+        req.grammar = self._grammars.compile(grammar)
+        self.compiling.append(req)
+
+    def poll(self) -> None:
+        """Move requests whose grammar finished compiling out of `compiling`."""
+        if self.compiling:
+            done = [r for r in self.compiling if _compiled(r)]
+            self.failed += [r for r in done if _compile_error(r) is not None]
+            self.compiling = [r for r in self.compiling if not _compiled(r)]
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """The requests whose grammar failed, with why, each once."""
+        self.poll()
+        failed, self.failed = self.failed, []
+        return [(req, str(_compile_error(req))) for req in failed]
+
+    def forget(self, req: Request) -> None:
+        for pending in (self.compiling, self.failed):
+            if req in pending:
+                pending.remove(req)
+
+    def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
+
+
+def advance(req: Request, tok: int) -> None:
+    """Feed a sampled token to the request's matcher; a finished grammar finishes the request."""
+    matcher = req.matcher
+    matcher.consume_token(tok)
+    if matcher.is_error():  # only a masked-out token could do this: end it, say why
+        log.warning("request %s: grammar rejected token %d: %s", req.rid, tok, matcher.get_error())
+        req.finish = req.finish or "stop"
+    elif matcher.is_stopped() and req.finish is None:
+        req.finish = "stop"  # the grammar is complete: nothing more may follow
+
+
+def _compiled(req: Request) -> bool:
+    return req.grammar is not None and req.grammar.done()
+
+
+def _compile_error(req: Request) -> BaseException | None:
+    """Why a compiled grammar failed (None: it did not)."""
+    assert req.grammar is not None
+    return req.grammar.exception()
 
 
 def _copy_into(template: Future, fresh: Future) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from unison.protocol import CoreSamplingParams, Generate
+from unison.sampling import MAX_TOP_LOGPROBS, core_problem
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -93,3 +94,23 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.next_prompt_logprob < self.num_prompt_tokens
+
+
+def check_generate(msg: Generate, vocab_size: int, context_length: int) -> str | None:
+    """What makes a request unservable, or None. The frontend validates for its users; the core
+    re-checks everything that could crash a step or corrupt its state, since a frontend may be
+    buggy or not ours."""
+    n, p = len(msg.input_ids), msg.params
+    if n == 0:
+        return "input_ids is empty"
+    if not 0 <= p.max_new_tokens <= context_length - n:
+        return (f"prompt ({n} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
+                f"context length ({context_length})")
+    ids = [*msg.input_ids, *p.stop_token_ids, *p.logit_bias, *msg.token_ids_logprob]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        return f"token ids must be in [0, {vocab_size - 1}]"
+    if (problem := core_problem(p)) is not None:
+        return problem
+    if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS or msg.logprob_start_len < -1:
+        return f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}] and logprob_start_len >= -1"
+    return None

@@ -13,6 +13,7 @@ import torch
 
 from unison.core.grammar import apply_masks
 from unison.core.request import Request
+from unison.protocol import ReqOutput
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
 
@@ -28,6 +29,30 @@ class SampleResult:
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     vals, ids = logprobs.topk(k, dim=-1)
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+
+
+def prompt_logprobs(req: Request, logits: torch.Tensor, first_row_pos: int, out: ReqOutput) -> None:
+    """Add to `out` the prompt logprobs a chunk's logits give: the row at position p scores prompt
+    token p + 1 (token 0 has no logprob); `first_row_pos` is the position of the first row."""
+    if req.next_prompt_logprob == 0:
+        out.prompt_logprobs.append(None)
+        if req.top_logprobs_num:
+            out.prompt_top_logprobs.append([])
+        if req.token_ids_logprob:
+            out.prompt_token_ids_logprobs.append(None)
+        req.next_prompt_logprob = 1
+    lo = max(req.next_prompt_logprob - 1, first_row_pos)
+    hi = min(first_row_pos + logits.shape[0], req.num_prompt_tokens - 1)  # rows [lo, hi)
+    if lo >= hi:
+        return
+    rows = torch.log_softmax(logits[lo - first_row_pos: hi - first_row_pos].float(), dim=-1)
+    nxt = torch.tensor(req.token_ids[lo + 1: hi + 1], device=rows.device)
+    out.prompt_logprobs.extend(rows.gather(1, nxt.view(-1, 1)).view(-1).tolist())
+    if req.top_logprobs_num:
+        out.prompt_top_logprobs.extend(top_logprobs(rows, req.top_logprobs_num))
+    if req.token_ids_logprob:
+        out.prompt_token_ids_logprobs.extend(rows[:, req.token_ids_logprob].tolist())
+    req.next_prompt_logprob = hi + 1
 
 
 class Sampler:

@@ -114,7 +114,7 @@ class CoreServer:
             log.info("KV events on %s", self.kv.info())
 
     def info(self) -> CoreInfo:
-        return msgspec.structs.replace(self.core.info(), tcp_address=self.tcp_address,
+        return msgspec.structs.replace(self.core.report.info(), tcp_address=self.tcp_address,
                                        server_key=self.server_key,
                                        kv_events=self.kv.info() if self.kv is not None else None)
 
@@ -132,14 +132,14 @@ class CoreServer:
         try:
             while not self.stopping:
                 self.poll_once()
-                self.core.poll_grammars()
+                self.core.grammar.poll()
                 self.controls.poll()
                 if self.core.has_work and not self.controls.paused:
                     self.frontends.send_outputs(self.core.step())
                     self.log_stats()
                 if self.kv is not None:  # what the step or a control changed
                     self.kv.publish()
-                    self.kv.report(self.core.load)
+                    self.kv.report(self.core.report.load)
         finally:
             self.close()
 
@@ -148,10 +148,10 @@ class CoreServer:
         now = time.monotonic()
         if now - self._stats_at < STATS_INTERVAL:
             return
-        core = self.core
-        gen, used, total = core.stats().generation_tokens, core.kv_blocks_used, core.num_blocks
+        report = self.core.report
+        gen, used, total = report.stats().generation_tokens, report.kv_blocks_used, report.num_blocks
         log.info("running %d, waiting %d, KV %.0f%% (%d/%d blocks), %.1f gen tok/s",
-                 core.num_running, core.num_waiting, 100 * used / total, used, total,
+                 report.num_running, report.num_waiting, 100 * used / total, used, total,
                  (gen - self._stats_gen) / (now - self._stats_at))
         self._stats_at, self._stats_gen = now, gen
 
@@ -176,7 +176,7 @@ class CoreServer:
         timeout = 0 if busy or self.frontends.pending else IDLE_POLL_MS
         if self.deferred_hellos:
             timeout = min(timeout, SHORT_POLL_MS)
-        if self.core.compiling and not busy:
+        if self.core.grammar.compiling and not busy:
             timeout = SHORT_POLL_MS  # a grammar is compiling on its thread: look again soon
         for what, _ in self.poller.poll(timeout):
             if what is self.sock or (self.tcp is not None and what is self.tcp):

@@ -10,12 +10,18 @@ the chunk's shape, so what is kept is bit for bit what plain decoding gives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from unison.config import SpeculativeConfig
 from unison.core.request import Request
-from unison.protocol import SpecDecodeStats
+from unison.core.scheduler import ScheduledItem, Scheduler
+from unison.protocol import ReqOutput, SpecDecodeStats
+
+Sampled = list[tuple[int, Request, ReqOutput]]  # (logits row, request, its output)
 
 # Where to look for a match: the last this many tokens of the sequence. Input-grounded work
 # repeats nearby text; an unbounded search would cost a long request O(length) every step.
@@ -67,3 +73,42 @@ class Drafter:
         req.draft_misses = 0 if accepted else req.draft_misses + 1
         if req.draft_misses >= MAX_MISSES:
             req.drafts_resume_at, req.draft_misses = step + BACKOFF_STEPS, 0
+
+
+def add_drafts(drafter: Drafter, scheduler: Scheduler, items: list[ScheduledItem], context_length: int,
+               step: int) -> None:
+    """Give a step's decoding requests their drafts, within the step's token budget."""
+    decoding = [it for it in items if it.sample and it.num_new == 1 and it.req.num_output_tokens > 0]
+    if not decoding:
+        return
+    reqs = [it.req for it in decoding]
+    # Room: tokens that could still be kept (the step's own token comes on top of a draft).
+    rooms = [min(r.params.max_new_tokens - r.num_output_tokens, context_length - r.num_tokens) - 1
+             for r in reqs]
+    budget = scheduler.token_budget - sum(it.num_new for it in items)
+    for it, draft in zip(decoding, drafter.drafts(reqs, rooms, len(items), step)):
+        if draft and budget > 0:
+            budget -= scheduler.add_draft(it, draft[:budget])
+
+
+def verify(drafter: Drafter, scheduler: Scheduler, logits: torch.Tensor,
+           drafted: list[tuple[int, ScheduledItem, ReqOutput]],
+           sample: Callable[[torch.Tensor, Sampled], None], step: int) -> None:
+    """Sample each drafted request's rows in order, exactly as plain decoding samples its steps
+    (penalties, grammar and seeded noise see the tokens kept so far), and keep drafted tokens
+    while they are what was sampled. Row i's logits are plain decoding's at that position, so
+    the tokens kept are plain decoding's, bit for bit; the first differing sample is kept too."""
+    pending = [(row, it.req, out, it.draft) for row, it, out in drafted]
+    pos = 0
+    while pending:
+        rows = [row + pos for row, *_ in pending]
+        sample(logits[rows], [(r, req, out) for r, (_, req, out, _) in zip(rows, pending)])
+        still = []
+        for row, req, out, draft in pending:
+            if pos < len(draft) and req.finish is None and req.token_ids[-1] == draft[pos]:
+                req.num_computed_tokens += 1  # the drafted token's KV, written this step, holds
+                still.append((row, req, out, draft))
+            else:
+                drafter.verified(req, draft, pos, step)
+                scheduler.trim(req)
+        pending, pos = still, pos + 1
