@@ -240,7 +240,7 @@ class EngineCore:
                     sampled.append((row + n_rows - 1, it.req, out))
                 it.req.num_computed_tokens += it.num_new
                 if it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
-                    self.scheduler.cache_computed(it.req)
+                    self.scheduler.kv.cache_computed(it.req)
             row += n_rows
         self.counts.steps += 1
         if self.on_step is not None:

@@ -4,7 +4,8 @@ There is no prefill or decode phase: each request has `num_computed_tokens` and 
 every step closes part of that gap within a token budget (so long prompts are prefilled in chunks
 beside running decodes). Running requests go first; when KV blocks run out the latest arrival is
 preempted (its blocks freed, recomputed later); then waiting requests are admitted in the
-policy's order, each starting after the longest prefix the radix cache holds:
+policy's order, each starting after the longest prefix the radix cache holds (the blocks
+themselves are the KV cache manager's, core/kv_cache_manager.py):
 
   fcfs  arrival order
   lpm   longest cached prefix first (SGLang's), then arrival
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from unison.config import POLICIES
 from unison.core.block_pool import BlockPool
+from unison.core.kv_cache_manager import KVCacheManager
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
 
@@ -48,14 +50,12 @@ class Scheduler:
                  max_adapters: int = 8) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
-        self.pool = pool
-        self.cache = cache
+        self.kv = KVCacheManager(pool, block_size, cache)
         self.policy = policy
         self.rng = random.Random(seed)  # the random policy's
         self.last_served: dict[bytes, int] = {}  # frontend -> admission tick (fair)
         self.ticks = itertools.count()
         self.admissions: deque[tuple[bytes, str]] = deque(maxlen=1024)  # (frontend, rid), newest last
-        self.block_size = block_size
         self.max_running = max_running
         self.token_budget = token_budget
         self.max_adapters = max_adapters
@@ -71,15 +71,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    @property
+    def cache(self) -> RadixCache | None:
+        return self.kv.cache
 
     def add(self, req: Request) -> None:
-        need = self.blocks_for(req.num_prompt_tokens + req.params.max_new_tokens)
-        if need > self.pool.num_blocks:
+        need = req.num_prompt_tokens + req.params.max_new_tokens
+        if need > self.kv.num_tokens:
             raise ValueError(
-                f"prompt + max_new_tokens needs {need * self.block_size} KV tokens but the cache holds "
-                f"{self.pool.num_blocks * self.block_size}; raise max_total_tokens or shorten the request"
+                f"prompt + max_new_tokens needs {need} KV tokens but the cache holds "
+                f"{self.kv.num_tokens}; raise max_total_tokens or shorten the request"
             )
         self.waiting.append(req)
 
@@ -88,7 +89,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self._free(req)
+        self.kv.free(req)
 
     def schedule(self) -> list[ScheduledItem]:
         budget, items, preemptions = self.token_budget, [], self.num_preemptions
@@ -107,10 +108,10 @@ class Scheduler:
             new = self._next_waiting(adapters)
             if new is None:
                 break  # what waits is still compiling its grammar, or its adapter must wait
-            self._match_prefix(new)
+            self.kv.match_prefix(new)
             n = min(new.num_tokens - new.num_computed_tokens, budget)
-            if not self._grow(new, new.num_computed_tokens + n):
-                self._free(new, cache=False)
+            if not self.kv.grow(new, new.num_computed_tokens + n):
+                self.kv.free(new, cache=False)
                 break
             self.waiting.remove(new)
             self.running.append(new)
@@ -136,23 +137,9 @@ class Scheduler:
     def add_draft(self, item: ScheduledItem, draft: list[int]) -> int:
         """Extend a decode item by as much of `draft` as free blocks hold (a guess never evicts
         cached prefixes or preempts anyone); every row is then sampled. Returns the tokens added."""
-        req = item.req
-        end = req.num_computed_tokens + item.num_new
-        room = (len(req.block_table) + self.pool.num_free) * self.block_size - end
-        draft = draft[: max(room, 0)]
-        need = self.blocks_for(end + len(draft)) - len(req.block_table)
-        if need > 0:
-            req.block_table.extend(self.pool.allocate(need))
+        draft = self.kv.grow_for_draft(item.req, item.req.num_computed_tokens + item.num_new, draft)
         item.draft, item.num_new, item.logits_start = draft, item.num_new + len(draft), 0
         return len(draft)
-
-    def trim(self, req: Request) -> None:
-        """Give back blocks past the request's tokens: those only rejected draft tokens wrote to,
-        so they never reach the prefix cache."""
-        keep = self.blocks_for(req.num_tokens)
-        if len(req.block_table) > keep:
-            self.pool.release(req.block_table[keep:])
-            del req.block_table[keep:]
 
     def _next_waiting(self, adapters: set[int]) -> Request | None:
         """The request to admit next (it stays queued until admission succeeds); `adapters`: the
@@ -184,48 +171,23 @@ class Scheduler:
         if self.policy == "random":
             top = max(r.priority for r in candidates)
             return self.rng.choice([r for r in candidates if r.priority == top])
-        if self.policy == "lpm" and self.cache is not None:
-            cached = self.cache.match_len
-            return max(candidates, key=lambda r: (r.priority, cached(r.token_ids, r.adapter), -r.arrival))
+        if self.policy == "lpm":
+            cached = self.kv.cached_prefix_len
+            return max(candidates, key=lambda r: (r.priority, cached(r), -r.arrival))
         return max(candidates, key=lambda r: (r.priority, -r.arrival))
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
         """Grow req's blocks, preempting the latest arrivals (never one scheduled already, as
         they come before req) until it fits; False when req itself had to go."""
-        while not self._grow(req, num_tokens):
+        while not self.kv.grow(req, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
             if victim is req:
                 return False
         return True
 
-    def _match_prefix(self, req: Request) -> None:
-        """Start `req` after its longest cached prefix (at least one token is left to compute)."""
-        if self.cache is None or req.block_table:
-            return
-        limit = req.num_tokens - 1
-        if req.wants_prompt_logprobs:  # rows before the first owed logprob are not recomputed
-            limit = min(limit, max(req.next_prompt_logprob - 1, 0))
-        blocks, node = self.cache.match(req.token_ids[:limit], req.adapter)
-        self.pool.share(blocks)
-        self.cache.lock(node)
-        req.cache_node, req.block_table = node, blocks
-        req.num_computed_tokens = len(blocks) * self.block_size
-        if req.num_preemptions == 0:
-            req.cached_tokens = req.num_computed_tokens
-
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        need = self.blocks_for(num_tokens) - len(req.block_table)
-        if need > self.pool.num_free and self.cache is not None:
-            self.cache.evict(need - self.pool.num_free)
-        if need > self.pool.num_free:
-            return False
-        if need > 0:
-            req.block_table.extend(self.pool.allocate(need))
-        return True
-
     def _preempt(self, req: Request, counted: bool = True) -> None:
-        self._free(req)
+        self.kv.free(req)
         req.num_preemptions += 1
         self.num_preemptions += counted
         self.waiting.appendleft(req)
@@ -238,41 +200,19 @@ class Scheduler:
             self._preempt(self.running.pop(), counted=False)
         return retracted
 
-    def _free(self, req: Request, cache: bool = True) -> None:
-        """Give back the request's blocks, first offering their computed prefix to the cache."""
-        if self.cache is not None:
-            if cache:
-                self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter)
-            if req.cache_node is not None:
-                self.cache.unlock(req.cache_node)
-                req.cache_node = None
-        self.pool.release(req.block_table)
-        req.block_table = []
-        req.num_computed_tokens = 0
-
     def finish(self, req: Request) -> None:
         self.running.remove(req)
-        self._free(req)
-
-    def cache_computed(self, req: Request) -> None:
-        """Offer a prefill chunk's finished blocks now, so requests sharing the prefix need not wait."""
-        if self.cache is not None:
-            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter)
+        self.kv.free(req)
 
     def flush_cache(self) -> None:
         # Waiting requests hold no KV (check_integrity): only running ones share cached blocks.
         if self.running:
             raise RuntimeError(f"cannot flush the prefix cache while {len(self.running)} request(s) "
                                "hold KV; retry when they finish (or pause with mode='retract')")
-        if self.cache is not None:
-            self.cache.reset()
+        self.kv.reset_cache()
 
     def check_integrity(self) -> None:
-        tables = [req.block_table for req in self]
-        if self.cache is not None:
-            self.cache.check_integrity()
-            tables.append(self.cache.blocks())
-        self.pool.check_integrity(tables)
+        self.kv.check_integrity([req.block_table for req in self])
         held = [req.rid for req in self.waiting if req.block_table]
         if held:
             raise AssertionError(f"waiting requests hold KV blocks: {held}")

@@ -110,5 +110,5 @@ def verify(drafter: Drafter, scheduler: Scheduler, logits: torch.Tensor,
                 still.append((row, req, out, draft))
             else:
                 drafter.verified(req, draft, pos, step)
-                scheduler.trim(req)
+                scheduler.kv.trim(req)
         pending, pos = still, pos + 1

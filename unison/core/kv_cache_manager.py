@@ -1,0 +1,106 @@
+"""KVCacheManager: which KV blocks each request holds.
+
+It allocates from the block pool, starts a request after the longest prefix the radix cache holds,
+offers computed blocks back to the cache, and evicts cached prefixes when the pool runs dry. The
+scheduler decides who runs and how far; this decides the blocks, as vLLM v1 splits its scheduler
+from its KV cache manager.
+"""
+
+from __future__ import annotations
+
+from unison.core.block_pool import BlockPool
+from unison.core.radix_cache import RadixCache
+from unison.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, cache: RadixCache | None = None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.cache = cache  # None: prefix caching is off
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        """The most KV tokens the pool holds."""
+        return self.pool.num_blocks * self.block_size
+
+    def match_prefix(self, req: Request) -> None:
+        """Start a request that holds no blocks after its longest cached prefix (at least one
+        token is left to compute)."""
+        if self.cache is None or req.block_table:
+            return
+        limit = req.num_tokens - 1
+        if req.wants_prompt_logprobs:  # rows before the first owed logprob are not recomputed
+            limit = min(limit, max(req.next_prompt_logprob - 1, 0))
+        blocks, node = self.cache.match(req.token_ids[:limit], req.adapter)
+        self.pool.share(blocks)
+        self.cache.lock(node)
+        req.cache_node, req.block_table = node, blocks
+        req.num_computed_tokens = len(blocks) * self.block_size
+        if req.num_preemptions == 0:
+            req.cached_tokens = req.num_computed_tokens
+
+    def cached_prefix_len(self, req: Request) -> int:
+        """Tokens of the request's prefix the cache holds (the lpm policy's key)."""
+        return 0 if self.cache is None else self.cache.match_len(req.token_ids, req.adapter)
+
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for the request's first `num_tokens`, evicting cached prefixes if the pool runs
+        dry; False when even that is not enough (nothing is allocated then)."""
+        need = self.blocks_for(num_tokens) - len(req.block_table)
+        if need > self.pool.num_free and self.cache is not None:
+            self.cache.evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            req.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def grow_for_draft(self, req: Request, end: int, draft: list[int]) -> list[int]:
+        """As much of `draft` (tokens after position `end`) as free blocks hold, with its blocks:
+        a guess never evicts cached prefixes."""
+        room = (len(req.block_table) + self.pool.num_free) * self.block_size - end
+        draft = draft[: max(room, 0)]
+        need = self.blocks_for(end + len(draft)) - len(req.block_table)
+        if need > 0:
+            req.block_table.extend(self.pool.allocate(need))
+        return draft
+
+    def trim(self, req: Request) -> None:
+        """Give back blocks past the request's tokens: those only rejected draft tokens wrote to,
+        so they never reach the prefix cache."""
+        keep = self.blocks_for(req.num_tokens)
+        if len(req.block_table) > keep:
+            self.pool.release(req.block_table[keep:])
+            del req.block_table[keep:]
+
+    def cache_computed(self, req: Request) -> None:
+        """Offer the request's computed blocks to the prefix cache now (a prefill chunk's), so
+        requests sharing the prefix need not wait for it to finish."""
+        if self.cache is not None:
+            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter)
+
+    def free(self, req: Request, cache: bool = True) -> None:
+        """Give back the request's blocks, first offering their computed prefix to the cache."""
+        if cache:
+            self.cache_computed(req)
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+        self.pool.release(req.block_table)
+        req.block_table = []
+        req.num_computed_tokens = 0
+
+    def reset_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.reset()
+
+    def check_integrity(self, tables: list[list[int]]) -> None:
+        """Every block is free or held, as often as the requests' `tables` and the cache hold it."""
+        if self.cache is not None:
+            self.cache.check_integrity()
+            tables = [*tables, self.cache.blocks()]
+        self.pool.check_integrity(tables)
