@@ -1,4 +1,5 @@
-"""The tree's import rules, and that frontend processes never load torch or transformers.
+"""The tree's import rules, its class sizes, and that frontend processes never load torch or
+transformers.
 
 The rules keep the layers apart: the frontend knows the protocol, not the core; the core knows
 no frontend; only the CLI starts a server; no module imports one that imports it back. A
@@ -26,6 +27,7 @@ FRONTEND_SIDE = ["unison/__init__.py", "unison/engine.py", "unison/protocol.py",
                  "unison/core_process.py",
                  "unison/frontend", "unison/server"]
 HEAVY = ("torch", "transformers")
+MAX_CLASS_LINES = 300  # a class past this holds more than one concept: split it along a seam
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:
@@ -133,6 +135,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         return None
 
     return next((c for c in map(visit, sorted(graph)) if c), None)
+
+
+def test_no_class_over_the_limit_in_the_core_frontend_or_model():
+    big = [f"{f.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+           for f in _files("unison/core", "unison/frontend", "unison/model")
+           for node in ast.parse(f.read_text()).body
+           if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
 
 
 def test_find_cycle_finds_one_through_a_package_face():
