@@ -19,8 +19,8 @@ from tests.utils import (
     hf_state_dict,
     on_test_device,
 )
+from unison.model import attention as attention_module
 from unison.model import loader
-from unison.model import runner as runner_module
 from unison.model.decoder import TorchOps
 from unison.model.gguf import GGUFWeights
 from unison.model.loader import default_gguf_path, resolve_model_dir
@@ -98,7 +98,7 @@ def test_parity_runs_on_the_test_device(runner: ModelRunner, prompts):
     linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.qkv, layer.down)]
     weights = [model.embed.table, model.norm] + [layer.input_norm for layer in model.layers]
     weights += [lin.weight if lin.packed is None else lin.packed for lin in linears]  # oneDNN's, on CPU
-    assert {t.device.type for t in weights} == {device} and runner.k_cache.device.type == device
+    assert {t.device.type for t in weights} == {device} and runner.attention.k_cache.device.type == device
     assert runner.dtype == torch.float32 and {t.dtype for t in weights} == {torch.float32}
     logits = runner.forward([BatchItem(prompts[0], 0, Blocks(runner).table(len(prompts[0])), 0)])
     assert logits.device.type == device
@@ -188,7 +188,7 @@ def test_decode_of_mixed_lengths_equals_alone(runner: ModelRunner, prompts, path
     if path != "kernel":
         monkeypatch.setattr(runner, "_kernel", None)
     if path == "torch-chunked":
-        monkeypatch.setattr(runner_module, "DECODE_CHUNK_BYTES", 1)
+        monkeypatch.setattr(attention_module, "DECODE_CHUNK_BYTES", 1)
     long = [t for p in prompts for t in p] * 3
     seqs = [prompts[0][:3], long[:300], prompts[1], long[:560], long[5:9]]
     blocks = Blocks(runner)
