@@ -18,15 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import msgspec
 
-from unison.kv_events import (
-    END_SEQ,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    KVEventBatch,
-    KVEventsInfo,
-    LoadReport,
-)
+from unison.kv_events import END_SEQ, BlockRemoved, BlockStored, Event, KVEventBatch, KVEventsInfo, LoadReport
 
 if TYPE_CHECKING:
     import zmq.asyncio
