@@ -12,6 +12,7 @@ import torch
 
 from tests.utils import (
     TEST_DEVICE,
+    TEXTS,
     Blocks,
     assert_greedy_close,
     greedy,
@@ -30,14 +31,6 @@ NEW_TOKENS = 32
 # Logits (magnitude ~20) of the same tokens computed in batches of different shapes: the GEMMs
 # round differently, by up to ~1.5e-4 here; a real bug (mask, position, slot) is off by >0.01.
 LOGITS_TOL = {"rtol": 1e-4, "atol": 3e-4}
-TEXTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "1, 2, 3, 4, 5,",
-    "Photosynthesis is the process by which plants convert sunlight into chemical energy. "
-    "It takes place mainly in the leaves, where",
-]
 CHATS = [
     "What is the capital of Japan?",
     "Write a haiku about autumn leaves.",

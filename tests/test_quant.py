@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils import Blocks, assert_greedy_close, greedy
+from tests.utils import TEXTS, Blocks, assert_greedy_close, greedy
 from unison import Engine
 from unison.config import EngineConfig
 from unison.frontend.tokenizer import Tokenizer
@@ -324,14 +324,6 @@ def test_embedded_file_converts_exactly():
 
 # ---- quality against the float32 path ----------------------------------------------------------
 
-TEXTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "1, 2, 3, 4, 5,",
-    "Photosynthesis is the process by which plants convert sunlight into chemical energy. "
-    "It takes place mainly in the leaves, where",
-]
 CHATS = ["What is the capital of Japan?", "Write a haiku about autumn leaves.",
          "Explain in one sentence why the sky is blue."]
 

@@ -9,6 +9,17 @@ import os
 import time
 from pathlib import Path
 
+# Prompts of every kind (prose, code, a list, a long sentence): the model and quantization tests'
+# greedy references run on them.
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which plants convert sunlight into chemical energy. "
+    "It takes place mainly in the leaves, where",
+]
+
 TOP_N = 5
 MAX_GAP = 0.1  # a divergence is tolerated only where the reference's top-2 logprobs are this close
 
