@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import ExitStack, closing
 from typing import Any
 
 import msgspec
@@ -143,8 +144,7 @@ class Mirror:
             self.prefix[h] = head
 
     def close(self) -> None:
-        self.sub.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # every socket, a replay's cut short by a failure too: term() would wait
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +167,9 @@ def core(model_dir, tmp_path_factory):
 def mirror(core):
     info = core.publisher.info()
     m = Mirror(info.endpoint, info.replay_endpoint)
+    # Replays answered at once (the core server's loop does this): a gap, which fails the test,
+    # then fails it fast instead of waiting out each replay's deadline through every shrink.
+    m.pump = core.publisher.serve_replay
     core.publisher.publish()  # the core's first batch: AllBlocksCleared
     yield m
     m.close()
@@ -319,10 +322,10 @@ def test_two_engine_processes_hash_alike_and_a_silent_subscriber_changes_nothing
     prompt = "The quick brown fox jumps over the lazy dog. " * 6
     hashes, ids = [], None
     for _ in range(2):
-        with Engine(num_threads=1, block_size=BS, kv_events_config=LOCAL) as engine:
+        with Engine(num_threads=1, block_size=BS, kv_events_config=LOCAL) as engine, ExitStack() as stack:
             info = engine.get_server_info()["kv_events"]
-            m = Mirror(info["endpoint"], info["replay_endpoint"])
-            ctx = zmq.Context()
+            m = stack.enter_context(closing(Mirror(info["endpoint"], info["replay_endpoint"])))
+            ctx = m.ctx  # these sockets close with the mirror, whatever fails
             silent = ctx.socket(zmq.SUB)  # subscribed, never read, the smallest queue: no effect
             silent.setsockopt(zmq.RCVHWM, 1)
             silent.setsockopt(zmq.SUBSCRIBE, b"")
@@ -348,9 +351,6 @@ def test_two_engine_processes_hash_alike_and_a_silent_subscriber_changes_nothing
             assert engine.update_weights_from_disk(str(default_gguf_path()))[0]
             m.drain()
             assert not m.blocks
-            silent.close(0)
-            ctx.term()
-            m.close()
     assert hashes[0] == hashes[1] and hashes[0]
     whole = len(ids) // BS  # the prompt's whole blocks: the README's recipe gives their hashes
     assert hashes[0][0][:whole] == block_hashes(ids, BS)
