@@ -197,7 +197,7 @@ def settle(core: EngineCore, mirror: Mirror) -> None:
     core.publisher.publish()
     mirror.drain()
     core.check_integrity()
-    cached = set(core.scheduler.cache.block_hashes())
+    cached = set(core.scheduler.kv.cache.block_hashes())
     assert mirror.blocks == cached, (f"mirror has {len(mirror.blocks - cached)} extra, "
                                      f"misses {len(cached - mirror.blocks)}")
     assert not mirror.gaps
@@ -275,7 +275,7 @@ def test_a_dropped_subscriber_catches_up_by_replay_and_sees_the_gap(core, mirror
     late.pump = core.publisher.serve_replay  # the core server's loop does this; here, the test
     late.drain()
     assert late.gaps and late.gaps[0][0] == start, "the sequence gap went unnoticed"
-    assert late.blocks == set(core.scheduler.cache.block_hashes())
+    assert late.blocks == set(core.scheduler.kv.cache.block_hashes())
     late.close()
     settle(core, mirror)
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 import msgspec
 
-from unison.kv_events import END_SEQ, BlockRemoved, BlockStored, Event, KVEventBatch, KVEventsInfo, LoadReport
+from unison.kv_events import END_SEQ, BlockRemoved, BlockStored, KVEventBatch, KVEventsInfo, LoadReport
 
 if TYPE_CHECKING:
     import zmq.asyncio
@@ -32,7 +33,7 @@ class KVIndex:
     def __init__(self) -> None:
         self.blocks: dict[int, set[int]] = {}  # replica -> the hashes of its cached blocks
 
-    def apply(self, replica: int, events: list[Event]) -> None:
+    def apply(self, replica: int, events: Iterable[object]) -> None:
         """Events are told apart by class name, not isinstance: a subscriber that decodes into its
         own copies of vLLM's structs (as vLLM's example subscriber does) keeps an index too."""
         held = self.blocks.setdefault(replica, set())

@@ -17,9 +17,9 @@ from unison.core.metrics import LatencyMetrics
 from unison.core.radix_cache import RadixCache
 from unison.core.report import CoreReport
 from unison.core.request import Request, check_generate
-from unison.core.sampler import Sampler, prompt_logprobs
+from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
-from unison.core.spec_decode import Drafter, Sampled, add_drafts, verify
+from unison.core.spec_decode import Drafter, add_drafts, verify
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import EngineStats, Generate, ReqOutput

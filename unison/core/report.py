@@ -66,7 +66,7 @@ class CoreReport:
     @property
     def cached_blocks(self) -> int:
         """Blocks only the prefix cache holds: free to evict when requests need room."""
-        cache, pool = self.core.scheduler.cache, self.core.pool
+        cache, pool = self.core.scheduler.kv.cache, self.core.pool
         return 0 if cache is None else sum(1 for b in cache.blocks() if pool.refcount(b) == 1)
 
     @property
@@ -75,7 +75,7 @@ class CoreReport:
 
     @property
     def num_evicted_blocks(self) -> int:
-        cache = self.core.scheduler.cache
+        cache = self.core.scheduler.kv.cache
         return cache.num_evicted if cache else 0
 
     def load(self) -> tuple[int, int, int, int, float, dict[str, int]]:

@@ -15,6 +15,8 @@ from unison.core.grammar import apply_masks
 from unison.core.request import Request
 from unison.protocol import ReqOutput
 
+Sampled = list[tuple[int, Request, ReqOutput]]  # rows to sample: (logits row, request, its output)
+
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
 
 

@@ -71,10 +71,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def cache(self) -> RadixCache | None:
-        return self.kv.cache
-
     def add(self, req: Request) -> None:
         need = req.num_prompt_tokens + req.params.max_new_tokens
         if need > self.kv.num_tokens:

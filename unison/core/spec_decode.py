@@ -18,10 +18,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from unison.config import SpeculativeConfig
 from unison.core.request import Request
+from unison.core.sampler import Sampled
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.protocol import ReqOutput, SpecDecodeStats
-
-Sampled = list[tuple[int, Request, ReqOutput]]  # (logits row, request, its output)
 
 # Where to look for a match: the last this many tokens of the sequence. Input-grounded work
 # repeats nearby text; an unbounded search would cost a long request O(length) every step.

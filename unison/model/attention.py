@@ -126,13 +126,13 @@ class PagedAttention:
         torch's view of the block tables."""
         bs = self.block_size
         slots: list[np.ndarray] = []
-        work = 0
+        row, work = 0, 0
         for item in batch:
             n, start = len(item.token_ids), item.start_pos
-            pos = np.arange(start, start + n)
+            pos = positions[row: row + n]
             table = np.asarray(item.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
-            work += n * (start + n)
+            row, work = row + n, work + n * (start + n)
         serial = self.device.type == "cpu" and work <= SERIAL_ATTENTION_WORK
         step_slots = torch.from_numpy(np.concatenate(slots)).to(self.device)
         if self.kernel is not None:
