@@ -138,6 +138,9 @@ class LoraModule:
 class EngineConfig:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer_worker_num: int = 1  # frontends that may be attached at once, the in-process one included
+    # What the model serves: "auto" takes it from the model (a BertModel embeds, a cross-encoder
+    # reranks, a decoder generates); naming another task than the model's is refused at start.
+    task: str = "auto"
     device: str = "cpu"
     dtype: str = "auto"  # fp32 on CPU; the checkpoint's dtype (or bf16) on CUDA
     load_format: str = "auto"  # "dummy": a tiny random model with the real tokenizer (benchmarks)
@@ -218,6 +221,7 @@ class EngineConfig:
         _check(self.frontend_max_unacked >= 1, "frontend_max_unacked", "must be >= 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
+        _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
                f"must be auto, none, int8 or int4, got {self.quantization!r}")
         _check(self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"), "kv_cache_dtype",
@@ -336,6 +340,7 @@ MAX_LORA_RANK = 256
 LORA_MODULE_KEYS = {"lora_name", "lora_path", "pinned", "name", "path", "base_model_name"}
 NO_CHUNKING = 1 << 30  # chunked_prefill_size=-1 (SGLang): a prompt is prefilled in one step
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+TASKS = ("auto", "generate", "embed", "rerank")
 POLICIES = ("fcfs", "lpm", "fair", "random")
 SGLANG_ONLY_POLICIES = ("dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -374,6 +379,7 @@ hybrid_kvcache_ratio swa_full_tokens_ratio modelopt_quant impl
 HELP = {
     "model_path": "HF directory or GGUF file (default: the embedded SmolLM2-135M-Instruct GGUF)",
     "tokenizer_worker_num": "frontend processes (HTTP workers) that may attach, the owner's included",
+    "task": "auto (from the model), generate, embed (sentence embeddings) or rerank (a cross-encoder)",
     "device": "cpu or cuda[:N]",
     "dtype": "auto (fp32 on CPU, the checkpoint's dtype or bf16 on CUDA), float32, float16, bfloat16",
     "load_format": "auto, or dummy: a tiny random model with the real tokenizer (benchmarks)",

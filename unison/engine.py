@@ -22,6 +22,7 @@ from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.errors import EngineDeadError, InvalidParam
+from unison.frontend import pooling
 from unison.frontend.collector import Collector, running_loop
 from unison.frontend.generate_args import (
     FIELDS,
@@ -31,6 +32,7 @@ from unison.frontend.generate_args import (
     SamplingArg,
     with_generate_args,
 )
+from unison.frontend.request import GenerateRequest
 from unison.frontend.worker import TokenizerWorker
 from unison.json_types import JSONObject
 from unison.protocol import (
@@ -260,6 +262,54 @@ class Engine:
             pass
         return collector.results()
 
+    # ---- pooling: embeddings, rerank and score (frontend/pooling.py) -------------------------
+
+    def encode(self, prompt: str | list[str] | list[int] | list[list[int]], *, dimensions: int | None = None,
+               truncate_prompt_tokens: int | None = None) -> dict | list[dict]:
+        """SGLang's Engine.encode: an embedding model's vector for a text, token ids, or a list of
+        either: {"embedding": [...], "meta_info": {"prompt_tokens": n}} (a list for a list)."""
+        return self._loop.run(self.async_encode(prompt, dimensions=dimensions,
+                                                truncate_prompt_tokens=truncate_prompt_tokens))
+
+    async def async_encode(self, prompt: str | list[str] | list[int] | list[list[int]], *,
+                           dimensions: int | None = None,
+                           truncate_prompt_tokens: int | None = None) -> dict | list[dict]:
+        worker = self._worker()
+        pooling.check_dimensions(worker.info, dimensions)
+        req = await asyncio.to_thread(pooling.embed_request, worker.info, worker.tokenizer, prompt, "prompt",
+                                      truncate_prompt_tokens)
+        results = [pooling.encode_output(p) for p in await self._pool(worker, req)]
+        return results if req.batch else results[0]
+
+    def rerank(self, query: str, documents: list[str], *, top_n: int | None = None,
+               return_documents: bool = False) -> list[dict]:
+        """A cross-encoder's relevance of each document to `query`, best first (Cohere's and
+        Jina's shape): [{"index", "relevance_score", "document"?}], the top `top_n` of them."""
+        pooling.check_rerank(top_n, return_documents)
+        worker = self._worker()
+        req = pooling.pair_request(worker.info, worker.tokenizer, query, documents)
+        pairs = self._loop.run(self._pool(worker, req))
+        return pooling.ranked(documents, [p.vector[0] for p in pairs], top_n, return_documents)
+
+    def score(self, text_1: str, text_2: str | list[str]) -> list[float]:
+        """vLLM's LLM.score: the cross-encoder's score of `text_1` with each of `text_2`."""
+        return self._loop.run(self.async_score(text_1, text_2))
+
+    async def async_score(self, text_1: str, text_2: str | list[str]) -> list[float]:
+        worker, docs = self._worker(), [text_2] if isinstance(text_2, str) else text_2
+        req = pooling.pair_request(worker.info, worker.tokenizer, text_1, docs, ("text_1", "text_2"))
+        return [p.vector[0] for p in await self._pool(worker, req)]
+
+    async def _pool(self, worker: TokenizerWorker, req: GenerateRequest) -> list[pooling.Pooled]:
+        """Run a pooling request on the frontend's loop, to its end."""
+        async def run() -> list[pooling.Pooled]:
+            collector = await worker.submit(req)
+            async for _ in collector.follow():
+                pass
+            return pooling.pooled(collector)
+
+        return await asyncio.wrap_future(self._loop.submit(run()))
+
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort one of this frontend's requests, or all of them (another frontend's requests
         are never touched here; the HTTP route /abort_request is the engine-wide one)."""
@@ -451,8 +501,6 @@ SGLANG_NO_EFFECT = {"external_trace_header", "kv_router_hint", "routed_dp_rank",
 _NO_TP = ("Unison runs one process per engine core, with no torch.distributed group; use "
           "update_weights_from_tensor (same host) or update_weights_from_disk")
 SGLANG_METHODS = {
-    **dict.fromkeys(["encode", "async_encode", "rerank", "score", "async_score"],
-                    "embedding, rerank and scoring models are not served"),
     **dict.fromkeys(["open_session", "close_session"], "sessions are not supported"),
     **dict.fromkeys(["start_profile", "stop_profile"],
                     "profile the core process (get_server_info()['core_pid']) with py-spy or perf"),

@@ -21,7 +21,7 @@ from unison.kv_events import KVEventsInfo
 from unison.sampling import CoreSamplingParams
 from unison.version import __version__
 
-PROTOCOL_VERSION = "6"
+PROTOCOL_VERSION = "7"
 
 
 # ---- frontend -> core -------------------------------------------------------------------------
@@ -50,6 +50,7 @@ class Generate(msgspec.Struct, tag=True):
     report_queued: bool = False  # answer with ReqOutput(queued=True) once queued (see CoreInfo)
     token_ids_logprob: list[int] = []  # with return_logprob: these ids' logprobs at every position
     lora_name: str | None = None  # a loaded LoRA adapter, resolved by the core (None: the base model)
+    pooling: bool = False  # embed or score the prompt (an encoder model's task), no tokens generated
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -89,6 +90,8 @@ class CoreInfo(msgspec.Struct):
     tcp_address: str | None = None  # where remote frontends attach (listen), as bound
     server_key: str | None = None  # the core's CURVE public key (Z85), for them
     kv_events: KVEventsInfo | None = None  # where KV events and load reports are published, as bound
+    task: str = "generate"  # generate | embed | rerank: what the model serves (EngineConfig.task)
+    embedding_size: int = 0  # embed: a vector's dimensions; rerank: scores per pair
 
 
 class Welcome(msgspec.Struct, tag=True):
@@ -125,6 +128,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     prompt_top_logprobs: list[list[tuple[int, float]]] = []
     token_ids_logprobs: list[list[float]] = []  # per token in token_ids: Generate.token_ids_logprob's
     prompt_token_ids_logprobs: list[list[float] | None] = []  # per prompt position, as prompt_logprobs
+    embedding: bytes = b""  # a pooling request's vector (or scores): float32, little-endian
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -20,6 +23,8 @@ from unison.core.request import Request, check_generate
 from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter, add_drafts, verify
+from unison.model.encoder_config import encoder_task
+from unison.model.encoder_runner import EncoderRunner
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import EngineStats, Generate, ReqOutput
@@ -30,14 +35,8 @@ Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
 class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
-        self.runner = ModelRunner(
-            config.model_path, model_dir=model_dir, device=config.device, dtype=config.dtype,
-            quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-            block_size=config.block_size,
-            max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
-            load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
-            mem_fraction_static=config.mem_fraction_static,
-        )
+        self.runner = make_runner(config, model_dir)
+        self.task = self.runner.task  # what every request must be: generate, or pooling (embed, rerank)
         if config.model_path is None:  # what is served, so that SGLang's idiom
             # update_weights_from_disk(get_server_info()["model_path"]) works on the embedded model
             config.model_path = str(default_gguf_path())
@@ -47,15 +46,17 @@ class EngineCore:
         self.pool = BlockPool(self.runner.num_blocks)
         # The radix cache's changes as KV events, when they are published (core/kv_publisher.py)
         self.kv_events = EventLog(config.block_size) if config.kv_events is not None else None
-        cache = None if config.disable_radix_cache else \
+        pooling = self.task != "generate"  # an encoder keeps no KV: nothing to cache, nothing to chunk
+        cache = None if config.disable_radix_cache or pooling else \
             RadixCache(self.pool, config.block_size, self.kv_events)
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
-            max_adapters=config.max_loras_per_batch,
+            max_adapters=config.max_loras_per_batch, whole_prompts=pooling,
         )
-        self.loras = LoraRegistry(self.runner, max_rank=config.max_lora_rank,
+        # An encoder never reaches it: make_runner refuses enable_lora for one.
+        self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,
                                   max_loaded=config.max_loaded_loras,
                                   on_free=None if cache is None else cache.drop)
         for module in config.lora_modules():  # a bad one fails the start, naming it
@@ -144,7 +145,7 @@ class EngineCore:
             return ReqOutput(msg.rid, finish="abort", overloaded=True,
                              error=f"the engine is overloaded: {waiting} requests waiting "
                                    f"(max_queued_requests={limit}); retry later")
-        problem = check_generate(msg, self.runner.vocab_size, self.context_length)
+        problem = check_generate(msg, self.runner.vocab_size, self.context_length, self.task)
         if problem is None and msg.lora_name is not None:
             if not self.config.enable_lora:
                 problem = "lora_path: LoRA is off; start the engine with enable_lora=True (--enable-lora)"
@@ -224,6 +225,9 @@ class EngineCore:
         scheduled = time.monotonic()  # queue time ends here, before the step's compute
         logits = self.runner.forward([self._batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
+        if self.task != "generate":  # one row per request: its vector or scores, and nothing to sample
+            for out, row in zip(outs, logits):
+                out.embedding = row.numpy().astype("<f4").tobytes()
         sampled: Sampled = []
         drafted: list[tuple[int, ScheduledItem, ReqOutput]] = []  # (first row, item, its output)
         row = 0
@@ -327,3 +331,27 @@ class EngineCore:
                 outputs[req.frontend].append(out)
         return outputs
 
+
+
+def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRunner:
+    """The model's runner: an encoder's for embedding and cross-encoder models, else the decoder's.
+    A task the model cannot serve is refused here, at start, naming `task`."""
+    task = encoder_task(json.loads((Path(model_dir) / "config.json").read_text())) or "generate"
+    if config.task not in ("auto", task):
+        raise ValueError(f"task: this model serves {task!r}, not {config.task!r} (pooled decoders are "
+                         "not supported yet: embed and rerank need a BERT model)")
+    if task != "generate":
+        if config.enable_lora:
+            raise ValueError("enable_lora: LoRA adapters run on decoders only, not on an encoder "
+                             f"({task}) model")
+        return EncoderRunner(model_dir, device=config.device, num_threads=config.num_threads,
+                             block_size=config.block_size, max_batch_tokens=config.chunked_prefill_size,
+                             max_running=config.max_running_requests)
+    return ModelRunner(
+        config.model_path, model_dir=model_dir, device=config.device, dtype=config.dtype,
+        quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+        block_size=config.block_size,
+        max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
+        load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
+        mem_fraction_static=config.mem_fraction_static,
+    )

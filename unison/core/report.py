@@ -15,6 +15,7 @@ from unison.core.lora import LoraRegistry
 from unison.core.request import Request
 from unison.core.scheduler import Scheduler
 from unison.core.spec_decode import Drafter
+from unison.model.encoder_runner import EncoderRunner
 from unison.model.runner import ModelRunner
 from unison.protocol import CoreInfo, EngineStats, LoraAdapterInfo
 
@@ -26,7 +27,8 @@ class ReportedCore(Protocol):
     model_dir: str
     context_length: int
     eos_token_ids: frozenset[int]
-    runner: ModelRunner
+    runner: ModelRunner | EncoderRunner
+    task: str
     pool: BlockPool
     scheduler: Scheduler
     loras: LoraRegistry
@@ -48,7 +50,8 @@ class CoreReport:
             num_blocks=self.num_blocks, max_total_tokens=self.num_blocks * core.config.block_size,
             quantization=runner.quantization, kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
             weights=runner.model.linear_kinds(), weights_bytes=runner.model.weights_bytes(),
-            max_queued_requests=core.config.max_queued_requests,
+            max_queued_requests=core.config.max_queued_requests, task=core.task,
+            embedding_size=runner.output_size,
         )
 
     @property

@@ -96,13 +96,19 @@ class Request:
         return self.next_prompt_logprob < self.num_prompt_tokens
 
 
-def check_generate(msg: Generate, vocab_size: int, context_length: int) -> str | None:
+def check_generate(msg: Generate, vocab_size: int, context_length: int, task: str = "generate") -> str | None:
     """What makes a request unservable, or None. The frontend validates for its users; the core
     re-checks everything that could crash a step or corrupt its state, since a frontend may be
     buggy or not ours."""
     n, p = len(msg.input_ids), msg.params
     if n == 0:
         return "input_ids is empty"
+    if msg.pooling != (task != "generate"):
+        return (f"this model serves {task!r}: use generate" if task == "generate" else
+                f"this model serves {task!r}, not generation: use encode, rerank or score "
+                "(/v1/embeddings, /v1/rerank, /score)")
+    if msg.pooling and (p.max_new_tokens or msg.return_logprob or p.grammar is not None):
+        return "a pooling request generates nothing: max_new_tokens 0, no logprobs, no grammar"
     if not 0 <= p.max_new_tokens <= context_length - n:
         return (f"prompt ({n} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
                 f"context length ({context_length})")

@@ -47,7 +47,7 @@ class ScheduledItem:
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
                  cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None,
-                 max_adapters: int = 8) -> None:
+                 max_adapters: int = 8, whole_prompts: bool = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
         self.kv = KVCacheManager(pool, block_size, cache)
@@ -59,6 +59,9 @@ class Scheduler:
         self.max_running = max_running
         self.token_budget = token_budget
         self.max_adapters = max_adapters
+        # An encoder attends both ways over a whole sequence: a prompt is never split over steps
+        # (one over the budget runs alone).
+        self.whole_prompts = whole_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -106,6 +109,10 @@ class Scheduler:
                 break  # what waits is still compiling its grammar, or its adapter must wait
             self.kv.match_prefix(new)
             n = min(new.num_tokens - new.num_computed_tokens, budget)
+            if self.whole_prompts and n < new.num_tokens:
+                if items:
+                    break  # it waits for the next step, first in line
+                n = new.num_tokens
             if not self.kv.grow(new, new.num_computed_tokens + n):
                 self.kv.free(new, cache=False)
                 break

@@ -66,6 +66,7 @@ class PromptRequest:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None  # these ids' logprobs at every position
     lora_name: str | None = None  # a LoRA adapter loaded in the core (None: the base model)
+    pooling: bool = False  # embed or score it (frontend/pooling.py): the core answers with a vector
 
 
 @dataclass(slots=True)
@@ -83,7 +84,8 @@ class ReqState:
     __slots__ = ("rid", "prompt_ids", "return_logprob", "logprob_start_len", "token_ids_logprob",
                  "detok", "stop_regex", "created", "text", "logprobs", "top_logprobs", "prompt_logprobs",
                  "prompt_top_logprobs", "ids_logprobs", "prompt_ids_logprobs", "cached_tokens",
-                 "finish_reason", "error", "version", "finished", "waker", "stopped_here", "admission")
+                 "finish_reason", "error", "version", "finished", "waker", "stopped_here", "admission",
+                 "embedding")
 
     def __init__(self, rid: str, prompt: PromptRequest, tokenizer: Tokenizer | None,
                  admission: asyncio.Future | None = None) -> None:
@@ -119,6 +121,7 @@ class ReqState:
         # Resolved when the core has queued or refused it (only when the engine has a queue limit,
         # or the request names a LoRA adapter: only the core knows whether it is loaded).
         self.admission = admission
+        self.embedding = b""  # a pooling request's result (float32 bytes), once finished
 
     @property
     def output_ids(self) -> list[int]:
@@ -143,6 +146,7 @@ class ReqState:
             text += self._checked(detok.flush(), [text])
         self.text += text
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        self.embedding = out.embedding or self.embedding
         if self.return_logprob:
             self._logprobs(out, max(len(self.detok.output_ids) - before, 0))
             # A stop string may end the request before a token whose logprob came earlier.

@@ -42,6 +42,10 @@ class Tokenizer:
         model_config: JSONObject | None = None,
         chat_template: str | dict[str, str] | None = None,
     ) -> None:
+        # A tokenizer.json may pad and truncate every encoding (sentence-transformers' files pad to
+        # 128): a prompt is its own tokens, and a limit is checked and named, never applied unseen.
+        tok.no_padding()
+        tok.no_truncation()
         self._tok = tok
         self.token_strings = {k: _token_str(tokenizer_config.get(k)) for k in _TEMPLATE_TOKENS}
         self.chat_template = chat_template or tokenizer_config.get("chat_template")
@@ -105,6 +109,10 @@ class Tokenizer:
         add_bos_token from tokenizer_config.json for such tokenizers, so neither does this.
         Text rendered from a chat template carries its own: encode it with add_special_tokens=False."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A (query, document) pair as a cross-encoder reads it: [CLS] first [SEP] second [SEP]."""
+        return self._tok.encode(first, second, add_special_tokens=True).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -26,6 +26,7 @@ from unison.frontend.collector import Collector, running_loop
 from unison.frontend.connection import CoreConnection
 from unison.frontend.fanout import fan_out
 from unison.frontend.generate_args import GenerateArgs
+from unison.frontend.pooling import expect_task
 from unison.frontend.request import GenerateRequest, PromptRequest, ReqState
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.tokenizer import Tokenizer
@@ -157,6 +158,7 @@ class TokenizerWorker:
     def make_request(self, args: GenerateArgs, add_special_tokens: bool = True) -> GenerateRequest:
         """Check and tokenize one call (one prompt or a list); raises InvalidParam naming the
         field, before anything is queued. Thread-safe: it only reads."""
+        expect_task(self.info, "generate", "generate")
         check_encodable(args.prompt, "prompt")
         check_encodable(args.sampling_params if isinstance(args.sampling_params, (dict, list)) else None,
                         "sampling_params")
@@ -244,7 +246,7 @@ class TokenizerWorker:
                     p.return_logprob, p.top_logprobs_num, p.logprob_start_len if p.return_logprob else -1,
                     req.priority, report_queued=confirm,
                     token_ids_logprob=(p.token_ids_logprob or []) if p.return_logprob else [],
-                    lora_name=p.lora_name))
+                    lora_name=p.lora_name, pooling=p.pooling))
         counts = Counter(s.rid for s in states)
         clash = sorted(r for r, c in counts.items() if c > 1 or r in self.states)
         if clash:

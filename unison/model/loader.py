@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .encoder_config import encoder_task
 from .families import family_of
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,7 +90,8 @@ def check_model_dir(path: Path) -> dict:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_file} is not valid JSON: {e}") from e
-    family_of(config.get("architectures"), str(config_file))
+    if encoder_task(config) is None:  # an encoder (bert.py) or one of the decoder's families
+        family_of(config.get("architectures"), str(config_file))
     return config
 
 

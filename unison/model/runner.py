@@ -38,6 +38,9 @@ class ModelRunner:
     """Runs flat batches of prefill chunks and decode tokens against a paged KV cache (its layout
     and the attention over it: attention.PagedAttention, the runner's `attention`)."""
 
+    task = "generate"  # (an encoder's runner pools instead: encoder_runner.py)
+    output_size = 0  # a pooling runner's vector size; a decoder gives tokens
+
     def __init__(self, model_path: str | Path | None, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                  num_blocks: int | None = None,

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
-from unison.server import native, openai, responses
+from unison.server import native, openai, pooling_routes, responses
 from unison.server.errors import HTTPError, error_kind, error_response
 from unison.server.openai_format import invalid_param
 from unison.server.openai_protocol import generation_defaults
@@ -72,6 +72,7 @@ def create_app(settings: WorkerSettings | None = None) -> FastAPI:
     app.add_middleware(_Gate, api_key=serve.api_key, max_body=max_body, ui=not serve.disable_ui)
     _add_error_handlers(app)
     app.include_router(openai.router)
+    app.include_router(pooling_routes.router)
     app.include_router(responses.router)
     app.include_router(native.router)
     if not serve.disable_ui:

@@ -33,6 +33,15 @@ from unison.server.settings import ServeSettings, WorkerSettings
 log = logging.getLogger("unison.server")
 
 
+# The request the ready line suggests, by what the model serves.
+TRY_ME = {
+    "generate": ("/v1/completions",
+                 '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'),
+    "embed": ("/v1/embeddings", '{"input": ["The capital of France is Paris."]}'),
+    "rerank": ("/v1/rerank",
+               '{"query": "capital of France", "documents": ["Paris is the capital.", "Cats purr."]}'),
+}
+
 def serve(config: EngineConfig, settings: ServeSettings) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
@@ -145,12 +154,12 @@ def _announce_when_ready(settings: ServeSettings, workers: int, timeout: float,
                 info = ServerInfo.from_dict(json.load(r))
                 if len(info.frontends) >= workers:
                     auth = " -H \"Authorization: Bearer $API_KEY\"" if api_key else ""
-                    body = '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
+                    path, body = TRY_ME[info.core.task]
                     kinds = ", ".join(sorted(set(info.core.weights.values()))) or "n/a"
                     page = f"\n  Chat and watch the engine at {url}/, or try:" if ui else " Try:"
                     log.warning("Unison ready at %s with %d frontend worker(s), linears as %s.%s\n  curl "
-                                "%s/v1/completions -H 'Content-Type: application/json'%s -d '%s'",
-                                url, workers, kinds, page, url, auth, body)
+                                "%s%s -H 'Content-Type: application/json'%s -d '%s'",
+                                url, workers, kinds, page, url, path, auth, body)
                     return
         except OSError:
             pass

@@ -12,6 +12,7 @@ from unison.config import EngineConfig
 from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.generate_args import GenerateArgs
+from unison.frontend.pooling import expect_task
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
 from unison.frontend.tokenizer import Tokenizer
@@ -81,7 +82,8 @@ def _model_card(request: Request, name: str, adapter: LoraAdapterInfo | None = N
     return {"id": name, "object": "model", "owned_by": "unison",
             "created": int(adapter.loaded_at if adapter else time.time()),
             "root": adapter.path if adapter else served, "parent": served if adapter else None,
-            "max_model_len": attached(worker_of(request))[1].context_length}
+            "max_model_len": attached(worker_of(request))[1].context_length,
+            "task": attached(worker_of(request))[1].task}  # generate | embed | rerank
 
 
 @router.get("/v1/models")
@@ -169,6 +171,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
     check_encodable(body.model_dump(exclude_none=True), "")
     worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
     tokenizer, info, config = attached(worker)
+    expect_task(info, "generate", "chat")  # before the chat template, which an encoder lacks
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                        request.app.state.settings.serve.tool_call_parser)
     if body.top_logprobs and not body.logprobs:
