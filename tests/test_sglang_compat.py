@@ -495,7 +495,7 @@ def test_an_sglang_engine_script_runs_with_only_the_import_changed(tmp_path):
 
 
 def test_sglangs_other_methods_say_why_there_are_none(engine):
-    for name in ("encode", "open_session", "load_lora_adapter_from_tensors", "release_memory_occupation"):
+    for name in ("freeze_gc", "open_session", "load_lora_adapter_from_tensors", "release_memory_occupation"):
         with pytest.raises(AttributeError, match=f"Engine.{name} .* is not supported by Unison: "):
             getattr(engine, name)
     ok, message = engine.update_weights_from_tensor([("model.norm.weight", torch.ones(576))])
