@@ -73,6 +73,10 @@ def test_vectors_match_sentence_transformers(engine, st_model):
     assert worst >= 0.99999, worst
     lengths = [len(engine.tokenizer.encode(t)) for t in texts]
     assert min(lengths) <= 8 and max(lengths) > 256  # the mix the issue asks for, truncation included
+    # Where the linears run as int8 (Unison's kernels) or bfloat16 (oneDNN): within 0.999.
+    for kind in ({"quantization": "int8"}, {"dtype": "bfloat16"}):
+        with Engine(model_path=str(engine.get_server_info()["model_path"]), num_threads=1, **kind) as e:
+            assert cosines(vectors(e.encode(texts, truncate_prompt_tokens=256)), ref).min() >= 0.999, kind
     # Retrieval: the same top 10 documents, in the same order, for every query.
     queries, docs = sentences(12, seed=1, most=12), sentences(60, seed=2)
     q_ours, d_ours = vectors(engine.encode(queries)), vectors(engine.encode(docs, truncate_prompt_tokens=256))
@@ -237,7 +241,8 @@ def test_rerank_routes(cross_encoder):
             r = server.post(path, {"query": query, "documents": docs, "top_n": 2})
             assert r.status_code == 200, r.text
             results[path] = r.json()["results"]
-            assert len(results[path]) == 2 and set(results[path][0]) == {"index", "relevance_score", "document"}
+            assert len(results[path]) == 2
+            assert set(results[path][0]) == {"index", "relevance_score", "document"}
         assert results["/v1/rerank"] == results["/rerank"] == results["/v2/rerank"]
         score = server.post("/score", {"text_1": query, "text_2": docs}).json()
         by_index = {r["index"]: r["relevance_score"] for r in results["/rerank"]}
@@ -246,3 +251,69 @@ def test_rerank_routes(cross_encoder):
         assert err["param"] == "documents"
         err = assert_openai_error(server.post("/v1/embeddings", {"input": "x"}), 400)
         assert err["param"] == "model"
+
+
+# ---- pooled decoders: Qwen3-Embedding's recipe ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pooled_decoder(tmp_path_factory, model_dir) -> Path:
+    """A tiny random Qwen3 with the embedded model's tokenizer and sentence-transformers' modules
+    as Qwen3-Embedding ships them (last-token pooling, then Normalize)."""
+    import json
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
+    hf = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    path = tmp_path_factory.mktemp("qwen3-embedding")
+    hf.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, path / name)
+    modules = [{"idx": i, "name": str(i), "path": path_, "type": f"sentence_transformers.models.{kind}"}
+               for i, (path_, kind) in enumerate([("", "Transformer"), ("1_Pooling", "Pooling"),
+                                                  ("2_Normalize", "Normalize")])]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}))
+    return path
+
+
+def test_a_decoder_embeds_with_its_last_token(pooled_decoder):
+    import torch
+    import transformers
+
+    texts = sentences(10, seed=6, most=80)
+    hf = transformers.AutoModel.from_pretrained(pooled_decoder).eval()
+    ref = []
+    with Engine(model_path=str(pooled_decoder), chunked_prefill_size=16, max_total_tokens=4096,
+                num_threads=1) as e:
+        assert e.get_server_info()["task"] == "embed"
+        with torch.inference_mode():
+            for t in texts:
+                last = hf(torch.tensor([e.tokenizer.encode(t)])).last_hidden_state[0, -1]
+                ref.append(torch.nn.functional.normalize(last, dim=0).numpy())
+        ours = vectors(e.encode(texts))  # prefilled in chunks of 16 tokens
+        assert cosines(ours, np.array(ref)).min() >= 0.99999
+        hits = e.get_server_info()["stats"]["prefix_cache_hits"]
+        again = vectors(e.encode(texts))  # from the prefix cache, all but the last token
+        assert e.get_server_info()["stats"]["prefix_cache_hits"] > hits
+        assert cosines(again, ours).min() >= 0.99999
+        with pytest.raises(InvalidParam, match="serves 'embed'"):
+            e.generate("Hello")
+    # On Unison's int8 kernels a row's bits never depend on its batch: alone = together = cached.
+    with Engine(model_path=str(pooled_decoder), quantization="int8", chunked_prefill_size=16,
+                max_total_tokens=4096, num_threads=1) as e:
+        together = vectors(e.encode(texts))
+        assert np.array_equal(together, vectors([e.encode(t) for t in texts]))
+        assert np.array_equal(together, vectors(e.encode(texts[::-1]))[::-1])
+        # (random 64-wide weights lose more to int8 than a trained model: MiniLM's bar is 0.999)
+        assert cosines(together, np.array(ref)).min() >= 0.99

@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from unison.bench import (
         compare,
+        embed,
         frontend,
         kernels,
         kv_events,
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (figures, beside a baseline)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline.add_parser(bench_sub)
+    embed.add_parser(bench_sub)
     frontend.add_parser(bench_sub)
     prefix.add_parser(bench_sub)
     serve.add_parser(bench_sub)

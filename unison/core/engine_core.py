@@ -23,7 +23,7 @@ from unison.core.request import Request, check_generate
 from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter, add_drafts, verify
-from unison.model.encoder_config import encoder_task
+from unison.model.encoder_config import DecoderPooling, encoder_task, model_task
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
@@ -46,14 +46,14 @@ class EngineCore:
         self.pool = BlockPool(self.runner.num_blocks)
         # The radix cache's changes as KV events, when they are published (core/kv_publisher.py)
         self.kv_events = EventLog(config.block_size) if config.kv_events is not None else None
-        pooling = self.task != "generate"  # an encoder keeps no KV: nothing to cache, nothing to chunk
-        cache = None if config.disable_radix_cache or pooling else \
+        encoder = isinstance(self.runner, EncoderRunner)  # it keeps no KV: nothing to cache or chunk
+        cache = None if config.disable_radix_cache or encoder else \
             RadixCache(self.pool, config.block_size, self.kv_events)
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
-            max_adapters=config.max_loras_per_batch, whole_prompts=pooling,
+            max_adapters=config.max_loras_per_batch, whole_prompts=encoder,
         )
         # An encoder never reaches it: make_runner refuses enable_lora for one.
         self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,
@@ -225,14 +225,13 @@ class EngineCore:
         scheduled = time.monotonic()  # queue time ends here, before the step's compute
         logits = self.runner.forward([self._batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
-        if self.task != "generate":  # one row per request: its vector or scores, and nothing to sample
-            for out, row in zip(outs, logits):
-                out.embedding = row.numpy().astype("<f4").tobytes()
         sampled: Sampled = []
         drafted: list[tuple[int, ScheduledItem, ReqOutput]] = []  # (first row, item, its output)
         row = 0
         for it, out in zip(items, outs):
             n_rows = it.num_new - it.logits_start
+            if it.req.pooling and n_rows:  # its last token's row: the vector or scores, nothing to sample
+                out.embedding = logits[row].numpy().astype("<f4").tobytes()
             if it.req.wants_prompt_logprobs:
                 first_pos = it.req.num_computed_tokens + it.logits_start
                 prompt_logprobs(it.req, logits[row: row + n_rows], first_pos, out)
@@ -336,15 +335,18 @@ class EngineCore:
 def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRunner:
     """The model's runner: an encoder's for embedding and cross-encoder models, else the decoder's.
     A task the model cannot serve is refused here, at start, naming `task`."""
-    task = encoder_task(json.loads((Path(model_dir) / "config.json").read_text())) or "generate"
-    if config.task not in ("auto", task):
-        raise ValueError(f"task: this model serves {task!r}, not {config.task!r} (pooled decoders are "
-                         "not supported yet: embed and rerank need a BERT model)")
-    if task != "generate":
+    path = Path(model_dir)
+    task, encoder = model_task(path), encoder_task(json.loads((path / "config.json").read_text()))
+    pooled = encoder is None and config.task == "embed"  # a decoder asked to embed: last-token pooling
+    if config.task not in ("auto", task) and not pooled:
+        raise ValueError(f"task: this model serves {task!r}, not {config.task!r} (a decoder can also "
+                         "embed; reranking needs a BERT cross-encoder)")
+    if encoder is not None:
         if config.enable_lora:
             raise ValueError("enable_lora: LoRA adapters run on decoders only, not on an encoder "
                              f"({task}) model")
-        return EncoderRunner(model_dir, device=config.device, num_threads=config.num_threads,
+        return EncoderRunner(model_dir, device=config.device, dtype=config.dtype,
+                             quantization=config.quantization, num_threads=config.num_threads,
                              block_size=config.block_size, max_batch_tokens=config.chunked_prefill_size,
                              max_running=config.max_running_requests)
     return ModelRunner(
@@ -354,4 +356,5 @@ def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRu
         max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
         load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
         mem_fraction_static=config.mem_fraction_static,
+        pooling=DecoderPooling.from_dir(path) if task == "embed" or pooled else None,
     )

@@ -30,6 +30,7 @@ class Request:
     adapter: int = 0  # the LoRA adapter's id in the core's registry; 0: the base model
     adapter_waits: int = 0  # admissions it was passed over for the step's adapter limit
     token_ids_logprob: list[int] = field(default_factory=list)  # ids whose logprobs are returned
+    pooling: bool = False  # embed or score the prompt: the runner's row of its last token is the result
     held: bool = False  # arrived while a weight update waits: admitted once it is done
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # its first step (queue time ends)
@@ -76,7 +77,7 @@ class Request:
             num_prompt_tokens=len(msg.input_ids), params=msg.params,
             return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len, priority=msg.priority,
-            token_ids_logprob=list(msg.token_ids_logprob),
+            token_ids_logprob=list(msg.token_ids_logprob), pooling=msg.pooling,
         )
 
     @property

@@ -129,7 +129,7 @@ class Scheduler:
     def _item(self, req: Request, n: int) -> ScheduledItem:
         end = req.num_computed_tokens + n
         sample = end == req.num_tokens and req.params.max_new_tokens > 0
-        logits_start = n - 1 if sample else n
+        logits_start = n - 1 if sample or (req.pooling and end == req.num_tokens) else n
         if req.wants_prompt_logprobs:
             # Row p gives the logprob of prompt token p + 1; position 0 has none.
             lo = max(req.next_prompt_logprob - 1, req.num_computed_tokens)

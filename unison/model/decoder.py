@@ -255,9 +255,11 @@ class DecoderModel:
         return kinds
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
-                logits_rows: torch.Tensor | None, lora: LoraStep | None = None) -> torch.Tensor:
-        """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids`; `lora`: the
-        rows' adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c."""
+                logits_rows: torch.Tensor | None, lora: LoraStep | None = None,
+                head: bool = True) -> torch.Tensor:
+        """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids` (head=False: the
+        final norm's hidden states instead, what a pooled decoder embeds); `lora`: the rows'
+        adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         rope = [r.cos_sin(positions, self.dtype) for r in cfg.ropes]  # once per step, not per layer
         h = self.embed(input_ids)
@@ -287,7 +289,7 @@ class DecoderModel:
             x = _add_norm(ops, h, delta, nexts[i], eps)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
-        return self.lm_head(x).float()
+        return self.lm_head(x).float() if head else x.float()
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              lora: Callable[[int, torch.Tensor, torch.Tensor], None], linear: int):

@@ -11,7 +11,10 @@ from pathlib import Path
 from unison.json_types import JSONObject
 
 ARCHITECTURES = {"BertModel": "embed", "BertForSequenceClassification": "rerank"}
-POOLING_MODES = ("cls", "mean", "max", "lasttoken")
+# sentence-transformers' Pooling config keys, by the mode each turns on
+POOLING_KEYS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
+                "max": "pooling_mode_max_tokens", "lasttoken": "pooling_mode_lasttoken"}
+POOLING_MODES = tuple(POOLING_KEYS)
 
 
 def encoder_task(hf_config: JSONObject) -> str | None:
@@ -89,8 +92,7 @@ def _sentence_transformers_modules(model_dir: Path) -> tuple[str, bool]:
 
 
 def _pooling_mode(config: JSONObject) -> str:
-    modes = [m for m in POOLING_MODES if config.get(f"pooling_mode_{m}_token" if m != "mean" else
-                                                   "pooling_mode_mean_tokens")]
+    modes = [m for m, key in POOLING_KEYS.items() if config.get(key)]
     if len(modes) != 1 or any(config.get(k) for k in ("pooling_mode_mean_sqrt_len_tokens",
                                                       "pooling_mode_weightedmean_tokens")):
         raise ValueError(f"1_Pooling/config.json: exactly one of {POOLING_MODES} pooling is supported, "
@@ -107,3 +109,28 @@ def _sep_token_id(model_dir: Path) -> int | None:
     config_file = model_dir / "tokenizer_config.json"
     sep = json.loads(config_file.read_text()).get("sep_token", "[SEP]") if config_file.is_file() else "[SEP]"
     return tokenizers.Tokenizer.from_file(str(tokenizer_file)).token_to_id(sep)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderPooling:
+    """A decoder served as an embedding model (Qwen3-Embedding's recipe): the last token's final
+    hidden state, L2-normalized unless its sentence-transformers modules leave that out."""
+
+    normalize: bool = True
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> DecoderPooling:
+        if not (model_dir / "modules.json").is_file():
+            return cls()
+        pooling, normalize = _sentence_transformers_modules(model_dir)
+        if pooling != "lasttoken":
+            raise ValueError(f"{model_dir}: a decoder embeds by last-token pooling (its cache holds "
+                             f"each prompt once, in chunks); {pooling!r} pooling is not supported")
+        return cls(normalize)
+
+
+def model_task(model_dir: Path) -> str:
+    """What a model directory serves by itself: an encoder's task, "embed" for a decoder that
+    sentence-transformers' modules make an embedding model, else "generate"."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    return encoder_task(hf) or ("embed" if (model_dir / "modules.json").is_file() else "generate")

@@ -14,7 +14,9 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
+from . import cpu_kernels
 from .bert import BertEncoder
+from .cpu_kernels import CpuKernels
 from .encoder_config import EncoderConfig
 from .runner import BatchItem
 
@@ -22,14 +24,16 @@ log = logging.getLogger(__name__)
 
 
 class EncoderRunner:
-    quantization = "none"
     kv_dtype = torch.float32  # reported as the KV cache's; there is none
     eos_token_ids: list[int] = []
 
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", num_threads: int | None = None,
-                 block_size: int = 16, max_batch_tokens: int = 8192, max_running: int = 256) -> None:
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
+                 quantization: str = "auto", num_threads: int | None = None, block_size: int = 16,
+                 max_batch_tokens: int = 8192, max_running: int = 256) -> None:
         if device != "cpu":
             raise ValueError(f"device: encoder models run on the CPU only, got {device!r}")
+        kind, kernels = _linear_kind(dtype, quantization)
+        self.quantization = "int8" if kind == "int8" else "none"
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         from safetensors.torch import load_file
@@ -42,7 +46,7 @@ class EncoderRunner:
         tensors: dict[str, Tensor] = {}
         for f in files:
             tensors.update(load_file(str(f)))
-        self.model = BertEncoder(self.config, tensors)
+        self.model = BertEncoder(self.config, tensors, kind, kernels)
         self.vocab_size = self.config.vocab_size
         self.context_length = self.config.max_positions
         # Enough blocks that admission is bounded by the token budget and max_running, never by
@@ -85,3 +89,21 @@ class EncoderRunner:
 
     def remove_lora(self, *args, **kwargs) -> None:
         self._unsupported("LoRA")
+
+
+def _linear_kind(dtype: str, quantization: str) -> tuple[str, CpuKernels | None]:
+    """What the encoder's linears run as (bert.KINDS), from the engine's dtype and quantization:
+    float32 by default, bfloat16 when asked (oneDNN), int8 on Unison's kernels when asked."""
+    if quantization == "int8":
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"dtype: quantization='int8' computes in float32; dtype={dtype!r} cannot be "
+                             "combined with it")
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            raise ValueError("quantization: int8 needs Unison's CPU kernels, which are not built here")
+        return "int8", kernels
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"quantization: an encoder runs as none (float) or int8, not {quantization!r}")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"dtype: an encoder runs in float32 or bfloat16, not {dtype!r}")
+    return ("bfloat16" if dtype == "bfloat16" else "float32"), None

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
 from .attention import PagedAttention
 from .decoder import DecoderModel, dummy_model
+from .encoder_config import DecoderPooling
 from .families import ModelConfig
 from .loader import open_weights, resolve_model_dir
 from .lora import Adapter, LoraStep, LoraWeights
@@ -38,15 +40,19 @@ class ModelRunner:
     """Runs flat batches of prefill chunks and decode tokens against a paged KV cache (its layout
     and the attention over it: attention.PagedAttention, the runner's `attention`)."""
 
-    task = "generate"  # (an encoder's runner pools instead: encoder_runner.py)
+    # "embed": a pooled decoder (Qwen3-Embedding's recipe): each sequence's last hidden state,
+    # normalized when `normalize`, instead of logits. (An encoder's runner: encoder_runner.py.)
+    task = "generate"
     output_size = 0  # a pooling runner's vector size; a decoder gives tokens
+    normalize = True
 
     def __init__(self, model_path: str | Path | None, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                  num_blocks: int | None = None,
                  max_total_tokens: int | None = None, num_threads: int | None = None,
                  load_format: str = "auto", kv_cache_memory_gb: float | None = None,
-                 mem_fraction_static: float | None = None, model_dir: str | Path | None = None):
+                 mem_fraction_static: float | None = None, model_dir: str | Path | None = None,
+                 pooling: DecoderPooling | None = None):
         """`model_path`: a Hugging Face directory or a GGUF file (None: the embedded model);
         `model_dir`, when known, its resolved directory of config and tokenizer files."""
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
@@ -57,6 +63,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model_dir = Path(model_dir) if model_dir else resolve_model_dir(model_path)
         self.config = ModelConfig.from_dir(self.model_dir)
+        if pooling is not None:
+            self.task, self.output_size, self.normalize = "embed", self.config.hidden_size, pooling.normalize
         # What the model computes in, and what its float linears run as (bf16 on CPU: see below).
         self.dtype, self.linear_dtype = _resolve_dtype(dtype, self.device, self.config)
         self._quantization_mode = quantization  # as asked: a reload resolves it for its checkpoint
@@ -107,7 +115,8 @@ class ModelRunner:
         # in the same order as the Python forward, without its per-op cost.
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
                                                       attention.v_cache)
-                          if kernel is not None and self.quantization != "none" else None)
+                          if kernel is not None and self.quantization != "none" and self.task == "generate"
+                          else None)  # a pooled decoder's hidden states come from the Python forward
 
     @property
     def _kernel(self) -> cpu_kernels.CpuKernels | None:
@@ -238,6 +247,10 @@ class ModelRunner:
         ids, pos, logits_rows = self._prepare(batch)
         positions = torch.from_numpy(pos).to(self.device)
         with self.attention.step(batch, pos) as step:
+            if self.task == "embed":
+                hidden = self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
+                                            head=False)
+                return F.normalize(hidden, p=2, dim=-1) if self.normalize else hidden
             if self._compiled is None:
                 return self.model.forward(ids, positions, self.attention.forward, logits_rows, lora)
             p = step.paged
