@@ -317,3 +317,31 @@ def test_a_decoder_embeds_with_its_last_token(pooled_decoder):
         assert np.array_equal(together, vectors(e.encode(texts[::-1]))[::-1])
         # (random 64-wide weights lose more to int8 than a trained model: MiniLM's bar is 0.999)
         assert cosines(together, np.array(ref)).min() >= 0.99
+
+
+def test_a_decoder_reranks_by_yes_and_no(pooled_decoder, tmp_path):
+    """Qwen3-Reranker's recipe on a tiny random Qwen3: P("yes") against "no" at the last token of
+    the pair written into its prompt, as transformers computes it."""
+    import torch
+    import transformers
+
+    from unison.model.encoder_config import QWEN3_RERANKER_TEMPLATE, RERANK_INSTRUCTION
+
+    path = tmp_path / "reranker"
+    shutil.copytree(pooled_decoder, path, ignore=shutil.ignore_patterns("modules.json", "1_Pooling"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    query, docs = "Which city is the capital of France?", sentences(5, seed=7, most=40)
+    with Engine(model_path=str(path), task="rerank", max_total_tokens=4096, num_threads=1) as e:
+        assert e.get_server_info()["task"] == "rerank"
+        yes, no = (e.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+        ref = []
+        with torch.inference_mode():
+            for d in docs:
+                text = QWEN3_RERANKER_TEMPLATE.format(instruction=RERANK_INSTRUCTION, query=query, document=d)
+                logits = hf(torch.tensor([e.tokenizer.encode(text, add_special_tokens=False)])).logits[0, -1]
+                ref.append(torch.softmax(logits[[no, yes]], dim=-1)[1].item())
+        scores = e.score(query, docs)
+        assert np.abs(np.array(scores) - ref).max() <= 1e-4
+        assert [r["index"] for r in e.rerank(query, docs)] == list(np.argsort(-np.array(ref)))
+        with pytest.raises(InvalidParam, match="serves 'rerank'"):
+            e.generate("Hello")

@@ -92,6 +92,7 @@ class CoreInfo(msgspec.Struct):
     kv_events: KVEventsInfo | None = None  # where KV events and load reports are published, as bound
     task: str = "generate"  # generate | embed | rerank: what the model serves (EngineConfig.task)
     embedding_size: int = 0  # embed: a vector's dimensions; rerank: scores per pair
+    rerank_template: str = ""  # a decoder reranker's text for a pair ({query}, {document}); "": pairs
 
 
 class Welcome(msgspec.Struct, tag=True):

@@ -23,7 +23,7 @@ from unison.core.request import Request, check_generate
 from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter, add_drafts, verify
-from unison.model.encoder_config import DecoderPooling, encoder_task, model_task
+from unison.model.encoder_config import DecoderPooling, DecoderReranker, encoder_task, model_task
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
@@ -337,10 +337,10 @@ def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRu
     A task the model cannot serve is refused here, at start, naming `task`."""
     path = Path(model_dir)
     task, encoder = model_task(path), encoder_task(json.loads((path / "config.json").read_text()))
-    pooled = encoder is None and config.task == "embed"  # a decoder asked to embed: last-token pooling
+    # A decoder asked to embed (last-token pooling) or rerank (yes / no at the last token)
+    pooled = encoder is None and config.task in ("embed", "rerank")
     if config.task not in ("auto", task) and not pooled:
-        raise ValueError(f"task: this model serves {task!r}, not {config.task!r} (a decoder can also "
-                         "embed; reranking needs a BERT cross-encoder)")
+        raise ValueError(f"task: this model serves {task!r}, not {config.task!r}")
     if encoder is not None:
         if config.enable_lora:
             raise ValueError("enable_lora: LoRA adapters run on decoders only, not on an encoder "
@@ -356,5 +356,6 @@ def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRu
         max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
         load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
         mem_fraction_static=config.mem_fraction_static,
-        pooling=DecoderPooling.from_dir(path) if task == "embed" or pooled else None,
+        pooling=(DecoderReranker.from_dir(path) if config.task == "rerank" else
+                 DecoderPooling.from_dir(path) if task == "embed" or pooled else None),
     )

@@ -51,7 +51,7 @@ class CoreReport:
             quantization=runner.quantization, kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
             weights=runner.model.linear_kinds(), weights_bytes=runner.model.weights_bytes(),
             max_queued_requests=core.config.max_queued_requests, task=core.task,
-            embedding_size=runner.output_size,
+            embedding_size=runner.output_size, rerank_template=runner.rerank_template,
         )
 
     @property

@@ -5,6 +5,7 @@ float32 vector (ReqOutput.embedding), or a cross-encoder's scores."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,9 +67,16 @@ def pair_request(info: CoreInfo, tok: Tokenizer | None, query: object, documents
     for i, doc in enumerate(documents):
         if not isinstance(doc, str) or not doc:
             raise InvalidParam(fields[1], f"{fields[1]}[{i}] must be a non-empty string")
-        ids.append(tok.encode_pair(query, doc))
+        template = info.rerank_template  # a decoder reranker's prompt, else the two texts as a pair
+        ids.append(tok.encode(_fill(template, query, doc), add_special_tokens=False) if template
+                   else tok.encode_pair(query, doc))
         _check_ids(info, ids[-1], f"{fields[1]}[{i}]", None)
     return _request(ids, True)
+
+
+def _fill(template: str, query: str, document: str) -> str:
+    """The template with both texts in, in one pass (a query holding "{document}" stays as it is)."""
+    return re.sub(r"\{(query|document)\}", lambda m: query if m[1] == "query" else document, template)
 
 
 def pooled(collector: Collector) -> list[Pooled]:

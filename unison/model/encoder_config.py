@@ -15,6 +15,14 @@ ARCHITECTURES = {"BertModel": "embed", "BertForSequenceClassification": "rerank"
 POOLING_KEYS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
                 "max": "pooling_mode_max_tokens", "lasttoken": "pooling_mode_lasttoken"}
 POOLING_MODES = tuple(POOLING_KEYS)
+# How Qwen3-Reranker reads a pair ({instruction}, {query}, {document} are filled in): its answer,
+# "yes" or "no", comes after the empty thinking section.
+QWEN3_RERANKER_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 
 def encoder_task(hf_config: JSONObject) -> str | None:
@@ -127,6 +135,27 @@ class DecoderPooling:
             raise ValueError(f"{model_dir}: a decoder embeds by last-token pooling (its cache holds "
                              f"each prompt once, in chunks); {pooling!r} pooling is not supported")
         return cls(normalize)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderReranker:
+    """A decoder served as a reranker (Qwen3-Reranker's recipe): each (query, document) pair is
+    written into `template` and scored P("yes") against "no" at its last token."""
+
+    yes_id: int
+    no_id: int
+    template: str = QWEN3_RERANKER_TEMPLATE.replace("{instruction}", RERANK_INSTRUCTION)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> DecoderReranker:
+        import tokenizers
+
+        tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+        if yes is None or no is None:
+            raise ValueError(f"task: a decoder reranks by its 'yes' and 'no' tokens; {model_dir}'s "
+                             "tokenizer lacks them")
+        return cls(yes, no)
 
 
 def model_task(model_dir: Path) -> str:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class EncoderRunner:
     kv_dtype = torch.float32  # reported as the KV cache's; there is none
     eos_token_ids: list[int] = []
+    rerank_template = ""  # a cross-encoder reads a pair as its tokenizer joins two texts
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", num_threads: int | None = None, block_size: int = 16,

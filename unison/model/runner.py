@@ -16,7 +16,7 @@ from torch import Tensor
 from . import cpu_kernels
 from .attention import PagedAttention
 from .decoder import DecoderModel, dummy_model
-from .encoder_config import DecoderPooling
+from .encoder_config import DecoderPooling, DecoderReranker
 from .families import ModelConfig
 from .loader import open_weights, resolve_model_dir
 from .lora import Adapter, LoraStep, LoraWeights
@@ -45,6 +45,7 @@ class ModelRunner:
     task = "generate"
     output_size = 0  # a pooling runner's vector size; a decoder gives tokens
     normalize = True
+    rerank_template = ""  # a reranker's: the text of a pair, {query} and {document} to fill in
 
     def __init__(self, model_path: str | Path | None, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
@@ -52,7 +53,7 @@ class ModelRunner:
                  max_total_tokens: int | None = None, num_threads: int | None = None,
                  load_format: str = "auto", kv_cache_memory_gb: float | None = None,
                  mem_fraction_static: float | None = None, model_dir: str | Path | None = None,
-                 pooling: DecoderPooling | None = None):
+                 pooling: DecoderPooling | DecoderReranker | None = None):
         """`model_path`: a Hugging Face directory or a GGUF file (None: the embedded model);
         `model_dir`, when known, its resolved directory of config and tokenizer files."""
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
@@ -63,8 +64,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model_dir = Path(model_dir) if model_dir else resolve_model_dir(model_path)
         self.config = ModelConfig.from_dir(self.model_dir)
-        if pooling is not None:
+        if isinstance(pooling, DecoderPooling):
             self.task, self.output_size, self.normalize = "embed", self.config.hidden_size, pooling.normalize
+        elif pooling is not None:  # a reranker: P("yes") against "no" at the last token
+            self.task, self.output_size, self.labels = "rerank", 1, [pooling.no_id, pooling.yes_id]
+            self.rerank_template = pooling.template
         # What the model computes in, and what its float linears run as (bf16 on CPU: see below).
         self.dtype, self.linear_dtype = _resolve_dtype(dtype, self.device, self.config)
         self._quantization_mode = quantization  # as asked: a reload resolves it for its checkpoint
@@ -240,7 +244,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem]) -> Tensor:
-        """Float32 logits [sum(len(token_ids) - logits_start), vocab], rows in batch order."""
+        """Float32 logits [sum(len(token_ids) - logits_start), vocab], rows in batch order (a
+        pooled decoder's: its normalized hidden states; a reranker's: P("yes"), one column)."""
+        out = self._forward(batch)
+        if self.task == "rerank":
+            return torch.softmax(out[:, self.labels], dim=-1)[:, 1:]
+        return out
+
+    def _forward(self, batch: list[BatchItem]) -> Tensor:
         if not batch:
             return torch.empty(0, self.vocab_size, device=self.device)
         lora = self._lora_step(batch)
