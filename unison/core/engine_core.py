@@ -331,7 +331,6 @@ class EngineCore:
         return outputs
 
 
-
 def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRunner:
     """The model's runner: an encoder's for embedding and cross-encoder models, else the decoder's.
     A task the model cannot serve is refused here, at start, naming `task`."""

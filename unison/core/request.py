@@ -105,7 +105,7 @@ def check_generate(msg: Generate, vocab_size: int, context_length: int, task: st
     if n == 0:
         return "input_ids is empty"
     if msg.pooling != (task != "generate"):
-        return (f"this model serves {task!r}: use generate" if task == "generate" else
+        return ("this model serves 'generate': it does not embed or score" if task == "generate" else
                 f"this model serves {task!r}, not generation: use encode, rerank or score "
                 "(/v1/embeddings, /v1/rerank, /score)")
     if msg.pooling and (p.max_new_tokens or msg.return_logprob or p.grammar is not None):

@@ -55,7 +55,7 @@ def embed_request(info: CoreInfo, tok: Tokenizer | None, inputs: object, field: 
 
 def pair_request(info: CoreInfo, tok: Tokenizer | None, query: object, documents: object,
                  fields: tuple[str, str] = ("query", "documents")) -> GenerateRequest:
-    """A cross-encoder's (query, document) pairs, one request per document."""
+    """A reranker's (query, document) pairs, one request per document."""
     expect_task(info, "rerank", "rerank and score (/v1/rerank, /score)")
     if not isinstance(query, str) or not query:
         raise InvalidParam(fields[0], f"{fields[0]} must be a non-empty string")
@@ -63,11 +63,10 @@ def pair_request(info: CoreInfo, tok: Tokenizer | None, query: object, documents
         raise InvalidParam(fields[1], f"{fields[1]} must be a non-empty list of at most {MAX_INPUTS} strings")
     if tok is None:
         raise InvalidParam(fields[1], "this engine has no tokenizer (skip_tokenizer_init=True)")
-    ids = []
+    ids, template = [], info.rerank_template  # a decoder reranker's prompt, else the texts as a pair
     for i, doc in enumerate(documents):
         if not isinstance(doc, str) or not doc:
             raise InvalidParam(fields[1], f"{fields[1]}[{i}] must be a non-empty string")
-        template = info.rerank_template  # a decoder reranker's prompt, else the two texts as a pair
         ids.append(tok.encode(_fill(template, query, doc), add_special_tokens=False) if template
                    else tok.encode_pair(query, doc))
         _check_ids(info, ids[-1], f"{fields[1]}[{i}]", None)

@@ -1,6 +1,6 @@
-"""What an encoder model is and serves, read from its directory without torch (the frontends
-and the loader read it too): `config.json`, and sentence-transformers' `modules.json`,
-`1_Pooling/config.json` and `sentence_bert_config.json`."""
+"""What a pooling model is and serves (an encoder; a decoder that embeds or reranks), read from
+its directory without torch (the loader reads it too): `config.json`, and sentence-transformers'
+`modules.json`, `1_Pooling/config.json` and `sentence_bert_config.json`."""
 
 from __future__ import annotations
 

@@ -40,8 +40,9 @@ class ModelRunner:
     """Runs flat batches of prefill chunks and decode tokens against a paged KV cache (its layout
     and the attention over it: attention.PagedAttention, the runner's `attention`)."""
 
-    # "embed": a pooled decoder (Qwen3-Embedding's recipe): each sequence's last hidden state,
-    # normalized when `normalize`, instead of logits. (An encoder's runner: encoder_runner.py.)
+    # What a step gives: "generate", logits; "embed", a pooled decoder's (Qwen3-Embedding's recipe)
+    # last hidden state per sequence, normalized when `normalize`; "rerank", a decoder reranker's
+    # (Qwen3-Reranker's) P("yes") against "no" at the last token. (Encoders: encoder_runner.py.)
     task = "generate"
     output_size = 0  # a pooling runner's vector size; a decoder gives tokens
     normalize = True
@@ -120,7 +121,7 @@ class ModelRunner:
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
                                                       attention.v_cache)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"
-                          else None)  # a pooled decoder's hidden states come from the Python forward
+                          else None)  # pooling's rows come from the Python forward (the same kernels)
 
     @property
     def _kernel(self) -> cpu_kernels.CpuKernels | None:
