@@ -233,24 +233,29 @@ def test_rerank_and_score_match_sentence_transformers(cross_encoder):
             e.encode("hi")
 
 
-def test_rerank_routes(cross_encoder):
+@pytest.fixture(scope="module")
+def rerank_server(cross_encoder):
+    yield from serve("rerank", str(cross_encoder))
+
+
+def test_rerank_routes(rerank_server):
+    server = rerank_server
     query, docs = "capital of France", ["Cats purr.", "Paris is the capital of France.", "Rivers flow."]
-    for server in serve("rerank", str(cross_encoder)):
-        results = {}
-        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-            r = server.post(path, {"query": query, "documents": docs, "top_n": 2})
-            assert r.status_code == 200, r.text
-            results[path] = r.json()["results"]
-            assert len(results[path]) == 2
-            assert set(results[path][0]) == {"index", "relevance_score", "document"}
-        assert results["/v1/rerank"] == results["/rerank"] == results["/v2/rerank"]
-        score = server.post("/score", {"text_1": query, "text_2": docs}).json()
-        by_index = {r["index"]: r["relevance_score"] for r in results["/rerank"]}
-        assert all(score["data"][i]["score"] == s for i, s in by_index.items())
-        err = assert_openai_error(server.post("/v1/rerank", {"query": query, "documents": [""]}), 400)
-        assert err["param"] == "documents"
-        err = assert_openai_error(server.post("/v1/embeddings", {"input": "x"}), 400)
-        assert err["param"] == "model"
+    results = {}
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        r = server.post(path, {"query": query, "documents": docs, "top_n": 2})
+        assert r.status_code == 200, r.text
+        results[path] = r.json()["results"]
+        assert len(results[path]) == 2
+        assert set(results[path][0]) == {"index", "relevance_score", "document"}
+    assert results["/v1/rerank"] == results["/rerank"] == results["/v2/rerank"]
+    score = server.post("/score", {"text_1": query, "text_2": docs}).json()
+    by_index = {r["index"]: r["relevance_score"] for r in results["/rerank"]}
+    assert all(score["data"][i]["score"] == s for i, s in by_index.items())
+    err = assert_openai_error(server.post("/v1/rerank", {"query": query, "documents": [""]}), 400)
+    assert err["param"] == "documents"
+    err = assert_openai_error(server.post("/v1/embeddings", {"input": "x"}), 400)
+    assert err["param"] == "model"
 
 
 # ---- pooled decoders: Qwen3-Embedding's recipe ------------------------------------------------
