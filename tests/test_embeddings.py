@@ -72,7 +72,7 @@ def test_vectors_match_sentence_transformers(engine, st_model):
     worst = cosines(ours, ref).min()
     assert worst >= 0.99999, worst
     lengths = [len(engine.tokenizer.encode(t)) for t in texts]
-    assert min(lengths) <= 8 and max(lengths) > 256  # the mix the issue asks for, truncation included
+    assert min(lengths) <= 8 and max(lengths) > 256  # short and long texts, truncation included
     # Where the linears run as int8 (Unison's kernels) or bfloat16 (oneDNN): within 0.999.
     for kind in ({"quantization": "int8"}, {"dtype": "bfloat16"}):
         with Engine(model_path=str(engine.get_server_info()["model_path"]), num_threads=1, **kind) as e:
