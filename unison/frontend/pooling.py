@@ -27,8 +27,12 @@ MAX_INPUTS = 2048
 
 @dataclass(frozen=True, slots=True)
 class Pooled:
-    vector: list[float]  # an embedding, or a cross-encoder's scores (one per label)
+    data: bytes  # an embedding, or a reranker's scores: float32, little-endian, as the core sent it
     prompt_tokens: int
+
+    @property
+    def vector(self) -> list[float]:
+        return np.frombuffer(self.data, dtype="<f4").tolist()
 
 
 def embed_request(info: CoreInfo, tok: Tokenizer | None, inputs: object, field: str = "input",
@@ -86,8 +90,7 @@ def pooled(collector: Collector) -> list[Pooled]:
             raise state.error
         if not state.embedding:
             raise RuntimeError(f"request {state.rid} ended without a result ({state.finish_reason})")
-        vector = np.frombuffer(state.embedding, dtype="<f4").tolist()
-        results.append(Pooled(vector, len(state.prompt_ids)))
+        results.append(Pooled(state.embedding, len(state.prompt_ids)))
     return results
 
 

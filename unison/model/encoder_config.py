@@ -157,9 +157,3 @@ class DecoderReranker:
                              "tokenizer lacks them")
         return cls(yes, no)
 
-
-def model_task(model_dir: Path) -> str:
-    """What a model directory serves by itself: an encoder's task, "embed" for a decoder that
-    sentence-transformers' modules make an embedding model, else "generate"."""
-    hf = json.loads((model_dir / "config.json").read_text())
-    return encoder_task(hf) or ("embed" if (model_dir / "modules.json").is_file() else "generate")

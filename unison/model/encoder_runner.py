@@ -85,12 +85,6 @@ class EncoderRunner:
     def update_tensors(self, path: str) -> int:
         self._unsupported("updating weights")
 
-    def add_lora(self, *args, **kwargs) -> None:
-        self._unsupported("LoRA")
-
-    def remove_lora(self, *args, **kwargs) -> None:
-        self._unsupported("LoRA")
-
 
 def _linear_kind(dtype: str, quantization: str) -> tuple[str, CpuKernels | None]:
     """What the encoder's linears run as (bert.KINDS), from the engine's dtype and quantization:

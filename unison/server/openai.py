@@ -60,7 +60,7 @@ def _no_model(name: str, served: str, adapters: list[str] | None = None) -> HTTP
                      param="model")
 
 
-async def _check_model(request: Request, name: str | None) -> str:
+async def check_model(request: Request, name: str | None) -> str:
     """The model a request names, checked now (routes that queue nothing in the core)."""
     served, adapter = _model_of(request, name)
     if adapter is not None:
@@ -96,7 +96,7 @@ async def models(request: Request):
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request):
-    name = await _check_model(request, model)
+    name = await check_model(request, model)
     adapter = next((a for a in await _adapters(request) if a.name == name), None)
     return _model_card(request, name, adapter)
 
@@ -110,7 +110,7 @@ async def version():
 async def tokenize(body: TokenizeRequest, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
     tokenizer, info, _ = attached(worker_of(request))
-    await _check_model(request, body.model)
+    await check_model(request, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -131,7 +131,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
     tokenizer, info, _ = attached(worker_of(request))
-    await _check_model(request, body.model)
+    await check_model(request, body.model)
     vocab = info.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:

@@ -176,3 +176,29 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+# ---- pooling bodies (server/pooling_routes.py) ----------------------------------------------
+
+
+class EmbeddingRequest(_Strict):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: str = "float"  # float | base64 (float32 little-endian, as OpenAI's)
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep at most this many tokens
+
+
+class RerankRequest(_Strict):
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: int | None = None
+    return_documents: bool = True  # Jina's and vLLM's default
+
+
+class ScoreRequest(_Strict):
+    text_1: str
+    text_2: str | list[str]
+    model: str | None = None
