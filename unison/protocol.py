@@ -21,7 +21,7 @@ from unison.kv_events import KVEventsInfo
 from unison.sampling import CoreSamplingParams
 from unison.version import __version__
 
-PROTOCOL_VERSION = "7"
+PROTOCOL_VERSION = "8"
 
 
 # ---- frontend -> core -------------------------------------------------------------------------
@@ -173,6 +173,18 @@ class FrontendInfo(msgspec.Struct):
     remote: bool = False  # attached over TCP (CURVE keys, heartbeats), not the local IPC socket
 
 
+class RequestInfo(msgspec.Struct):
+    """A request the core holds: llama-server's /slots shows them."""
+
+    rid: str
+    worker_id: int  # the frontend's that sent it (-1: one that has gone)
+    running: bool  # False: waiting to be admitted
+    prompt_tokens: int
+    output_tokens: int
+    max_new_tokens: int
+    cached_tokens: int
+
+
 class LoraAdapterInfo(msgspec.Struct):
     """A loaded LoRA adapter, as the core's registry holds it."""
 
@@ -209,6 +221,7 @@ class ServerInfo(msgspec.Struct, tag=True):
     admissions: list[tuple[int, str]]  # (worker id, rid) in admission order, the last few
     frontends: list[FrontendInfo]
     lora_adapters: list[LoraAdapterInfo] = []
+    requests: list[RequestInfo] = []  # running first, then waiting, in the scheduler's order
 
     def to_dict(self) -> dict:
         """Plain JSON-able values in SGLang's top-level keys (its options, the scheduler's

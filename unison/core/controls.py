@@ -108,6 +108,7 @@ class Controls:
             admissions=[(frontends.worker_ids.get(f, -1), rid) for f, rid in report.admissions()],
             frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident], fe.remote) for fe in frontends],
             lora_adapters=report.lora_adapters(),
+            requests=report.requests(frontends.worker_ids),
         )
 
     def flush_cache(self, req: FlushCache, by: Caller) -> OpResult:

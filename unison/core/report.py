@@ -17,7 +17,7 @@ from unison.core.scheduler import Scheduler
 from unison.core.spec_decode import Drafter
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.runner import ModelRunner
-from unison.protocol import CoreInfo, EngineStats, LoraAdapterInfo
+from unison.protocol import CoreInfo, EngineStats, LoraAdapterInfo, RequestInfo
 
 
 class ReportedCore(Protocol):
@@ -101,6 +101,13 @@ class CoreReport:
         sched = self.core.scheduler
         return self.core.loras.infos(Counter(r.adapter for r in sched.running),
                                      Counter(r.adapter for r in sched.waiting))
+
+    def requests(self, worker_ids: dict[bytes, int]) -> list[RequestInfo]:
+        """Every request the scheduler holds, running first."""
+        sched = self.core.scheduler
+        return [RequestInfo(r.rid, worker_ids.get(r.frontend, -1), i < len(sched.running),
+                            r.num_prompt_tokens, r.num_tokens - r.num_prompt_tokens, r.params.max_new_tokens,
+                            r.cached_tokens) for i, r in enumerate(sched)]
 
     def requests_per_frontend(self) -> Counter[bytes]:
         return Counter(req.frontend for req in self.core.requests.values())

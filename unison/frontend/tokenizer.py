@@ -92,7 +92,11 @@ class Tokenizer:
         )
 
     def _id_of(self, token: str | None) -> int | None:
-        return None if token is None else self._tok.token_to_id(token)
+        return None if token is None else self.token_id(token)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (a special token's, say), None if it has none."""
+        return self._tok.token_to_id(token)
 
     @property
     def bos_token(self) -> str | None:

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
-from unison.server import native, openai, pooling_routes, responses
+from unison.server import anthropic, llama_server, native, ollama, openai, pooling_routes, responses
 from unison.server.errors import HTTPError, error_kind, error_response
 from unison.server.openai_format import invalid_param
 from unison.server.openai_protocol import generation_defaults
@@ -74,6 +74,9 @@ def create_app(settings: WorkerSettings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(pooling_routes.router)
     app.include_router(responses.router)
+    app.include_router(anthropic.router)
+    app.include_router(ollama.router)
+    app.include_router(llama_server.router)
     app.include_router(native.router)
     if not serve.disable_ui:
         _add_ui(app)
@@ -91,55 +94,60 @@ def _add_ui(app: FastAPI) -> None:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPError)
-    async def _http_error(_: Request, e: HTTPError):
-        return error_response(e.status, e.message, e.kind, e.param)
+    async def _http_error(request: Request, e: HTTPError):
+        return error_response(e.status, e.message, e.kind, e.param, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _starlette_error(_: Request, e: StarletteHTTPException):
+    async def _starlette_error(request: Request, e: StarletteHTTPException):
         # FastAPI's own errors (unknown route, wrong method, an unparsable body) in OpenAI's shape.
         message = str(e.detail)
         if isinstance(e.__cause__, UnicodeDecodeError):
             message = f"the request body is not valid UTF-8 JSON: {e.__cause__}"
-        return error_response(e.status_code, message, error_kind(e.status_code))
+        return error_response(e.status_code, message, error_kind(e.status_code), path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
+    async def _validation(request: Request, e: RequestValidationError):
+        first, path = e.errors()[0] if e.errors() else {}, request.url.path
         if first.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON")
+            return error_response(400, "the request body is not valid JSON", path=path)
         param = _field_path(first.get("loc", ()))
         if first.get("type") == "extra_forbidden":
-            return error_response(400, f"unknown field {param!r}", param=param)
-        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+            return error_response(400, f"unknown field {param!r}", param=param, path=path)
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param,
+                              path=path)
 
     @app.exception_handler(InvalidParam)
     async def _invalid(request: Request, e: InvalidParam):
         path = request.url.path
         err = invalid_param(e, openai=path.startswith("/v1/"), chat=path == "/v1/chat/completions")
-        return error_response(err.status, err.message, param=err.param)
+        return error_response(err.status, err.message, param=err.param, path=path)
 
     @app.exception_handler(jinja2.TemplateError)
-    async def _template_error(_: Request, e: jinja2.TemplateError):
+    async def _template_error(request: Request, e: jinja2.TemplateError):
         # The chat template refused these messages (its raise_exception, e.g. roles that do not
         # alternate): the request's fault, as vLLM answers it.
-        return error_response(400, f"the chat template refused the messages: {e}", param="messages")
+        return error_response(400, f"the chat template refused the messages: {e}", param="messages",
+                              path=request.url.path)
 
     @app.exception_handler(ValueError)
-    async def _value_error(_: Request, e: ValueError):
-        return error_response(400, str(e))  # a bad request the checks above did not name a field of
+    async def _value_error(request: Request, e: ValueError):
+        # a bad request the checks above did not name a field of
+        return error_response(400, str(e), path=request.url.path)
 
     @app.exception_handler(EngineOverloadedError)
-    async def _overloaded(_: Request, e: EngineOverloadedError):
-        return error_response(503, str(e), "service_unavailable")
+    async def _overloaded(request: Request, e: EngineOverloadedError):
+        return error_response(503, str(e), "service_unavailable", path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, e: EngineDeadError):
-        return error_response(503, f"the engine is not running: {e}", "service_unavailable")
+    async def _dead(request: Request, e: EngineDeadError):
+        return error_response(503, f"the engine is not running: {e}", "service_unavailable",
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):
-        # A bug here: still an OpenAI-shaped body (uvicorn logs the traceback).
-        return error_response(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
+    async def _internal(request: Request, e: Exception):
+        # A bug here: still an error body of the route's API (uvicorn logs the traceback).
+        return error_response(500, f"internal server error: {type(e).__name__}: {e}", "server_error",
+                              path=request.url.path)
 
 
 class _Gate:
@@ -168,27 +176,31 @@ class _Gate:
                                       (b"x-unison-worker-pid", self.pid)]
             await send(message)
 
-        headers = dict(scope["headers"])
-        if self.api_key and not self.is_open(scope["path"]):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                response = error_response(401, "missing or invalid API key; send 'Authorization: "
-                                               "Bearer <key>'", "authentication_error")
-                return await response(scope, receive, tagged)
+        headers, path = dict(scope["headers"]), scope["path"]
+        if self.api_key and not self.is_open(path) and not self.has_key(headers):
+            response = error_response(401, "missing or invalid API key; send 'Authorization: Bearer <key>' "
+                                           "(or 'x-api-key: <key>')", "authentication_error", path=path)
+            return await response(scope, receive, tagged)
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body:  # refused unread (uvicorn drains it)
-            return await self.too_large(int(length))(scope, receive, tagged)
+            return await self.too_large(int(length), path)(scope, receive, tagged)
         if not length and b"chunked" in headers.get(b"transfer-encoding", b"").lower():
             buffered = await self.read_body(receive)
             if buffered is None:
-                return await self.too_large(None)(scope, receive, tagged)
+                return await self.too_large(None, path)(scope, receive, tagged)
             receive = buffered
         await self.app(scope, receive, tagged)
 
-    def too_large(self, length: int | None) -> Response:
+    def has_key(self, headers: dict[bytes, bytes]) -> bool:
+        """The key as OpenAI's clients send it (a bearer token) or as Anthropic's (x-api-key)."""
+        assert self.api_key is not None
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode())
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key.encode())
+
+    def too_large(self, length: int | None, path: str) -> Response:
         size = "" if length is None else f" ({length} bytes)"
         return error_response(413, f"the request body{size} exceeds the limit of {self.max_body} "
-                                   "bytes (max_request_bytes)")
+                                   "bytes (max_request_bytes)", path=path)
 
     async def read_body(self, receive: Receive) -> Receive | None:
         """A body of unknown length, read up to the limit (None past it) and handed on whole; later

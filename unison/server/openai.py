@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
@@ -12,6 +15,7 @@ from unison.config import EngineConfig
 from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.generate_args import GenerateArgs
+from unison.frontend.infill import fim_tokens
 from unison.frontend.pooling import expect_task
 from unison.frontend.reasoning import END as REASONING_END
 from unison.frontend.reasoning import starts_in_reasoning
@@ -19,14 +23,14 @@ from unison.frontend.tokenizer import Tokenizer
 from unison.frontend.worker import TokenizerWorker
 from unison.protocol import CoreInfo, GetServerInfo, LoraAdapterInfo
 from unison.server.errors import HTTPError
-from unison.server.openai_format import Formatter
+from unison.server.openai_format import Formatter, invalid_param
 from unison.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from unison.server.openai_tools import messages_for_template, plan_tools
+from unison.server.openai_tools import ToolPlan, messages_for_template, plan_tools
 from unison.server.streaming import route, stream, wait, worker_of
 from unison.version import __version__
 
@@ -141,22 +145,52 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
+    collector, fmt = await start_completion(body, request)
+    return await _respond(request, collector, fmt, body.stream, body.include_usage)
+
+
+async def start_completion(body: CompletionRequest, request: Request, default_max_tokens: int | None = 16
+                           ) -> tuple[Collector, Formatter]:
+    """Check a completion request, queue it, and return its outputs' collector and formatter (the
+    Ollama and llama-server routes run on this too). A `suffix` makes it fill-in-the-middle: the
+    prompt is the prefix, around the model's FIM tokens. `default_max_tokens` None: the context's
+    rest."""
     check_encodable(body.model_dump(exclude_none=True), "")
     worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
-    if body.suffix or (body.best_of or 1) > 1:
-        raise HTTPError(400, "suffix and best_of are not supported", param="suffix")
+    tokenizer = attached(worker)[0]
+    if (body.best_of or 1) > 1:
+        raise HTTPError(400, "best_of is not supported (send n)", param="best_of")
     prompt, input_ids = _completion_prompt(body.prompt)
+    if body.suffix is not None:
+        if not isinstance(prompt, str):
+            raise HTTPError(400, "with a suffix, prompt must be one string: the text before the gap",
+                            param="prompt")
+        input_ids = infill_prompt(request, model, prompt, body.suffix, "suffix")
+        prompt = None
     k = body.logprobs
     head = prompt if isinstance(prompt, str) else prompt[0] if prompt else None
-    args = GenerateArgs(prompt=prompt, input_ids=input_ids,
-                        sampling_params=body.sampling_params(16, request.app.state.sampling_defaults),
+    params = body.sampling_params(default_max_tokens, request.app.state.sampling_defaults)
+    args = GenerateArgs(prompt=prompt, input_ids=input_ids, sampling_params=params,
                         return_logprob=k is not None, logprob_start_len=0 if body.echo else -1,
                         top_logprobs_num=k or 0, priority=body.priority, lora_path=adapter)
     collector = await _submit(request, worker, head, args, body.add_special_tokens is not False)
-    fmt = Formatter(attached(worker)[0], collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
+    fmt = Formatter(tokenizer, collector, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", model=model,
                     logprobs=k is not None, top_n=k or 0, echo=body.echo,
                     tokens_as_ids=body.return_tokens_as_token_ids)
-    return await _respond(request, collector, fmt, body.stream, body.include_usage)
+    return collector, fmt
+
+
+def infill_prompt(request: Request, model: str, prefix: str, suffix: str, field: str, middle: str = "",
+                  extra: list[tuple[str, str]] | None = None) -> list[int]:
+    """A fill-in-the-middle prompt's ids; refused, naming the model and `field`, for a model
+    without FIM tokens."""
+    tokenizer = attached(worker_of(request))[0]
+    fim = fim_tokens(tokenizer)
+    if fim is None:
+        raise HTTPError(400, f"{field}: model {model!r} has no fill-in-the-middle tokens (such as "
+                             "<|fim_prefix|>, <fim_prefix>); infill needs a model trained for it",
+                        param=field)
+    return fim.prompt(tokenizer, prefix, suffix, middle, extra)
 
 
 @router.post("/v1/chat/completions")
@@ -165,17 +199,24 @@ async def chat(body: ChatCompletionRequest, request: Request):
     return await _respond(request, collector, fmt, body.stream, body.include_usage)
 
 
-async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Collector, Formatter]:
-    """Check a chat request, queue it, and return its outputs' collector and formatter (the
-    Responses API runs on this too)."""
+@dataclass
+class ChatPrompt:
+    """A chat request rendered by the chat template: its text, its token ids, its tools' plan."""
+
+    text: str
+    ids: list[int]
+    tools: ToolPlan | None
+
+
+def render_chat(body: ChatCompletionRequest, request: Request) -> ChatPrompt:
+    """Check a chat request's messages and tools and render them: the one place every chat-shaped
+    route (chat completions, Responses, Anthropic Messages, Ollama, llama-server's templates)
+    turns messages into a prompt."""
     check_encodable(body.model_dump(exclude_none=True), "")
-    worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
-    tokenizer, info, config = attached(worker)
+    tokenizer, info, _ = attached(worker_of(request))
     expect_task(info, "generate", "chat")  # before the chat template, which an encoder lacks
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                        request.app.state.settings.serve.tool_call_parser)
-    if body.top_logprobs and not body.logprobs:
-        raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     if tools is not None:
         messages = messages_for_template(messages)
@@ -188,7 +229,18 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
         continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
         chat_template=request.app.state.chat_template)
     # The template writes its own special tokens: none more unless asked (vLLM's default).
-    prompt_ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    return ChatPrompt(text, tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)), tools)
+
+
+async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Collector, Formatter]:
+    """Check a chat request, queue it, and return its outputs' collector and formatter (the
+    Responses, Anthropic and Ollama routes run on this too)."""
+    worker, (model, adapter) = worker_of(request), _model_of(request, body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    prompt = render_chat(body, request)
+    tokenizer, info, config = attached(worker)
+    text, prompt_ids, tools = prompt.text, prompt.ids, prompt.tools
     context = info.context_length
     params = body.sampling_params(max(context - len(prompt_ids), 1), request.app.state.sampling_defaults)
     if tools is not None and tools.json_schema is not None:  # required / named: valid calls only
@@ -215,6 +267,18 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
                     tokens_as_ids=body.return_tokens_as_token_ids, tools=tools,
                     reasoning=(parser, text) if parser else None)
     return collector, fmt
+
+
+@contextmanager
+def names_of(rules: list[tuple[str, str]], chat: bool = False) -> Iterator[None]:
+    """Errors of the pipeline (in the chat or completion fields' names) in another API's names:
+    `rules` as HTTPError.renamed takes them."""
+    try:
+        yield
+    except HTTPError as e:
+        raise e.renamed(rules) from None
+    except InvalidParam as e:  # a sampling field, in OpenAI's names first
+        raise invalid_param(e, openai=True, chat=chat).renamed(rules) from None
 
 
 async def _submit(request: Request, worker: TokenizerWorker, text: str | None, args: GenerateArgs,

@@ -32,8 +32,7 @@ def invalid_param(e: InvalidParam, openai: bool, chat: bool = False) -> HTTPErro
     field, message = e.field, str(e)
     if openai:
         field = OPENAI_NAMES.get(field, field)
-        if message.startswith(e.field):
-            message = field + message[len(e.field):]
+        message = message.replace(e.field, field)  # (max_new_tokens's message names it twice)
         if chat and field == "prompt":
             field = "messages"  # the prompt is the chat template's output
     return HTTPError(400, message, param=field)

@@ -89,9 +89,10 @@ class _Base(_SamplingFields):
     # Structured output: OpenAI's response_format (or SGLang's regex / ebnf, sampling options).
     response_format: JSONObject | None = None
 
-    def sampling_params(self, default_max_tokens: int, defaults: JSONObject | None = None
+    def sampling_params(self, default_max_tokens: int | None, defaults: JSONObject | None = None
                         ) -> SamplingParams:
-        """`defaults`: the model's generation_config.json sampling values, for the fields this
+        """`default_max_tokens` None: what the context leaves. `defaults`: the model's
+        generation_config.json sampling values, for the fields this
         request left unset; its max_new_tokens caps every request (vLLM's --generation-config)."""
         defaults = defaults or {}
         given = {o.name: value for name, o in OPENAI_OPTIONS.items()
@@ -153,7 +154,7 @@ class ChatCompletionRequest(_Base):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def sampling_params(self, default_max_tokens: int, defaults: JSONObject | None = None
+    def sampling_params(self, default_max_tokens: int | None, defaults: JSONObject | None = None
                         ) -> SamplingParams:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens

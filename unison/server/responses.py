@@ -10,24 +10,21 @@ the conversation's items again instead, as stateless clients do).
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from unison.errors import InvalidParam
 from unison.frontend.collector import Collector
 from unison.frontend.request import LengthFinish
 from unison.json_types import JSONObject
 from unison.server.errors import HTTPError
-from unison.server.openai import start_chat
-from unison.server.openai_format import ChatChunkChoice, Formatter, invalid_param
+from unison.server.openai import names_of, start_chat
+from unison.server.openai_format import ChatChunkChoice, Formatter
 from unison.server.openai_protocol import ChatCompletionRequest
-from unison.server.streaming import stream, wait
+from unison.server.streaming import named_event, stream, wait
 
 router = APIRouter()
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -140,32 +137,17 @@ def _response_format(text: JSONObject | None) -> JSONObject | None:
 
 
 # Chat fields as this API spells them, for the errors the chat pipeline raises.
-RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
-
-
-def _renamed(e: HTTPError) -> HTTPError:
-    if not e.param:
-        return e
-    param = e.param
-    for old, new in RENAMED.items():
-        if param == old or param.startswith((old + ".", old + "[")):
-            param = new + param[len(old):]
-            break
-    param = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", param)
-    return HTTPError(e.status, e.message.replace(e.param, param), param=param, kind=e.kind)
+RENAMED = [("messages", "input"), ("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
+           (r"(tools\[\d+\])\.function", r"\1")]
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
-    try:
+    with names_of(RENAMED, chat=True):
         collector, fmt = await start_chat(body.to_chat(), request)
-    except HTTPError as e:
-        raise _renamed(e) from None
-    except InvalidParam as e:  # a sampling field, in the chat route's names first
-        raise _renamed(invalid_param(e, openai=True, chat=True)) from None
     out = ResponseBuilder(body, fmt, collector)
     if body.stream:
-        return stream(collector, out.events, out.tail, encode=_event, done=False)
+        return stream(collector, out.events, out.tail, encode=named_event, done=False)
     await wait(request, collector)
     out.items = out.final_items()
     return out.response("completed")
@@ -327,11 +309,3 @@ def _call_item(item_id: str, call_id: str | None, name: str | None, arguments: s
 def _empty(item: JSONObject) -> JSONObject:
     """An item as output_item.added shows it: no content yet (content_part.added brings it)."""
     return {**item, "content": []}
-
-
-_encode = msgspec.json.Encoder().encode
-
-
-def _event(event: object) -> bytes:
-    """A Responses stream event: named, as OpenAI sends them."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n"  # type: ignore[index]

@@ -1,0 +1,231 @@
+"""llama-server's own routes: `/completion` (its field names, streamed as its chunks), `/infill`
+(fill-in-the-middle from the model's FIM tokens, what editor plugins call), `/props`,
+`/apply-template` and `/slots` (a read-only view of the requests the core holds).
+
+`/completion` and `/infill` run through the completion pipeline; their errors are OpenAI's shape,
+as llama-server's, naming the field in llama-server's names.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from unison.frontend.collector import Collector
+from unison.frontend.request import LengthFinish, StopFinish
+from unison.json_types import JSONObject
+from unison.protocol import GetServerInfo
+from unison.server.errors import HTTPError
+from unison.server.openai import (
+    attached,
+    check_model,
+    infill_prompt,
+    names_of,
+    render_chat,
+    start_completion,
+)
+from unison.server.openai_format import CompletionChunkChoice, Formatter
+from unison.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from unison.server.streaming import Timer, stream, wait, worker_of
+from unison.version import __version__
+
+router = APIRouter()
+# The completion fields as llama-server names them (and back, for the pipeline's errors).
+SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+            "typical_p": "typical_p", "repeat_penalty": "repetition_penalty",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "stop": "stop",
+            "ignore_eos": "ignore_eos", "grammar": "ebnf"}
+RENAMED = [(chat, name) for name, chat in SAMPLING.items() if chat != name] + [
+    ("max_tokens", "n_predict"), ("logprobs", "n_probs"), ("response_format", "json_schema")]
+
+
+class CompletionBody(BaseModel):
+    """llama-server's /completion: the fields it documents that change what is generated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[int]
+    model: str | None = None
+    n_predict: int = -1  # -1: until the context ends
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int = -1  # -1: a random seed
+    stop: list[str] | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | list[tuple[int | str, float]] | None = None
+    grammar: str | None = None  # GBNF
+    json_schema: JSONObject | None = None
+    n_probs: int = 0
+    stream: bool = False
+    return_tokens: bool = False
+    cache_prompt: bool = True  # accepted: the prefix cache is always on
+    id_slot: int = -1  # accepted: the scheduler places requests, not the client
+
+    def to_completion(self, prompt: str | list[int]) -> CompletionRequest:
+        if self.n_predict < -1:
+            raise HTTPError(400, f"n_predict must be -1 or at least 0, got {self.n_predict}",
+                            param="n_predict")
+        fields = {chat: v for name, chat in SAMPLING.items() if (v := getattr(self, name)) is not None}
+        schema = {"type": "json_schema", "json_schema": {"name": "output", "schema": self.json_schema}}
+        bias = dict(self.logit_bias) if isinstance(self.logit_bias, list) else self.logit_bias
+        return CompletionRequest.model_validate(dict(
+            model=self.model, prompt=prompt, max_tokens=None if self.n_predict == -1 else self.n_predict,
+            seed=None if self.seed == -1 else self.seed, logit_bias=bias, logprobs=self.n_probs or None,
+            response_format=schema if self.json_schema is not None else None, **fields))
+
+
+class InfillBody(CompletionBody):
+    """/infill: the gap's two sides, other files as context, and `prompt`: how the middle starts."""
+
+    prompt: str = ""  # (text only here)
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[JSONObject] = []
+
+
+class ApplyTemplateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[ChatMessage]
+    tools: list[JSONObject] | None = None
+    chat_template_kwargs: JSONObject | None = None
+    add_generation_prompt: bool = True
+
+
+@router.post("/completion")
+@router.post("/completions")
+async def completion(body: CompletionBody, request: Request):
+    return await _run(request, body, body.to_completion(body.prompt))
+
+
+@router.post("/infill")
+async def infill(body: InfillBody, request: Request):
+    model = await check_model(request, body.model)
+    extra = [_extra(e, i) for i, e in enumerate(body.input_extra)]
+    ids = infill_prompt(request, model, body.input_prefix, body.input_suffix, "input_prefix", body.prompt,
+                        extra)
+    return await _run(request, body, body.to_completion(ids))
+
+
+def _extra(chunk: JSONObject, i: int) -> tuple[str, str]:
+    name, text = chunk.get("filename", ""), chunk.get("text")
+    if not isinstance(name, str) or not isinstance(text, str):
+        raise HTTPError(400, f"input_extra[{i}] must be {{\"filename\": ..., \"text\": ...}}",
+                        param=f"input_extra[{i}]")
+    return name, text
+
+
+async def _run(request: Request, body: CompletionBody, completion: CompletionRequest):
+    with names_of(RENAMED):
+        collector, fmt = await start_completion(completion, request, default_max_tokens=None)
+    out = Chunks(body, fmt, collector)
+    if body.stream:
+        return stream(collector, out.chunks, out.tail, done=False)
+    await wait(request, collector, out.timer.seen)
+    return out.final(fmt.final()["choices"][0]["text"])
+
+
+class Chunks:
+    """One completion's chunks (streamed) or object, in llama-server's fields."""
+
+    def __init__(self, body: CompletionBody, fmt: Formatter, collector: Collector) -> None:
+        self.body, self.fmt, self.collector = body, fmt, collector
+        self.timer = Timer(collector)
+        self.sent_ids = 0
+
+    def chunks(self, changed: list[int]) -> list[JSONObject]:
+        self.timer.seen(changed)
+        out = []
+        for chunk in self.fmt.chunks(changed):
+            choice = chunk.choices[0]
+            assert isinstance(choice, CompletionChunkChoice)  # (a completion's chunks)
+            if choice.text or choice.logprobs:
+                out.append(self._chunk(choice.text, choice.logprobs) | {"stop": False})
+        return out
+
+    def tail(self) -> list[JSONObject]:
+        return self.chunks([]) + [self.final("")]
+
+    def _chunk(self, text: str, logprobs: JSONObject | None) -> JSONObject:
+        ids = self.collector.states[0].output_ids
+        new, self.sent_ids = ids[self.sent_ids:], len(ids)
+        out: JSONObject = {"index": 0, "content": text, "tokens": new if self.body.return_tokens else [],
+                           "id_slot": 0}
+        if logprobs:
+            out["completion_probabilities"] = _probabilities(logprobs)
+        return out
+
+    def final(self, text: str) -> JSONObject:
+        """The last chunk (streamed), or the whole answer: the text, why it stopped, the counts."""
+        state = self.collector.states[0]
+        reason = state.finish_reason
+        matched = reason.matched if isinstance(reason, StopFinish) else None
+        stop_type = "limit" if isinstance(reason, LengthFinish) else "word" if isinstance(matched, str) \
+            else "eos" if isinstance(reason, StopFinish) else "none"
+        usage = self.fmt.usage()
+        prompt_s, output_s = self.timer.split()
+        logprobs = self.fmt.final()["choices"][0]["logprobs"] if text and self.body.n_probs else None
+        return self._chunk(text, logprobs) | {
+            "stop": True, "model": self.fmt.model, "stop_type": stop_type,
+            "stopping_word": matched if isinstance(matched, str) else "",
+            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
+            "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"], "truncated": False,
+            "has_new_line": "\n" in state.text,
+            "timings": _timings(usage["prompt_tokens"], prompt_s, usage["completion_tokens"], output_s)}
+
+
+def _probabilities(logprobs: JSONObject) -> list[JSONObject]:
+    """A completion's logprobs as llama-server's completion_probabilities."""
+    rows = zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
+                              for k, v in (top or {}).items()]} for t, lp, top in rows]
+
+
+def _timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> JSONObject:
+    return {"prompt_n": prompt_n, "prompt_ms": prompt_s * 1e3,
+            "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+            "predicted_n": predicted_n, "predicted_ms": predicted_s * 1e3,
+            "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else 0.0}
+
+
+@router.post("/apply-template")
+async def apply_template(body: ApplyTemplateBody, request: Request):
+    # The tools are rendered alike whatever the choice; "none" needs no tool-call parser.
+    chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                 tool_choice="none" if body.tools else None,
+                                 chat_template_kwargs=body.chat_template_kwargs,
+                                 add_generation_prompt=body.add_generation_prompt)
+    return {"prompt": render_chat(chat, request).text}
+
+
+@router.get("/props")
+async def props(request: Request):
+    tokenizer, info, config = attached(worker_of(request))
+    defaults = request.app.state.sampling_defaults
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    return {"default_generation_settings": {"n_ctx": info.context_length, "params": defaults},
+            "total_slots": config.max_running_requests, "model_path": config.model_path or info.model_dir,
+            "model_alias": request.app.state.settings.served_model_name, "chat_template": template or "",
+            "modalities": {"vision": False, "audio": False}, "build_info": f"unison {__version__}",
+            "bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or "",
+            "is_sleeping": False}
+
+
+@router.get("/slots")
+async def slots(request: Request):
+    """The requests the core holds, one slot each (running, then waiting), read-only."""
+    info = await worker_of(request).control(GetServerInfo())
+    return [{"id": i, "id_task": r.rid, "n_ctx": info.core.context_length, "is_processing": r.running,
+             "worker_id": r.worker_id,
+             "next_token": [{"has_next_token": r.running, "n_decoded": r.output_tokens,
+                             "n_remain": r.max_new_tokens - r.output_tokens}],
+             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
+            for i, r in enumerate(info.requests)]
+

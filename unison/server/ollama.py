@@ -1,0 +1,477 @@
+"""Ollama's API under /api/: what Open WebUI, editor plugins and LangChain's Ollama classes call.
+
+`/api/chat` runs through the chat route's pipeline and `/api/generate` through the chat template
+(or, `raw`, the completion pipeline; with a `suffix`, fill-in-the-middle). Both stream JSON lines
+by default (`stream: false` answers once). `options` are Ollama's names for the sampling fields;
+`format` ("json" or a JSON schema) is structured output. `/api/tags`, `/api/show`, `/api/ps` and
+`/api/version` describe the one model served; `/api/embed` (and the older `/api/embeddings`)
+embed with an embedding model. Errors are Ollama's {"error": "..."}, naming the field.
+
+Models are never pulled, created, copied or deleted here: those routes do not exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import msgspec
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from unison.frontend import pooling
+from unison.frontend.collector import Collector
+from unison.frontend.infill import fim_tokens
+from unison.frontend.request import LengthFinish
+from unison.json_types import JSONObject
+from unison.server.errors import HTTPError
+from unison.server.openai import attached, check_model, names_of, start_chat, start_completion
+from unison.server.openai_format import ChatChunkChoice, CompletionChunkChoice, Formatter
+from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from unison.server.streaming import Timer, route, stream, wait, worker_of
+from unison.version import __version__
+
+router = APIRouter()
+PREFIX = "/api"
+# Ollama's option names for the chat fields, and back, for the errors the pipeline raises.
+SAMPLING = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+            "min_p": "min_p", "typical_p": "typical_p", "repeat_penalty": "repetition_penalty",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+            "seed": "seed", "stop": "stop"}
+RENAMED = [(chat, f"options.{name}") for name, chat in SAMPLING.items()] + [("response_format", "format")]
+# Options that only say how Ollama's runner loads and runs the model: accepted, with no effect.
+RUNNER_OPTIONS = ("numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "vocab_only", "use_mmap",
+                  "use_mlock", "num_thread", "num_keep", "logits_all", "embedding_only", "f16_kv")
+# Options that would change the output but are not served: only their neutral values are accepted.
+NEUTRAL = {"mirostat": 0, "tfs_z": 1.0, "penalize_newline": None, "repeat_last_n": None}
+
+
+class Options(BaseModel):
+    """Ollama's `options`: the sampling ones mapped, the runner's accepted, any other named."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_predict: int | None = None  # -1, -2 (Ollama's "unbounded", "fill the context"): the context's rest
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    tfs_z: float | None = None
+    penalize_newline: bool | None = None
+    repeat_last_n: int | None = None  # the penalties here read the whole sequence, as vLLM's
+    numa: bool | None = None
+    num_ctx: int | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    num_thread: int | None = None
+    num_keep: int | None = None
+    logits_all: bool | None = None
+    embedding_only: bool | None = None
+    f16_kv: bool | None = None
+
+    def sampling(self) -> JSONObject:
+        """The chat fields these options set."""
+        for name in ("mirostat", "tfs_z"):
+            value = getattr(self, name)
+            if value is not None and value != NEUTRAL[name]:
+                raise HTTPError(400, f"options.{name}: {name} sampling is not served here (send "
+                                     f"{NEUTRAL[name]} or leave it out)", param=f"options.{name}")
+        out = {chat: value for name, chat in SAMPLING.items() if (value := getattr(self, name)) is not None}
+        if self.num_predict is not None and self.num_predict < 0:
+            if self.num_predict not in (-1, -2):
+                raise HTTPError(400, "options.num_predict must be -1, -2 or at least 0, got "
+                                     f"{self.num_predict}", param="options.num_predict")
+            del out["max_tokens"]  # the context's rest
+        return out
+
+
+class _Generation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    format: str | JSONObject | None = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: float | str | None = None  # the model stays loaded: accepted, with no effect
+    think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def fields(self) -> JSONObject:
+        """The chat fields every generation sets: sampling, format, logprobs, thinking."""
+        out = (self.options or Options()).sampling()
+        out["response_format"] = _response_format(self.format)
+        if self.think is not None:
+            if self.think not in (True, False, "low", "medium", "high"):
+                raise HTTPError(400, f"think must be true, false, low, medium or high, got {self.think!r}",
+                                param="think")
+            out["chat_template_kwargs"] = {"enable_thinking": self.think is not False}
+        return out
+
+
+class ChatBody(_Generation):
+    messages: list[JSONObject] = []
+    tools: list[JSONObject] | None = None
+
+
+class GenerateBody(_Generation):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    raw: bool = False
+    template: str | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+
+
+class EmbedBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[str]
+    truncate: bool = True  # Ollama's default: cut an input at the context's end
+    dimensions: int | None = None
+    options: Options | None = None
+    keep_alive: float | str | None = None
+
+
+class EmbeddingsBody(BaseModel):
+    """/api/embeddings, Ollama's older route: one prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str
+    options: Options | None = None
+    keep_alive: float | str | None = None
+
+
+class ShowBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    name: str | None = None  # Ollama's older field
+    verbose: bool = False
+
+
+def _response_format(fmt: str | JSONObject | None) -> JSONObject | None:
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise HTTPError(400, f'format must be "json" or a JSON schema object, got {fmt!r}', param="format")
+
+
+def _model(name: str) -> str:
+    """Ollama's clients name models with a tag; the served model's is "latest"."""
+    return name.removesuffix(":latest")
+
+
+def _messages(given: list[JSONObject]) -> list[JSONObject]:
+    """Ollama's messages as chat messages: its tool calls' arguments are objects, and a tool's
+    answer names the tool rather than the call."""
+    out = []
+    for i, m in enumerate(given):
+        if m.get("images"):
+            raise HTTPError(400, f"messages[{i}].images: this server reads text only",
+                            param=f"messages[{i}].images")
+        message = {k: v for k, v in m.items() if k in ("role", "content")}
+        calls = m.get("tool_calls")
+        if calls:
+            message["tool_calls"] = [_chat_call(c, f"messages[{i}].tool_calls[{j}]", f"call_{i}_{j}")
+                                     for j, c in enumerate(calls)]
+        if m.get("tool_name"):
+            message["name"] = m["tool_name"]
+        out.append(message)
+    return out
+
+
+def _chat_call(call: object, field: str, call_id: str) -> JSONObject:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise HTTPError(400, f"{field} must be {{\"function\": {{\"name\": ..., \"arguments\": {{...}}}}}}",
+                        param=field)
+    return {"id": call_id, "type": "function",
+            "function": {"name": fn["name"], "arguments": json.dumps(fn.get("arguments") or {})}}
+
+
+@router.post(PREFIX + "/chat")
+async def chat(body: ChatBody, request: Request):
+    if body.tools and request.app.state.settings.serve.tool_call_parser is None:
+        raise HTTPError(400, "tools need the server started with --tool-call-parser (hermes or llama3_json)",
+                        param="tools")
+    chat = ChatCompletionRequest.model_validate(dict(
+        model=_model(body.model), messages=_messages(body.messages), tools=body.tools or None,
+        logprobs=body.logprobs, top_logprobs=body.top_logprobs, **body.fields()))
+    with names_of(RENAMED, chat=True):
+        collector, fmt = await start_chat(chat, request)
+    return await _answer(request, Lines(fmt, collector, "message"), body.stream)
+
+
+@router.post(PREFIX + "/generate")
+async def generate(body: GenerateBody, request: Request):
+    model = _model(body.model)
+    for field in ("template", "context", "images"):
+        if getattr(body, field):
+            raise HTTPError(400, f"{field} is not supported here: {_UNSUPPORTED[field]}", param=field)
+    if not body.prompt and body.suffix is None:  # Ollama's way to load a model: it is loaded
+        await check_model(request, model)
+        return {"model": body.model, "created_at": _now(), "response": "", "done": True,
+                "done_reason": "load"}
+    fields = body.fields()
+    if body.raw or body.suffix is not None:
+        fields.pop("chat_template_kwargs", None)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None  # a completion's top-k count
+        completion = CompletionRequest.model_validate(dict(
+            model=model, prompt=body.prompt, suffix=body.suffix, logprobs=logprobs, **fields))
+        with names_of(RENAMED):
+            collector, fmt = await start_completion(completion, request, default_max_tokens=None)
+    else:
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        chat = ChatCompletionRequest.model_validate(dict(
+            model=model, messages=messages + [{"role": "user", "content": body.prompt}],
+            logprobs=body.logprobs, top_logprobs=body.top_logprobs, **fields))
+        with names_of(RENAMED, chat=True):
+            collector, fmt = await start_chat(chat, request)
+    return await _answer(request, Lines(fmt, collector, "response"), body.stream)
+
+
+_UNSUPPORTED = {"template": "the model's own chat template renders the prompt (or send raw: true)",
+                "context": "it is deprecated; send the conversation to /api/chat",
+                "images": "this server reads text only"}
+
+
+async def _answer(request: Request, lines: Lines, streaming: bool):
+    if streaming:
+        return stream(lines.collector, lines.lines, lines.tail, encode=_line, done=False, path=PREFIX + "/",
+                      media_type="application/x-ndjson")
+    await wait(request, lines.collector, lines.timer.seen)
+    return lines.whole()
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _line(obj: object) -> bytes:
+    return _encode(obj) + b"\n"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Lines:
+    """One answer's JSON lines (streamed) or object, from the chat or completion formatter: the
+    text under `message` (/api/chat) or `response` (/api/generate)."""
+
+    def __init__(self, fmt: Formatter, collector: Collector, field: str) -> None:
+        self.fmt, self.collector, self.field = fmt, collector, field
+        self.model = fmt.model
+        self.timer = Timer(collector)
+        self.calls: dict[int, JSONObject] = {}  # streamed tool calls, complete at the end
+
+    def lines(self, changed: list[int]) -> list[JSONObject]:
+        self.timer.seen(changed)
+        out = []
+        for chunk in self.fmt.chunks(changed):
+            for choice in chunk.choices:
+                text, thinking, logprobs = _parts(choice)
+                for call in choice.delta.tool_calls or [] if isinstance(choice, ChatChunkChoice) else []:
+                    self._add_call(call)
+                if text or thinking or logprobs:
+                    out.append(self._line(text, thinking, None, logprobs) | {"done": False})
+        return out
+
+    def tail(self) -> list[JSONObject]:
+        out = self.lines([])
+        calls = [_ollama_call(c) for _, c in sorted(self.calls.items())]
+        if calls:
+            out.append(self._line("", None, calls, None) | {"done": False})
+        return out + [self._line("", None, None, None) | self._done()]
+
+    def whole(self) -> JSONObject:
+        choice = self.fmt.final()["choices"][0]
+        if self.fmt.chat:
+            message = choice["message"]
+            calls = [_ollama_call(c) for c in message.get("tool_calls") or []]
+            text, thinking = message.get("content") or "", message.get("reasoning_content")
+        else:
+            calls, text, thinking = [], choice["text"], None
+        logprobs = _logprobs(choice.get("logprobs"))
+        return self._line(text, thinking, calls or None, logprobs) | self._done()
+
+    def _line(self, text: str, thinking: str | None, calls: list[JSONObject] | None,
+              logprobs: list[JSONObject] | None) -> JSONObject:
+        body: JSONObject
+        if self.field == "message":
+            body = {"message": {"role": "assistant", "content": text}}
+            extra = body["message"]
+        else:
+            body = extra = {"response": text}
+        if thinking:
+            extra["thinking"] = thinking
+        if calls:
+            extra["tool_calls"] = calls
+        line = {"model": self.model, "created_at": _now(), **body}
+        return line | ({"logprobs": logprobs} if logprobs else {})
+
+    def _done(self) -> JSONObject:
+        """The last line's fields: why it ended, the counts, and the times in nanoseconds."""
+        state, usage = self.collector.states[0], self.fmt.usage()
+        prompt_s, output_s = self.timer.split()
+        reason = "length" if isinstance(state.finish_reason, LengthFinish) else "stop"
+        return {"done": True, "done_reason": reason, "total_duration": _ns(prompt_s + output_s),
+                "load_duration": 0, "prompt_eval_count": usage["prompt_tokens"],
+                "prompt_eval_duration": _ns(prompt_s), "eval_count": usage["completion_tokens"],
+                "eval_duration": _ns(output_s)}
+
+    def _add_call(self, call: JSONObject) -> None:
+        index, fn = call["index"], call["function"]
+        known = self.calls.setdefault(index, {"id": call.get("id"), "function": {"name": fn.get("name"),
+                                                                                 "arguments": ""}})
+        known["function"]["arguments"] += fn.get("arguments") or ""
+
+
+def _parts(choice: ChatChunkChoice | CompletionChunkChoice
+           ) -> tuple[str, str | None, list[JSONObject] | None]:
+    if isinstance(choice, CompletionChunkChoice):
+        return choice.text, None, _logprobs(choice.logprobs)
+    return choice.delta.content or "", choice.delta.reasoning_content, _logprobs(choice.logprobs)
+
+
+def _logprobs(given: JSONObject | None) -> list[JSONObject] | None:
+    """OpenAI's logprobs (chat's content list, or a completion's token lists) in Ollama's shape."""
+    if not given:
+        return None
+    if "content" in given:
+        return [{"token": e["token"], "logprob": e["logprob"],
+                 "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+                for e in given["content"]]
+    rows = zip(given["tokens"], given["token_logprobs"], given["top_logprobs"], strict=True)
+    return [{"token": t, "logprob": lp,
+             "top_logprobs": [{"token": k, "logprob": v} for k, v in (top or {}).items()]}
+            for t, lp, top in rows]
+
+
+def _ollama_call(call: JSONObject) -> JSONObject:
+    fn = call["function"]
+    return {"function": {"name": fn["name"], "arguments": json.loads(fn["arguments"] or "{}")}}
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+# ---- the model's description ---------------------------------------------------------------------
+
+
+def _details(request: Request) -> JSONObject:
+    _, info, config = attached(worker_of(request))
+    family = _model_type(info.model_dir)
+    gguf = config.model_path is None or config.model_path.endswith(".gguf")  # None: the embedded GGUF
+    return {"parent_model": "", "format": "gguf" if gguf else "safetensors",
+            "family": family, "families": [family], "quantization_level": info.quantization}
+
+
+def _model_type(model_dir: str) -> str:
+    """config.json's model_type ("" where this frontend has no model files: a remote one)."""
+    path = Path(model_dir) / "config.json"
+    return str(json.loads(path.read_text()).get("model_type", "")) if path.is_file() else ""
+
+
+def _card(request: Request) -> JSONObject:
+    """A model as /api/tags lists it. Its digest names the model file and its size: it changes when
+    they do (hashing gigabytes per listing would not pay)."""
+    name = request.app.state.settings.served_model_name
+    info = attached(worker_of(request))[1]
+    digest = hashlib.sha256(f"{info.model_dir}:{info.weights_bytes}".encode()).hexdigest()
+    return {"name": name, "model": name, "modified_at": _now(), "size": info.weights_bytes, "digest": digest,
+            "details": _details(request)}
+
+
+@router.get(PREFIX + "/tags")
+async def tags(request: Request):
+    return {"models": [_card(request)]}
+
+
+@router.get(PREFIX + "/ps")
+async def ps(request: Request):
+    info = attached(worker_of(request))[1]
+    never = "2318-01-01T00:00:00Z"  # the model is never unloaded (Ollama's date for keep_alive -1)
+    loaded = {"expires_at": never, "size_vram": 0, "context_length": info.context_length}
+    return {"models": [_card(request) | loaded]}
+
+
+@router.get(PREFIX + "/version")
+async def version():
+    return {"version": __version__}
+
+
+@router.post(PREFIX + "/show")
+async def show(body: ShowBody, request: Request):
+    name = body.model or body.name
+    if name is None:
+        raise HTTPError(400, "model is required", param="model")
+    await check_model(request, _model(name))
+    tokenizer, info, config = attached(worker_of(request))
+    capabilities = ["embedding"] if info.task != "generate" else ["completion"]
+    if info.task == "generate" and request.app.state.settings.serve.tool_call_parser:
+        capabilities.append("tools")
+    if info.task == "generate" and config.reasoning_parser:
+        capabilities.append("thinking")
+    if info.task == "generate" and fim_tokens(tokenizer) is not None:
+        capabilities.append("insert")
+    arch = _model_type(info.model_dir)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    return {"modelfile": "", "parameters": "", "template": template or "", "details": _details(request),
+            "model_info": {"general.architecture": arch, f"{arch}.context_length": info.context_length},
+            "capabilities": capabilities, "modified_at": _now()}
+
+
+# ---- embeddings ----------------------------------------------------------------------------------
+
+
+async def _embed(request: Request, model: str, texts: str | list[str], field: str, truncate: bool,
+                 dimensions: int | None = None) -> tuple[list[list[float]], int]:
+    await check_model(request, _model(model))
+    worker = worker_of(request)
+    pooling.check_dimensions(worker.info, dimensions)
+    limit = worker.info.context_length if truncate else None
+    req = pooling.embed_request(worker.info, worker.tokenizer, texts, field, limit)
+    collector = await route(request, None, req).submit(req)
+    await wait(request, collector)
+    results = pooling.pooled(collector)
+    return [p.vector for p in results], sum(p.prompt_tokens for p in results)
+
+
+@router.post(PREFIX + "/embed")
+async def embed(body: EmbedBody, request: Request):
+    start = time.monotonic()
+    vectors, tokens = await _embed(request, body.model, body.input, "input", body.truncate, body.dimensions)
+    return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.monotonic() - start),
+            "load_duration": 0, "prompt_eval_count": tokens}
+
+
+@router.post(PREFIX + "/embeddings")
+async def embeddings(body: EmbeddingsBody, request: Request):
+    vectors, _ = await _embed(request, body.model, body.prompt, "prompt", True)
+    return {"embedding": vectors[0]}
