@@ -193,6 +193,24 @@ def test_bad_http_input_is_a_400_naming_the_field(embed_server):
     assert info["num_waiting"] == info["num_running"] == 0
 
 
+def test_ollama_embed_gives_the_same_vectors(embed_server, engine):
+    """Ollama's /api/embed (and its older /api/embeddings): the Engine's vectors; `truncate`
+    (Ollama's default) cuts a long input at the context, false refuses it naming `input`."""
+    name = embed_server.get("/v1/models").json()["data"][0]["id"]
+    texts = sentences(3, seed=7, most=40)
+    r = embed_server.post("/api/embed", {"model": name, "input": texts}).json()
+    assert r["prompt_eval_count"] == sum(len(engine.tokenizer.encode(t)) for t in texts)
+    assert np.array_equal(np.array(r["embeddings"], np.float32), vectors(engine.encode(texts)))
+    one = embed_server.post("/api/embeddings", {"model": name, "prompt": texts[0]}).json()
+    assert one["embedding"] == r["embeddings"][0]
+    long = {"model": name, "input": "word " * 300}
+    assert embed_server.post("/api/embed", long).status_code == 200
+    refused = embed_server.post("/api/embed", long | {"truncate": False})
+    assert refused.status_code == 400 and "input" in refused.json()["error"]
+    shown = embed_server.post("/api/show", {"model": name}).json()
+    assert shown["capabilities"] == ["embedding"]
+
+
 # ---- cross-encoders: rerank and score ---------------------------------------------------------
 
 

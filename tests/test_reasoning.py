@@ -13,6 +13,8 @@ from tests.serving import Server, serve
 from unison import Engine
 from unison.frontend.reasoning import ReasoningSplitter, Split, split_whole
 
+MODEL = "SmolLM2-135M-Instruct"  # the served name of the embedded model
+
 # (parser, the prompt's end, the output, the reasoning, the answer): as models write them.
 RECORDED = [
     ("deepseek_r1", "<|Assistant|><think>\n",
@@ -90,6 +92,23 @@ def test_a_template_that_opens_thinking_gives_reasoning_content(thinking_server:
                   if line.startswith("data: {")]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == whole["reasoning_content"]
     assert not any(d.get("content") for d in deltas)
+
+
+def test_anthropic_and_ollama_answers_carry_the_reasoning_apart(thinking_server: Server):
+    """The same reasoning as the chat route's: a thinking block (Anthropic's, whole and as
+    thinking_delta events) and Ollama's message.thinking."""
+    ask = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "temperature": 0}
+    reasoning = _chat(thinking_server).json()["choices"][0]["message"]["reasoning_content"]
+    message = thinking_server.post("/v1/messages", {**ask, "max_tokens": 16}).json()
+    assert message["content"][0] == {"type": "thinking", "thinking": reasoning, "signature": ""}
+    with httpx.stream("POST", thinking_server.url + "/v1/messages", timeout=60,
+                      json={**ask, "max_tokens": 16, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[1]["content_block"]["type"] == "thinking"
+    assert "".join(e["delta"]["thinking"] for e in events if e["type"] == "content_block_delta") == reasoning
+    chat = thinking_server.post("/api/chat", {"messages": ask["messages"], "model": MODEL, "stream": False,
+                                              "options": {"num_predict": 16, "temperature": 0}}).json()
+    assert chat["message"]["thinking"] == reasoning and chat["message"]["content"] == ""
 
 
 def test_structured_output_starts_after_the_reasoning_section(thinking_server: Server):
