@@ -202,6 +202,8 @@ def test_ollama_errors_in_ollamas_shape(server, llama):
         (base | {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400,
          "messages[0].images"),
         ({k: v for k, v in base.items() if k != "model"}, 400, "model"),
+        (base | {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+        (base | {"logprobs": True, "top_logprobs": 1000}, 400, "top_logprobs"),
     ]
     for body, status, field in cases:
         r = httpx.post(f"{server.url}/api/chat", json=body, headers=server.headers, timeout=30)
@@ -235,6 +237,10 @@ def test_completion_whole_and_streamed(server):
     stopped = server.post("/completion", {"prompt": "1, 2, 3,", "n_predict": 30, "temperature": 0,
                                           "stop": [" 6"]}).json()
     assert stopped["stop_type"] == "word" and stopped["stopping_word"] == " 6"
+    for bad, field in [({"n_probs": 10_000}, "n_probs"), ({"n_predict": -3}, "n_predict"),
+                       ({"repeat_penalty": -1}, "repeat_penalty"), ({"mirostat": 2}, "mirostat")]:
+        err = server.post("/completion", {"prompt": "Hi"} | bad).json()["error"]
+        assert err["param"] == field and field in err["message"], (bad, err)
     digits = server.post("/completion", {"prompt": "Count:", "n_predict": 4, "temperature": 0,
                                          "grammar": "root ::= [0-9]+"}).json()
     assert digits["content"].isdigit()
@@ -299,6 +305,8 @@ def test_props_template_and_slots(server):
 # ---- no 5xx anywhere --------------------------------------------------------------------------
 
 NEW_ROUTES = r"^/(v1/messages|api/|completion|infill|apply-template|props|slots)"
+SHORT = {"/api/chat": ("options", {"num_predict": 16}), "/api/generate": ("options", {"num_predict": 16}),
+         "/completion": ("n_predict", 16), "/completions": ("n_predict", 16), "/infill": ("n_predict", 16)}
 
 
 def test_schemathesis_finds_no_server_error(server):
@@ -307,11 +315,15 @@ def test_schemathesis_finds_no_server_error(server):
     assert len(operations) >= 14, [o.label for o in operations]
     for op in operations:
         @given(case=op.as_strategy())
-        @settings(max_examples=8, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=20, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         def no_5xx(case) -> None:
-            if isinstance(case.body, dict) and "model" in case.body:
-                case.body["model"] = MODEL  # past the model check (a wrong name's 404 is tested above)
+            if isinstance(case.body, dict):
+                if "model" in case.body:
+                    case.body["model"] = MODEL  # past the model check (a wrong name's 404 is tested above)
+                key, cap = SHORT.get(case.path, (None, None))
+                if key is not None:  # a length left unset means the context's rest: seconds per case
+                    case.body.setdefault(key, cap)
             r = case.call(base_url=server.url, headers=server.headers, timeout=60)
             assert r.status_code < 500, (case.method, case.path, case.body, r.status_code, r.text[:500])
         no_5xx()

@@ -74,10 +74,14 @@ def test_vectors_match_sentence_transformers(engine, st_model):
     assert worst >= 0.99999, worst
     lengths = [len(engine.tokenizer.encode(t)) for t in texts]
     assert min(lengths) <= 8 and max(lengths) > 256  # short and long texts, truncation included
-    # Where the linears run as int8 (Unison's kernels) or bfloat16 (oneDNN): within 0.999.
+    # Where the linears run as int8 (Unison's kernels) or bfloat16 (oneDNN): within 0.999, on a
+    # third of the texts (of every length still).
+    some = slice(0, 200, 3)
+    assert min(lengths[some]) <= 8 and max(lengths[some]) > 256
     for kind in ({"quantization": "int8"}, {"dtype": "bfloat16"}):
         with Engine(model_path=str(engine.get_server_info()["model_path"]), num_threads=1, **kind) as e:
-            assert cosines(vectors(e.encode(texts, truncate_prompt_tokens=256)), ref).min() >= 0.999, kind
+            got = vectors(e.encode(texts[some], truncate_prompt_tokens=256))
+            assert cosines(got, ref[some]).min() >= 0.999, kind
     # Retrieval: the same top 10 documents, in the same order, for every query.
     queries, docs = sentences(12, seed=1, most=12), sentences(60, seed=2)
     q_ours, d_ours = vectors(engine.encode(queries)), vectors(engine.encode(docs, truncate_prompt_tokens=256))

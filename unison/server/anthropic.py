@@ -203,14 +203,11 @@ async def messages(body: MessagesRequest, request: Request):
 @router.post(PATH + "/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     await check_model(request, body.model)
-    # The tools are rendered alike whatever the choice; "none" needs no tool-call parser.
-    chat = body.to_chat()
-    if chat.tools:
-        chat.tool_choice = "none"
-    try:
+    with names_of(RENAMED, chat=True):
+        chat = body.to_chat()
+        if chat.tools:  # rendered alike whatever the choice; "none" needs no tool-call parser
+            chat.tool_choice = "none"
         prompt = render_chat(chat, request)
-    except HTTPError as e:
-        raise e.renamed(RENAMED) from None
     return {"input_tokens": len(prompt.ids)}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import re
 import signal
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
 from unison.server import anthropic, llama_server, native, ollama, openai, pooling_routes, responses
-from unison.server.errors import HTTPError, error_kind, error_response
+from unison.server.errors import HTTPError, error_kind, error_response, field_path
 from unison.server.openai_format import invalid_param
 from unison.server.openai_protocol import generation_defaults
 from unison.server.replicas import Replicas
@@ -41,7 +40,6 @@ OPEN_ROUTES = ("/health", "/metrics")  # no API key, as in vLLM: for probes and 
 UI_DIR = Path(__file__).with_name("ui")
 # The page's scripts and styles are its own files: nothing inline, nothing from elsewhere.
 UI_POLICY = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'"
-_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 
 
 def create_app(settings: WorkerSettings | None = None) -> FastAPI:
@@ -110,7 +108,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         first, path = e.errors()[0] if e.errors() else {}, request.url.path
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", path=path)
-        param = _field_path(first.get("loc", ()))
+        param = field_path(first.get("loc", ()))
         if first.get("type") == "extra_forbidden":
             return error_response(400, f"unknown field {param!r}", param=param, path=path)
         return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param,
@@ -234,14 +232,3 @@ def _template_text(value: str | None) -> str | None:
 def _exit_when_engine_dies() -> None:
     # The core is gone: this worker can serve nothing. Stop it; the launcher reports why.
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str | None:
-    """pydantic's error location as a field path, `messages[0].role`, without its union-member tags."""
-    path = ""
-    for x in loc:
-        if isinstance(x, int):
-            path += f"[{x}]"
-        elif x != "body" and not _UNION_TAG.match(x):
-            path += f".{x}" if path else x
-    return path or None

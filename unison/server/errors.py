@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from unison.json_types import JSONObject
 
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 ANTHROPIC_PREFIX, OLLAMA_PREFIX = "/v1/messages", "/api/"
 # Anthropic's error types by status (its docs' table); 503 is its "overloaded_error" (529).
 ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -56,3 +57,14 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error",
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    param: str | None = None, path: str = "") -> JSONResponse:
     return JSONResponse(error_body(status, message, kind, param, path), status_code=status)
+
+
+def field_path(loc: tuple[int | str, ...]) -> str | None:
+    """pydantic's error location as a field path, `messages[0].role`, without its union-member tags."""
+    path = ""
+    for x in loc:
+        if isinstance(x, int):
+            path += f"[{x}]"
+        elif x != "body" and not _UNION_TAG.match(x):
+            path += f".{x}" if path else x
+    return path or None

@@ -101,7 +101,7 @@ class ApplyTemplateBody(BaseModel):
 @router.post("/completion")
 @router.post("/completions")
 async def completion(body: CompletionBody, request: Request):
-    return await _run(request, body, body.to_completion(body.prompt))
+    return await _run(request, body, body.prompt)
 
 
 @router.post("/infill")
@@ -110,7 +110,7 @@ async def infill(body: InfillBody, request: Request):
     extra = [_extra(e, i) for i, e in enumerate(body.input_extra)]
     ids = infill_prompt(request, model, body.input_prefix, body.input_suffix, "input_prefix", body.prompt,
                         extra)
-    return await _run(request, body, body.to_completion(ids))
+    return await _run(request, body, ids)
 
 
 def _extra(chunk: JSONObject, i: int) -> tuple[str, str]:
@@ -121,9 +121,9 @@ def _extra(chunk: JSONObject, i: int) -> tuple[str, str]:
     return name, text
 
 
-async def _run(request: Request, body: CompletionBody, completion: CompletionRequest):
+async def _run(request: Request, body: CompletionBody, prompt: str | list[int]):
     with names_of(RENAMED):
-        collector, fmt = await start_completion(completion, request, default_max_tokens=None)
+        collector, fmt = await start_completion(body.to_completion(prompt), request, default_max_tokens=None)
     out = Chunks(body, fmt, collector)
     if body.stream:
         return stream(collector, out.chunks, out.tail, done=False)

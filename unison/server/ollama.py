@@ -219,10 +219,10 @@ async def chat(body: ChatBody, request: Request):
     if body.tools and request.app.state.settings.serve.tool_call_parser is None:
         raise HTTPError(400, "tools need the server started with --tool-call-parser (hermes or llama3_json)",
                         param="tools")
-    chat = ChatCompletionRequest.model_validate(dict(
-        model=_model(body.model), messages=_messages(body.messages), tools=body.tools or None,
-        logprobs=body.logprobs, top_logprobs=body.top_logprobs, **body.fields()))
     with names_of(RENAMED, chat=True):
+        chat = ChatCompletionRequest.model_validate(dict(
+            model=_model(body.model), messages=_messages(body.messages), tools=body.tools or None,
+            logprobs=body.logprobs, top_logprobs=body.top_logprobs, **body.fields()))
         collector, fmt = await start_chat(chat, request)
     return await _answer(request, Lines(fmt, collector, "message"), body.stream)
 
@@ -237,20 +237,21 @@ async def generate(body: GenerateBody, request: Request):
         await check_model(request, model)
         return {"model": body.model, "created_at": _now(), "response": "", "done": True,
                 "done_reason": "load"}
-    fields = body.fields()
+    with names_of(RENAMED):
+        fields = body.fields()
     if body.raw or body.suffix is not None:
         fields.pop("chat_template_kwargs", None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None  # a completion's top-k count
-        completion = CompletionRequest.model_validate(dict(
-            model=model, prompt=body.prompt, suffix=body.suffix, logprobs=logprobs, **fields))
         with names_of(RENAMED):
+            completion = CompletionRequest.model_validate(dict(
+                model=model, prompt=body.prompt, suffix=body.suffix, logprobs=logprobs, **fields))
             collector, fmt = await start_completion(completion, request, default_max_tokens=None)
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
-        chat = ChatCompletionRequest.model_validate(dict(
-            model=model, messages=messages + [{"role": "user", "content": body.prompt}],
-            logprobs=body.logprobs, top_logprobs=body.top_logprobs, **fields))
         with names_of(RENAMED, chat=True):
+            chat = ChatCompletionRequest.model_validate(dict(
+                model=model, messages=messages + [{"role": "user", "content": body.prompt}],
+                logprobs=body.logprobs, top_logprobs=body.top_logprobs, **fields))
             collector, fmt = await start_chat(chat, request)
     return await _answer(request, Lines(fmt, collector, "response"), body.stream)
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 
 from unison.config import EngineConfig
 from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
@@ -22,7 +23,7 @@ from unison.frontend.reasoning import starts_in_reasoning
 from unison.frontend.tokenizer import Tokenizer
 from unison.frontend.worker import TokenizerWorker
 from unison.protocol import CoreInfo, GetServerInfo, LoraAdapterInfo
-from unison.server.errors import HTTPError
+from unison.server.errors import HTTPError, field_path
 from unison.server.openai_format import Formatter, invalid_param
 from unison.server.openai_protocol import (
     ChatCompletionRequest,
@@ -272,13 +273,18 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> tuple[Col
 @contextmanager
 def names_of(rules: list[tuple[str, str]], chat: bool = False) -> Iterator[None]:
     """Errors of the pipeline (in the chat or completion fields' names) in another API's names:
-    `rules` as HTTPError.renamed takes them."""
+    `rules` as HTTPError.renamed takes them. The block translates the API's body into the chat's
+    or the completion's and starts it."""
     try:
         yield
     except HTTPError as e:
         raise e.renamed(rules) from None
     except InvalidParam as e:  # a sampling field, in OpenAI's names first
         raise invalid_param(e, openai=True, chat=chat).renamed(rules) from None
+    except ValidationError as e:  # the translated body: a value past the chat's own field's range
+        first = e.errors()[0]
+        param = field_path(first["loc"])
+        raise HTTPError(400, f"{param or 'body'}: {first['msg']}", param=param).renamed(rules) from None
 
 
 async def _submit(request: Request, worker: TokenizerWorker, text: str | None, args: GenerateArgs,
