@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
@@ -34,13 +35,20 @@ RENAMED = [("stop", "stop_sequences"), ("response_format", "output_config.format
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named function
 
 
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant"]
+    content: str | list[JSONObject]
+
+
 class CountTokensRequest(BaseModel):
     """/v1/messages/count_tokens: the prompt's fields of a Messages request."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    messages: list[JSONObject]
+    messages: list[Message]
     system: str | list[JSONObject] | None = None
     tools: list[JSONObject] | None = None
     tool_choice: JSONObject | None = None
@@ -94,22 +102,16 @@ def _response_format(config: JSONObject | None) -> JSONObject | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
-def _messages(given: list[JSONObject]) -> list[JSONObject]:
+def _messages(given: list[Message]) -> list[JSONObject]:
     """Anthropic's turns as chat messages: a user turn's tool_result blocks become tool turns
     (before its text), an assistant turn's tool_use blocks its tool_calls; thinking blocks are the
     model's own and dropped."""
     out: list[JSONObject] = []
     for i, m in enumerate(given):
-        role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise HTTPError(400, f"messages[{i}].role must be user or assistant, got {role!r}",
-                            param=f"messages[{i}].role")
+        role, content = m.role, m.content
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        if not isinstance(content, list):
-            raise HTTPError(400, f"messages[{i}].content must be a string or a list of content blocks",
-                            param=f"messages[{i}].content")
         texts, calls, results = [], [], []
         for j, block in enumerate(content):
             field = f"messages[{i}].content[{j}]"

@@ -9,12 +9,13 @@ as llama-server's, naming the field in llama-server's names.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from unison.frontend.collector import Collector
 from unison.frontend.request import LengthFinish, StopFinish
 from unison.json_types import JSONObject
 from unison.protocol import GetServerInfo
+from unison.sampling import MAX_TOP_LOGPROBS
 from unison.server.errors import HTTPError
 from unison.server.openai import (
     attached,
@@ -46,7 +47,7 @@ class CompletionBody(BaseModel):
 
     prompt: str | list[int]
     model: str | None = None
-    n_predict: int = -1  # -1: until the context ends
+    n_predict: int = Field(default=-1, ge=-1)  # -1: until the context ends
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -61,16 +62,13 @@ class CompletionBody(BaseModel):
     logit_bias: dict[str, float] | list[tuple[int | str, float]] | None = None
     grammar: str | None = None  # GBNF
     json_schema: JSONObject | None = None
-    n_probs: int = 0
+    n_probs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool = False
     return_tokens: bool = False
     cache_prompt: bool = True  # accepted: the prefix cache is always on
     id_slot: int = -1  # accepted: the scheduler places requests, not the client
 
     def to_completion(self, prompt: str | list[int]) -> CompletionRequest:
-        if self.n_predict < -1:
-            raise HTTPError(400, f"n_predict must be -1 or at least 0, got {self.n_predict}",
-                            param="n_predict")
         fields = {chat: v for name, chat in SAMPLING.items() if (v := getattr(self, name)) is not None}
         schema = {"type": "json_schema", "json_schema": {"name": "output", "schema": self.json_schema}}
         bias = dict(self.logit_bias) if isinstance(self.logit_bias, list) else self.logit_bias

@@ -17,16 +17,18 @@ import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from unison.frontend import pooling
 from unison.frontend.collector import Collector
 from unison.frontend.infill import fim_tokens
 from unison.frontend.request import LengthFinish
 from unison.json_types import JSONObject
+from unison.sampling import MAX_TOP_LOGPROBS
 from unison.server.errors import HTTPError
 from unison.server.openai import attached, check_model, names_of, start_chat, start_completion
 from unison.server.openai_format import ChatChunkChoice, CompletionChunkChoice, Formatter
@@ -110,24 +112,32 @@ class _Generation(BaseModel):
     options: Options | None = None
     stream: bool = True
     keep_alive: float | str | None = None  # the model stays loaded: accepted, with no effect
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None  # a level: thinking on
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def fields(self) -> JSONObject:
         """The chat fields every generation sets: sampling, format, logprobs, thinking."""
         out = (self.options or Options()).sampling()
         out["response_format"] = _response_format(self.format)
         if self.think is not None:
-            if self.think not in (True, False, "low", "medium", "high"):
-                raise HTTPError(400, f"think must be true, false, low, medium or high, got {self.think!r}",
-                                param="think")
             out["chat_template_kwargs"] = {"enable_thinking": self.think is not False}
         return out
 
 
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    thinking: str | None = None  # the model's own earlier reasoning: not shown to the template
+    images: list[str] | None = None
+    tool_calls: list[JSONObject] | None = None
+    tool_name: str | None = None
+
+
 class ChatBody(_Generation):
-    messages: list[JSONObject] = []
+    messages: list[Message] = []
     tools: list[JSONObject] | None = None
 
 
@@ -186,21 +196,20 @@ def _model(name: str) -> str:
     return name.removesuffix(":latest")
 
 
-def _messages(given: list[JSONObject]) -> list[JSONObject]:
+def _messages(given: list[Message]) -> list[JSONObject]:
     """Ollama's messages as chat messages: its tool calls' arguments are objects, and a tool's
     answer names the tool rather than the call."""
     out = []
     for i, m in enumerate(given):
-        if m.get("images"):
+        if m.images:
             raise HTTPError(400, f"messages[{i}].images: this server reads text only",
                             param=f"messages[{i}].images")
-        message = {k: v for k, v in m.items() if k in ("role", "content")}
-        calls = m.get("tool_calls")
-        if calls:
+        message: JSONObject = {"role": m.role, "content": m.content}
+        if m.tool_calls:
             message["tool_calls"] = [_chat_call(c, f"messages[{i}].tool_calls[{j}]", f"call_{i}_{j}")
-                                     for j, c in enumerate(calls)]
-        if m.get("tool_name"):
-            message["name"] = m["tool_name"]
+                                     for j, c in enumerate(m.tool_calls)]
+        if m.tool_name:
+            message["name"] = m.tool_name
         out.append(message)
     return out
 
