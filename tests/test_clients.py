@@ -241,6 +241,10 @@ def test_completion_whole_and_streamed(server):
                        ({"repeat_penalty": -1}, "repeat_penalty"), ({"mirostat": 2}, "mirostat")]:
         err = server.post("/completion", {"prompt": "Hi"} | bad).json()["error"]
         assert err["param"] == field and field in err["message"], (bad, err)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    shaped = server.post("/completion", {"prompt": "Paris as JSON:", "n_predict": 60, "temperature": 0,
+                                         "json_schema": schema}).json()
+    jsonschema.validate(json.loads(shaped["content"]), schema)
     digits = server.post("/completion", {"prompt": "Count:", "n_predict": 4, "temperature": 0,
                                          "grammar": "root ::= [0-9]+"}).json()
     assert digits["content"].isdigit()
@@ -300,6 +304,46 @@ def test_props_template_and_slots(server):
     slot = seen[0][0]
     assert slot["is_processing"] and slot["prompt_tokens"] == 4 and slot["n_ctx"] == 512
     assert slot["next_token"][0]["n_remain"] + slot["next_token"][0]["n_decoded"] == 200
+
+
+# ---- the one pipeline: disconnects and metrics -------------------------------------------------
+
+
+# A string the model cannot end early: the stream is still running when its client leaves.
+LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength": 4000}},
+        "required": ["story"]}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"max_tokens": 400, "stream": True,
+                      "output_config": {"format": {"type": "json_schema", "schema": LONG}}}),
+    ("/api/chat", {"model": MODEL, "options": {"num_predict": 400}, "format": LONG}),
+    ("/completion", {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True}),
+], ids=["anthropic", "ollama", "llama-server"])
+def test_a_client_that_leaves_mid_stream_frees_its_request(server, path: str, body: dict):
+    messages = {"messages": [{"role": "user", "content": "Tell me a long story."}]}
+    body = body if "prompt" in body else messages | body
+    aborted = server.server_info()["stats"]["num_aborted"]
+    with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # (one iterator: dropping it would close the response here)
+        next(lines)
+        server.wait_running(1)
+    server.wait_freed(timeout=10)  # the abort reached the core: no 400 tokens generated for nobody
+    assert server.server_info()["stats"]["num_aborted"] == aborted + 1
+
+
+def test_metrics_count_every_api(server):
+    def generated() -> float:
+        line = next(x for x in server.get("/metrics").text.splitlines()
+                    if x.startswith("unison:generation_tokens_total"))
+        return float(line.split()[-1])
+    before = generated()
+    server.post("/v1/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+    server.post("/api/generate", {"model": MODEL, "prompt": "hi", "stream": False,
+                                  "options": {"num_predict": 3}})
+    server.post("/completion", {"prompt": "hi", "n_predict": 3})
+    assert generated() - before == 9
 
 
 # ---- no 5xx anywhere --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import ollama
 import openai
 import pytest
 
@@ -202,11 +203,11 @@ def test_ollama_embed_gives_the_same_vectors(embed_server, engine):
     (Ollama's default) cuts a long input at the context, false refuses it naming `input`."""
     name = embed_server.get("/v1/models").json()["data"][0]["id"]
     texts = sentences(3, seed=7, most=40)
-    r = embed_server.post("/api/embed", {"model": name, "input": texts}).json()
-    assert r["prompt_eval_count"] == sum(len(engine.tokenizer.encode(t)) for t in texts)
-    assert np.array_equal(np.array(r["embeddings"], np.float32), vectors(engine.encode(texts)))
-    one = embed_server.post("/api/embeddings", {"model": name, "prompt": texts[0]}).json()
-    assert one["embedding"] == r["embeddings"][0]
+    client = ollama.Client(host=embed_server.url)
+    r = client.embed(model=name, input=texts)
+    assert r.prompt_eval_count == sum(len(engine.tokenizer.encode(t)) for t in texts)
+    assert np.array_equal(np.array(r.embeddings, np.float32), vectors(engine.encode(texts)))
+    assert list(client.embeddings(model=name, prompt=texts[0]).embedding) == list(r.embeddings[0])
     long = {"model": name, "input": "word " * 300}
     assert embed_server.post("/api/embed", long).status_code == 200
     refused = embed_server.post("/api/embed", long | {"truncate": False})
