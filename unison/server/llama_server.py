@@ -31,23 +31,23 @@ from unison.server.streaming import Timer, stream, wait, worker_of
 from unison.version import __version__
 
 router = APIRouter()
-# The completion fields as llama-server names them (and back, for the pipeline's errors).
-SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-            "typical_p": "typical_p", "repeat_penalty": "repetition_penalty",
-            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "stop": "stop",
-            "ignore_eos": "ignore_eos", "grammar": "ebnf"}
+# The sampling fields as llama.cpp names them, in llama-server's /completion and in Ollama's
+# options alike (Ollama runs llama.cpp), and the chat's or completion's field each sets.
+LLAMA_CPP_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                      "typical_p": "typical_p", "repeat_penalty": "repetition_penalty",
+                      "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                      "stop": "stop"}
+SAMPLING = LLAMA_CPP_SAMPLING | {"ignore_eos": "ignore_eos", "grammar": "ebnf"}
+# ... and back, for the pipeline's errors.
 RENAMED = [(chat, name) for name, chat in SAMPLING.items() if chat != name] + [
     ("max_tokens", "n_predict"), ("logprobs", "n_probs"), ("response_format", "json_schema")]
 
 
-class CompletionBody(BaseModel):
-    """llama-server's /completion: the fields it documents that change what is generated."""
+class LlamaCppSampling(BaseModel):
+    """LLAMA_CPP_SAMPLING's fields."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | list[int]
-    model: str | None = None
-    n_predict: int = Field(default=-1, ge=-1)  # -1: until the context ends
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -56,8 +56,20 @@ class CompletionBody(BaseModel):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int = -1  # -1: a random seed
     stop: list[str] | None = None
+
+    def given(self, names: dict[str, str]) -> JSONObject:
+        """The fields set, as the chat's or completion's (`names`: ours -> theirs)."""
+        return {chat: v for name, chat in names.items() if (v := getattr(self, name)) is not None}
+
+
+class CompletionBody(LlamaCppSampling):
+    """llama-server's /completion: the fields it documents that change what is generated."""
+
+    prompt: str | list[int]
+    model: str | None = None
+    n_predict: int = Field(default=-1, ge=-1)  # -1: until the context ends
+    seed: int = -1  # -1: a random seed
     ignore_eos: bool | None = None
     logit_bias: dict[str, float] | list[tuple[int | str, float]] | None = None
     grammar: str | None = None  # GBNF
@@ -69,7 +81,7 @@ class CompletionBody(BaseModel):
     id_slot: int = -1  # accepted: the scheduler places requests, not the client
 
     def to_completion(self, prompt: str | list[int]) -> CompletionRequest:
-        fields = {chat: v for name, chat in SAMPLING.items() if (v := getattr(self, name)) is not None}
+        fields = self.given(SAMPLING)
         schema = {"type": "json_schema", "json_schema": {"name": "output", "schema": self.json_schema}}
         bias = dict(self.logit_bias) if isinstance(self.logit_bias, list) else self.logit_bias
         return CompletionRequest.model_validate(dict(

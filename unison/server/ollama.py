@@ -30,6 +30,7 @@ from unison.frontend.request import LengthFinish
 from unison.json_types import JSONObject
 from unison.sampling import MAX_TOP_LOGPROBS
 from unison.server.errors import HTTPError
+from unison.server.llama_server import LLAMA_CPP_SAMPLING, LlamaCppSampling
 from unison.server.openai import attached, check_model, names_of, start_chat, start_completion
 from unison.server.openai_format import ChatChunkChoice, CompletionChunkChoice, Formatter
 from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -39,34 +40,18 @@ from unison.version import __version__
 router = APIRouter()
 PREFIX = "/api"
 # Ollama's option names for the chat fields, and back, for the errors the pipeline raises.
-SAMPLING = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-            "min_p": "min_p", "typical_p": "typical_p", "repeat_penalty": "repetition_penalty",
-            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-            "seed": "seed", "stop": "stop"}
+SAMPLING = LLAMA_CPP_SAMPLING | {"num_predict": "max_tokens", "seed": "seed"}
 RENAMED = [(chat, f"options.{name}") for name, chat in SAMPLING.items()] + [("response_format", "format")]
-# Options that only say how Ollama's runner loads and runs the model: accepted, with no effect.
-RUNNER_OPTIONS = ("numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "vocab_only", "use_mmap",
-                  "use_mlock", "num_thread", "num_keep", "logits_all", "embedding_only", "f16_kv")
 # Options that would change the output but are not served: only their neutral values are accepted.
-NEUTRAL = {"mirostat": 0, "tfs_z": 1.0, "penalize_newline": None, "repeat_last_n": None}
+NEUTRAL = {"mirostat": 0, "tfs_z": 1.0}
 
 
-class Options(BaseModel):
-    """Ollama's `options`: the sampling ones mapped, the runner's accepted, any other named."""
-
-    model_config = ConfigDict(extra="forbid")
+class Options(LlamaCppSampling):
+    """Ollama's `options`: the sampling ones mapped; the runner's own (how it loads and runs the
+    model) accepted, with no effect; any other named in a 400."""
 
     num_predict: int | None = None  # -1, -2 (Ollama's "unbounded", "fill the context"): the context's rest
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     seed: int | None = None
-    stop: list[str] | None = None
     mirostat: int | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
@@ -95,7 +80,7 @@ class Options(BaseModel):
             if value is not None and value != NEUTRAL[name]:
                 raise HTTPError(400, f"options.{name}: {name} sampling is not served here (send "
                                      f"{NEUTRAL[name]} or leave it out)", param=f"options.{name}")
-        out = {chat: value for name, chat in SAMPLING.items() if (value := getattr(self, name)) is not None}
+        out = self.given(SAMPLING)
         if self.num_predict is not None and self.num_predict < 0:
             if self.num_predict not in (-1, -2):
                 raise HTTPError(400, "options.num_predict must be -1, -2 or at least 0, got "
