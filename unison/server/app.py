@@ -97,7 +97,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request: Request, e: StarletteHTTPException):
-        # FastAPI's own errors (unknown route, wrong method, an unparsable body) in OpenAI's shape.
+        # FastAPI's own errors (unknown route, wrong method, an unparsable body) in the route's shape.
         message = str(e.detail)
         if isinstance(e.__cause__, UnicodeDecodeError):
             message = f"the request body is not valid UTF-8 JSON: {e.__cause__}"

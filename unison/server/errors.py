@@ -10,7 +10,6 @@ from fastapi.responses import JSONResponse
 
 from unison.json_types import JSONObject
 
-_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 ANTHROPIC_PREFIX, OLLAMA_PREFIX = "/v1/messages", "/api/"
 # Anthropic's error types by status (its docs' table); 503 is its "overloaded_error" (529).
 ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -57,6 +56,9 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error",
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    param: str | None = None, path: str = "") -> JSONResponse:
     return JSONResponse(error_body(status, message, kind, param, path), status_code=status)
+
+
+_UNION_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])$")  # in pydantic's error locations
 
 
 def field_path(loc: tuple[int | str, ...]) -> str | None:
