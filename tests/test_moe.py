@@ -65,10 +65,9 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
     """The HF model in `model_dir` as llama.cpp's converter writes it: stacked experts, the router
     as ffn_gate_inp, linears and experts in `qtype` (F32, Q4_0, Q8_0), the embedded tokenizer.
     `drop`, `experts_in_metadata` and `extra` make broken files."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-    from unison.bench.model import _copy_tokenizer
-    from unison.model.loader import default_gguf_path
+    from unison.bench.model import _copy_tokenizer, embedded_gguf
     from unison.model.weights import SafetensorsWeights
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -88,7 +87,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
                        ("expert_used_count", moe.top_k),
                        ("expert_feed_forward_length", moe.intermediate_size)]:
         getattr(w, f"add_{key}")(value)
-    _copy_tokenizer(w, GGUFReader(default_gguf_path()))
+    _copy_tokenizer(w, embedded_gguf())
 
     def add(name: str, t: np.ndarray, kind: str) -> None:
         if name == drop:

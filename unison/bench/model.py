@@ -12,6 +12,7 @@ weights of that size would run. Tensors are written one at a time, never all in 
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,13 +52,22 @@ def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader) -> None:
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)
 
 
-def write_model(shape: dict[str, int], out: Path, seed: int = 0) -> Path:
-    """Writes a model of `shape` (as SHAPES holds them) to `out`; returns `out`."""
-    from gguf import GGUFReader, GGUFWriter
+@functools.cache
+def embedded_gguf() -> GGUFReader:
+    """The embedded model's GGUF, whose tokenizer every written model carries: read once (its 49k
+    tokens take seconds to parse)."""
+    from gguf import GGUFReader
 
     from unison.model.loader import default_gguf_path
 
-    s, rng, tokenizer = shape, np.random.default_rng(seed), GGUFReader(default_gguf_path())
+    return GGUFReader(default_gguf_path())
+
+
+def write_model(shape: dict[str, int], out: Path, seed: int = 0) -> Path:
+    """Writes a model of `shape` (as SHAPES holds them) to `out`; returns `out`."""
+    from gguf import GGUFWriter
+
+    s, rng, tokenizer = shape, np.random.default_rng(seed), embedded_gguf()
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     moe = "experts" in s
     head_dim = s.get("head_dim", s["hidden"] // s["heads"])
