@@ -224,8 +224,10 @@ class EngineConfig:
         _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
                f"must be auto, none, int8 or int4, got {self.quantization!r}")
-        _check(self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"), "kv_cache_dtype",
-               f"must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16", "int8"), "kv_cache_dtype",
+               f"must be auto, float32, float16, bfloat16 or int8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype != "int8" or self.device == "cpu", "kv_cache_dtype",
+               f"int8 is read by the CPU attention kernel only; on {self.device} use float16 or bfloat16")
         _check(self.quantization in ("auto", "none") or self.device == "cpu", "quantization",
                f"{self.quantization!r} runs on CPU only; on {self.device} use 'none' or 'auto'")
         _check(self.schedule_policy in POLICIES, "schedule_policy",
@@ -385,7 +387,7 @@ HELP = {
     "load_format": "auto, or dummy: a tiny random model with the real tokenizer (benchmarks)",
     "quantization": "linear weights: auto (a GGUF at its own size), none (float), int8, int4",
     "kv_cache_dtype": "KV cache elements: auto (float16 beside quantized weights), float32, float16, "
-                      "bfloat16",
+                      "bfloat16, int8 (a scale per token and head: 1.9x float16's tokens, CPU)",
     "num_threads": "torch threads in the core (default: torch's choice)",
     "context_length": "longest prompt + output in tokens (default: the model's own limit)",
     "block_size": "tokens per KV-cache block",

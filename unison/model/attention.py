@@ -91,7 +91,9 @@ class PagedAttention:
         self.config, self.block_size, self.device = config, block_size, device
         self.dtype = dtype  # the model's: the masks' type
         c = config
-        shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        # int8: each head's row is head_dim values and a float32 scale (csrc/paged_attention.c).
+        row = kv_head_bytes(c.head_dim, kv_dtype) // kv_dtype.itemsize
+        shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, row)
         self.k_cache = _zeros(shape, kv_dtype, device)
         self.v_cache = _zeros(shape, kv_dtype, device)
         # The C kernels when the model runs on them (the runner sets them): paged metadata and the
@@ -238,6 +240,7 @@ class PagedAttention:
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
                                                self.config.layer_window[layer], threads,
                                                self.config.attention_scale).view(n, heads * d)
+        assert kc.dtype != torch.int8, "an int8 KV cache is read by the C kernel only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))
         meta = step.torch[self.config.layer_window[layer]]
@@ -296,6 +299,11 @@ class PagedAttention:
         if self._gather_bufs[which].numel() < need:
             self._gather_bufs[which] = torch.empty(need, dtype=cache.dtype, device=cache.device)
         return torch.index_select(cache, 0, blocks, out=self._gather_bufs[which][:need].view(shape))
+
+
+def kv_head_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """The bytes one head of one token takes in the cache: int8 keeps a float32 scale beside it."""
+    return head_dim + 4 if kv_dtype == torch.int8 else head_dim * kv_dtype.itemsize
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
-from .attention import PagedAttention
+from .attention import PagedAttention, kv_head_bytes
 from .decoder import DecoderModel, dummy_model
 from .encoder_config import DecoderPooling, DecoderReranker
 from .families import ModelConfig
@@ -118,6 +118,9 @@ class ModelRunner:
         attention.config, self._kernel = self.config, kernel  # a reload may change the attention scale
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.
+        if kernel is None and self.kv_dtype == torch.int8:
+            raise ValueError("kv_cache_dtype='int8' is read by the C attention kernel only, which this "
+                             "model does not run on; use float16")
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
                                                       attention.v_cache)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"
@@ -209,8 +212,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         c = self.config
-        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
-        return per_token * self.block_size * self.kv_dtype.itemsize
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * kv_head_bytes(c.head_dim, self.kv_dtype)
+        return per_token * self.block_size
 
     def _check_fits(self, num_blocks: int) -> None:
         """Fail at start, with the numbers, rather than by the OOM killer in the middle of a run."""
@@ -348,7 +351,7 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) -> torch.dtype:
@@ -359,7 +362,7 @@ def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) ->
         raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
     if name == "auto":
         return torch.float16 if quantization != "none" else model_dtype
-    return _DTYPES[name]
+    return torch.int8 if name == "int8" else _DTYPES[name]
 
 
 def _resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> tuple[torch.dtype, torch.dtype]:

@@ -9,7 +9,8 @@
 // (Torch's path, index_select into a buffer and then SDPA over the padded batch, moves every
 // byte three times and sums in an order that depends on the shapes.)
 //
-// Layouts (contiguous; q and out float32, the cache float32, float16 or bfloat16):
+// Layouts (contiguous; q and out float32, the cache float32, float16, bfloat16 or int8 with
+// a scale per token and head, see INT8_HEAD):
 //   q, out       [rows, num_heads, head_dim]
 //   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
 //   block_tables [seqs, table_stride]  int64, block ids of each request in order
@@ -73,7 +74,21 @@ static inline float f32_of_bf16(uint16_t h) {
 
 #define TILE_Q 16  // query rows of one request that share each K/V row read
 
-// One copy of the kernel per cache element type: KV_T, its conversion to float, the suffix.
+// int8 (kv_cache_dtype="int8", llama.cpp's q8_0 idea): each head's row of a token is head_dim
+// int8 values then its float32 scale (value = int8 * scale), written by store_kv. Rows stay
+// 4-byte aligned for the scale when head_dim is a multiple of 4.
+#define INT8_HEAD(d) ((d) + (int64_t)sizeof(float))
+static inline float int8_scale(const int8_t *head, int64_t head_dim) {
+    float s;
+    memcpy(&s, head + head_dim, sizeof s);
+    return s;
+}
+
+// One copy of the kernel per cache element type: KV_T, its conversion to float, the suffix; the
+// float types hold a row as kv_heads * head_dim elements, each head's factor 1.
+#define KV_HEAD(h, d) ((h) * (d))
+#define KV_ROW(heads, d) ((heads) * (d))
+#define KV_SCALE(p, d) 1.0f
 #define KV_T float
 #define KV_FLOAT(x) (x)
 #define KV_LOAD8(p) _mm256_loadu_ps(p)
@@ -83,16 +98,30 @@ static inline float f32_of_bf16(uint16_t h) {
 #define KV_FLOAT(x) ((float)(x))
 #define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define KV_NAME(name) name##_f16
+#define KV_HEAD(h, d) ((h) * (d))
+#define KV_ROW(heads, d) ((heads) * (d))
+#define KV_SCALE(p, d) 1.0f
 #include "paged_attention_body.h"
 #define KV_T uint16_t
 #define KV_FLOAT(x) f32_of_bf16(x)
 #define KV_LOAD8(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define KV_NAME(name) name##_bf16
+#define KV_HEAD(h, d) ((h) * (d))
+#define KV_ROW(heads, d) ((heads) * (d))
+#define KV_SCALE(p, d) 1.0f
+#include "paged_attention_body.h"
+#define KV_T int8_t
+#define KV_FLOAT(x) ((float)(x))
+#define KV_LOAD8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define KV_NAME(name) name##_i8
+#define KV_HEAD(h, d) ((h) * INT8_HEAD(d))
+#define KV_ROW(heads, d) ((heads) * INT8_HEAD(d))
+#define KV_SCALE(p, d) int8_scale(p, d)
 #include "paged_attention_body.h"
 
-// dtype: 0 float32, 1 float16, 2 bfloat16 (the cache's element type). Returns -1 when out of
-// memory for the scores.
+// dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 with scales (the cache's element type).
+// Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
@@ -103,6 +132,10 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
         return paged_attention_f16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
                                    num_threads);
+    case 3:
+        return paged_attention_i8(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
+                                  out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
+                                  num_threads);
     case 2:
         return paged_attention_bf16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,

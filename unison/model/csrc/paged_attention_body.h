@@ -1,6 +1,8 @@
 // The body of paged_attention.c, once per KV cache element type: the includer defines KV_T
 // (the element type), KV_FLOAT(x) (its value as float), KV_LOAD8(p) (8 of them as __m256, with
-// AVX2) and KV_NAME(name) (a suffixed name).
+// AVX2), KV_NAME(name) (a suffixed name), and how a token's row holds its heads: KV_HEAD(h, d)
+// (where head h starts, in elements), KV_ROW(heads, d) (a row's length) and KV_SCALE(p, d) (the
+// factor of the head at p: 1 for float types, its stored scale for int8).
 
 static inline float KV_NAME(dot)(const float *restrict a, const KV_T *restrict b, int64_t n) {
     int64_t i = 0;
@@ -35,7 +37,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
         int64_t len0, int64_t nrows, int64_t window, float *out, int64_t num_heads, int64_t h0,
         int64_t h1, int64_t group, int64_t kv_heads, const int64_t head_dim, int64_t block_size,
         float scale, float *scores) {
-    const int64_t row = kv_heads * head_dim, nh = h1 - h0, qstride = num_heads * head_dim;
+    const int64_t row = KV_ROW(kv_heads, head_dim), nh = h1 - h0, qstride = num_heads * head_dim;
     const int64_t end = len0 + nrows - 1;  // the last row's length: positions [lo, end)
     const int64_t lo = window > 0 && len0 > window ? len0 - window : 0, span = end - lo;
     const int64_t last = (end - 1) / block_size;
@@ -49,10 +51,11 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
             if (next) prefetch_row(next + t * row, row * (int64_t)sizeof(KV_T));
             for (int64_t i = pos < len0 ? 0 : pos - len0 + 1; i < nrows; i++) {
                 if (window > 0 && pos < len0 + i - window) break;  // before this row's window
-                for (int64_t h = h0; h < h1; h++)
+                for (int64_t h = h0; h < h1; h++) {
+                    const KV_T *key = block + t * row + KV_HEAD(h / group, head_dim);
                     scores[(i * nh + h - h0) * span + pos - lo] = KV_NAME(dot)(
-                        q + i * qstride + h * head_dim, block + t * row + h / group * head_dim,
-                        head_dim) * scale;
+                        q + i * qstride + h * head_dim, key, head_dim) * scale * KV_SCALE(key, head_dim);
+                }
             }
         }
     }
@@ -73,10 +76,12 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
             if (next) prefetch_row(next + t * row, row * (int64_t)sizeof(KV_T));
             for (int64_t i = pos < len0 ? 0 : pos - len0 + 1; i < nrows; i++) {
                 if (window > 0 && pos < len0 + i - window) break;
-                for (int64_t h = h0; h < h1; h++)
+                for (int64_t h = h0; h < h1; h++) {
+                    const KV_T *value = block + t * row + KV_HEAD(h / group, head_dim);
                     KV_NAME(axpy)(out + i * qstride + h * head_dim,
-                                  scores[(i * nh + h - h0) * span + pos - lo],
-                                  block + t * row + h / group * head_dim, head_dim);
+                                  scores[(i * nh + h - h0) * span + pos - lo] * KV_SCALE(value, head_dim),
+                                  value, head_dim);
+                }
             }
         }
     }
@@ -158,3 +163,6 @@ static int KV_NAME(paged_attention)(
 #undef KV_FLOAT
 #undef KV_LOAD8
 #undef KV_NAME
+#undef KV_HEAD
+#undef KV_ROW
+#undef KV_SCALE
