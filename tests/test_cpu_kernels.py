@@ -80,6 +80,47 @@ def test_paged_attention_rows_are_bit_identical_in_any_tile_or_batch():
     assert torch.equal(half, together[10:40])
 
 
+def q8(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's q8_0 in torch: each 32 values over their largest magnitude, rounded to nearest
+    even, then their float16 scale's two bytes; [..., n] float32 -> [..., n / 32 * 34] int8."""
+    g = x.reshape(*x.shape[:-1], -1, 32)
+    scale = (g.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    inv = torch.where(scale > 0, 1 / scale.float(), torch.zeros(()))
+    q = torch.round(g * inv).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], -1).reshape(*x.shape[:-1], -1)
+
+
+def dequantize_q8(c: torch.Tensor) -> torch.Tensor:
+    g = c.reshape(*c.shape[:-1], -1, 34)
+    return (g[..., :32].float() * g[..., 32:].contiguous().view(torch.float16).float()).flatten(-2)
+
+
+@pytest.mark.parametrize("seqs,heads,kv_heads,head_dim,block_size,window,rows", [
+    (64, 9, 3, 64, 16, None, 1),  # SmolLM2-135M's decode shapes
+    (3, 8, 8, 128, 4, None, 1),
+    (2, 4, 1, 256, 16, 40, 37),  # Gemma 3's head_dim; prefill tiles across a sliding window
+    (5, 4, 2, 32, 16, 7, 20),
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_cache_is_q8_0_and_attention_reads_it_in_place(seqs, heads, kv_heads, head_dim, block_size,
+                                                            window, rows, threads):
+    """store_kv writes each row as q8_0 blocks, to the bit as torch computes them; the kernel's
+    attention over them is attention over their dequantized values."""
+    g = torch.Generator().manual_seed(seqs + head_dim)
+    q, kc, vc, tables, row_seq, row_len = _case(seqs, heads, kv_heads, head_dim, block_size, torch.float32,
+                                                rows, g)
+    rows_kv = torch.cat([kc[:-1].flatten(0, 1).flatten(1), vc[:-1].flatten(0, 1).flatten(1)], 1)
+    width = kv_heads * head_dim
+    kc8 = torch.zeros(*kc.shape[:3], head_dim // 32 * 34, dtype=torch.int8)
+    vc8 = torch.zeros_like(kc8)
+    kernels.store_kv(rows_kv[:, :width], rows_kv[:, width:], kc8, vc8, torch.arange(len(rows_kv)))
+    assert torch.equal(kc8[:-1], q8(kc[:-1])) and torch.equal(vc8[:-1], q8(vc[:-1]))
+    kc8[-1], vc8[-1] = 127, 127  # the unused tail's block: huge values, were it ever read
+    got = kernels.paged_attention(q, kc8, vc8, tables, row_seq, row_len, window, threads)
+    want = reference(q, dequantize_q8(kc8), dequantize_q8(vc8), tables, row_seq, row_len, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_is_cached_by_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path))
     first = cpu_kernels.build()

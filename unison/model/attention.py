@@ -91,7 +91,7 @@ class PagedAttention:
         self.config, self.block_size, self.device = config, block_size, device
         self.dtype = dtype  # the model's: the masks' type
         c = config
-        # int8: each head's row is head_dim values and a float32 scale (csrc/paged_attention.c).
+        # int8: each head's row is q8_0 blocks, 32 values and a float16 scale (csrc/paged_attention.c).
         row = kv_head_bytes(c.head_dim, kv_dtype) // kv_dtype.itemsize
         shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, row)
         self.k_cache = _zeros(shape, kv_dtype, device)
@@ -302,8 +302,8 @@ class PagedAttention:
 
 
 def kv_head_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """The bytes one head of one token takes in the cache: int8 keeps a float32 scale beside it."""
-    return head_dim + 4 if kv_dtype == torch.int8 else head_dim * kv_dtype.itemsize
+    """The bytes one head of one token takes in the cache: int8 keeps a float16 scale per 32."""
+    return head_dim // 32 * 34 if kv_dtype == torch.int8 else head_dim * kv_dtype.itemsize
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

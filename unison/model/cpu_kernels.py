@@ -100,7 +100,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # as act_mul numbers them
 # The quantized kernels' instruction-set paths, as quant_linear.c numbers them, slowest first.
 QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 # The KV cache's element types, as the kernels number them.
-# The cache's element types; int8 rows carry a float32 scale per head (csrc/paged_attention.c).
+# The cache's element types; int8 is in llama.cpp's q8_0 blocks (csrc/paged_attention.c).
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
 
@@ -119,7 +119,7 @@ class CpuKernels:
         lib.add_rms_norm.restype = None
         lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.rope.restype = None
-        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
+        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
         lib.store_kv.restype = None
         lib.act_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
         lib.act_mul.restype = None
@@ -243,9 +243,9 @@ class CpuKernels:
         """Cache rows `slots` (of [slots, kv_heads * d]) = the rows of k and v, which share a row
         stride (both live in the fused QKV output)."""
         assert k.stride() == v.stride() and k.stride(-1) == 1 and slots.dtype == torch.int64
-        width, kv_heads = k.shape[1], k_cache.shape[2]
+        width = k.shape[1]
         self.lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), k.shape[0], width, width // kv_heads, KV_DTYPES[k_cache.dtype])
+                          slots.data_ptr(), k.shape[0], width, KV_DTYPES[k_cache.dtype])
 
     def act16(self, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' view of x [m, k]: its int16 values per 32-block [m, kp] and their scales

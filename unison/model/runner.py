@@ -118,9 +118,10 @@ class ModelRunner:
         attention.config, self._kernel = self.config, kernel  # a reload may change the attention scale
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.
-        if kernel is None and self.kv_dtype == torch.int8:
-            raise ValueError("kv_cache_dtype='int8' is read by the C attention kernel only, which this "
-                             "model does not run on; use float16")
+        if self.kv_dtype == torch.int8 and (kernel is None or self.config.head_dim % 32):
+            raise ValueError("kv_cache_dtype='int8' is read by the C attention kernel only, in blocks of "
+                             f"32 (this model: head_dim {self.config.head_dim}, C kernels "
+                             f"{'on' if kernel else 'off'}); use float16")
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
                                                       attention.v_cache)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"

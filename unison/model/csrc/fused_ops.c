@@ -75,26 +75,25 @@ static inline uint16_t bf16_of_f32(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// int8: each head's values over the largest magnitude, rounded to nearest even, then the scale
-// (float32) that brings them back (paged_attention.c's INT8_HEAD layout).
-static void store_int8(int8_t *dst, const float *x, int64_t heads, int64_t head_dim) {
-    for (int64_t h = 0; h < heads; h++, x += head_dim, dst += head_dim + (int64_t)sizeof(float)) {
+// int8: llama.cpp's q8_0 blocks (paged_attention.c's Q8_BLOCK): each 32 values over their
+// largest magnitude, rounded to nearest even, then the float16 scale that brings them back.
+static void store_q8(int8_t *dst, const float *x, int64_t n) {
+    for (int64_t g = 0; g < n; g += 32, x += 32, dst += 34) {
         float amax = 0.0f;
-        for (int64_t i = 0; i < head_dim; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int64_t i = 0; i < head_dim; i++) {
+        for (int64_t i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const _Float16 scale = (_Float16)(amax / 127.0f);
+        const float inv = (float)scale > 0.0f ? 1.0f / (float)scale : 0.0f;
+        for (int64_t i = 0; i < 32; i++) {
             const float q = nearbyintf(x[i] * inv);
             dst[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
         }
-        memcpy(dst + head_dim, &scale, sizeof scale);
+        memcpy(dst + 32, &scale, sizeof scale);
     }
 }
 
-static void store_row(void *cache, int64_t slot, const float *x, int64_t width, int64_t head_dim,
-                      int dtype) {
-    if (dtype == 3) {
-        const int64_t heads = width / head_dim;
-        store_int8((int8_t *)cache + slot * heads * (head_dim + (int64_t)sizeof(float)), x, heads, head_dim);
+static void store_row(void *cache, int64_t slot, const float *x, int64_t width, int dtype) {
+    if (dtype == 3) {  // heads one after another (head_dim a multiple of 32): width / 32 blocks a row
+        store_q8((int8_t *)cache + slot * (width / 32 * 34), x, width);
     } else if (dtype == 1) {
         _Float16 *dst = (_Float16 *)cache + slot * width;
         for (int64_t i = 0; i < width; i++) dst[i] = (_Float16)x[i];  // nearest even, as torch
@@ -106,14 +105,13 @@ static void store_row(void *cache, int64_t slot, const float *x, int64_t width, 
     }
 }
 
-// k_cache / v_cache rows [slots[r]] = rows r of k and v (width = heads * head_dim floats each),
-// converted to the cache's element type (dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 with a
-// scale per head).
+// k_cache / v_cache rows [slots[r]] = rows r of k and v (width floats each), converted to the
+// cache's element type (dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8 blocks of 32).
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
-              const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype) {
+              const int64_t *slots, int64_t rows, int64_t width, int dtype) {
     for (int64_t r = 0; r < rows; r++) {
-        store_row(k_cache, slots[r], k + r * row_stride, width, head_dim, dtype);
-        store_row(v_cache, slots[r], v + r * row_stride, width, head_dim, dtype);
+        store_row(k_cache, slots[r], k + r * row_stride, width, dtype);
+        store_row(v_cache, slots[r], v + r * row_stride, width, dtype);
     }
 }
 

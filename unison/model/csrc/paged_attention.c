@@ -9,8 +9,8 @@
 // (Torch's path, index_select into a buffer and then SDPA over the padded batch, moves every
 // byte three times and sums in an order that depends on the shapes.)
 //
-// Layouts (contiguous; q and out float32, the cache float32, float16, bfloat16 or int8 with
-// a scale per token and head, see INT8_HEAD):
+// Layouts (contiguous; q and out float32, the cache float32, float16, bfloat16 or int8 in q8
+// blocks, see Q8_BLOCK):
 //   q, out       [rows, num_heads, head_dim]
 //   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
 //   block_tables [seqs, table_stride]  int64, block ids of each request in order
@@ -74,21 +74,65 @@ static inline float f32_of_bf16(uint16_t h) {
 
 #define TILE_Q 16  // query rows of one request that share each K/V row read
 
-// int8 (kv_cache_dtype="int8", llama.cpp's q8_0 idea): each head's row of a token is head_dim
-// int8 values then its float32 scale (value = int8 * scale), written by store_kv. Rows stay
-// 4-byte aligned for the scale when head_dim is a multiple of 4.
-#define INT8_HEAD(d) ((d) + (int64_t)sizeof(float))
-static inline float int8_scale(const int8_t *head, int64_t head_dim) {
-    float s;
-    memcpy(&s, head + head_dim, sizeof s);
+// int8 (kv_cache_dtype="int8"): llama.cpp's q8_0 blocks. Each head's row of a token is head_dim / 32
+// blocks of 32 int8 values and their float16 scale (value = int8 * scale), 34 bytes a block,
+// written by store_kv (fused_ops.c).
+#define Q8_BLOCK 34
+#define Q8_HEAD(d) ((d) / 32 * Q8_BLOCK)
+
+static inline float q8_scale(const int8_t *block) {
+    _Float16 s;
+    memcpy(&s, block + 32, sizeof s);
+    return (float)s;
+}
+
+#ifdef ATTN_AVX2
+static inline __m256 q8_load8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+// a . b over n = head_dim values, b in q8 blocks: each block's sum scaled once.
+static inline float dot_i8(const float *restrict a, const int8_t *restrict b, int64_t n) {
+    float s = 0.0f;
+#ifdef ATTN_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < n; g += 32, b += Q8_BLOCK) {
+        __m256 part = _mm256_mul_ps(_mm256_loadu_ps(a + g), q8_load8(b));
+        part = _mm256_fmadd_ps(_mm256_loadu_ps(a + g + 8), q8_load8(b + 8), part);
+        part = _mm256_fmadd_ps(_mm256_loadu_ps(a + g + 16), q8_load8(b + 16), part);
+        part = _mm256_fmadd_ps(_mm256_loadu_ps(a + g + 24), q8_load8(b + 24), part);
+        acc = _mm256_fmadd_ps(part, _mm256_set1_ps(q8_scale(b)), acc);
+    }
+    s = hsum8(acc);
+#else
+    for (int64_t g = 0; g < n; g += 32, b += Q8_BLOCK) {
+        float part = 0.0f;
+        for (int64_t j = 0; j < 32; j++) part += a[g + j] * (float)b[j];
+        s += part * q8_scale(b);
+    }
+#endif
     return s;
 }
 
-// One copy of the kernel per cache element type: KV_T, its conversion to float, the suffix; the
-// float types hold a row as kv_heads * head_dim elements, each head's factor 1.
+// y += a * x over n values, x in q8 blocks.
+static inline void axpy_i8(float *restrict y, float a, const int8_t *restrict x, int64_t n) {
+    for (int64_t g = 0; g < n; g += 32, x += Q8_BLOCK) {
+        const float f = a * q8_scale(x);
+#ifdef ATTN_AVX2
+        const __m256 vf = _mm256_set1_ps(f);
+        for (int64_t j = 0; j < 32; j += 8)
+            _mm256_storeu_ps(y + g + j, _mm256_fmadd_ps(vf, q8_load8(x + j), _mm256_loadu_ps(y + g + j)));
+#else
+        for (int64_t j = 0; j < 32; j++) y[g + j] += f * (float)x[j];
+#endif
+    }
+}
+
+// One copy of the kernel per cache element type: KV_T, its conversion to float, the suffix, and
+// its row layout (the float types: kv_heads * head_dim elements).
 #define KV_HEAD(h, d) ((h) * (d))
 #define KV_ROW(heads, d) ((heads) * (d))
-#define KV_SCALE(p, d) 1.0f
 #define KV_T float
 #define KV_FLOAT(x) (x)
 #define KV_LOAD8(p) _mm256_loadu_ps(p)
@@ -100,7 +144,6 @@ static inline float int8_scale(const int8_t *head, int64_t head_dim) {
 #define KV_NAME(name) name##_f16
 #define KV_HEAD(h, d) ((h) * (d))
 #define KV_ROW(heads, d) ((heads) * (d))
-#define KV_SCALE(p, d) 1.0f
 #include "paged_attention_body.h"
 #define KV_T uint16_t
 #define KV_FLOAT(x) f32_of_bf16(x)
@@ -109,15 +152,12 @@ static inline float int8_scale(const int8_t *head, int64_t head_dim) {
 #define KV_NAME(name) name##_bf16
 #define KV_HEAD(h, d) ((h) * (d))
 #define KV_ROW(heads, d) ((heads) * (d))
-#define KV_SCALE(p, d) 1.0f
 #include "paged_attention_body.h"
 #define KV_T int8_t
-#define KV_FLOAT(x) ((float)(x))
-#define KV_LOAD8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define KV_NAME(name) name##_i8
-#define KV_HEAD(h, d) ((h) * INT8_HEAD(d))
-#define KV_ROW(heads, d) ((heads) * INT8_HEAD(d))
-#define KV_SCALE(p, d) int8_scale(p, d)
+#define KV_HEAD(h, d) ((h) * Q8_HEAD(d))
+#define KV_ROW(heads, d) ((heads) * Q8_HEAD(d))
+#define KV_OWN_DOT
 #include "paged_attention_body.h"
 
 // dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 with scales (the cache's element type).

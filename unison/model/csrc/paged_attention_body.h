@@ -1,9 +1,10 @@
 // The body of paged_attention.c, once per KV cache element type: the includer defines KV_T
 // (the element type), KV_FLOAT(x) (its value as float), KV_LOAD8(p) (8 of them as __m256, with
 // AVX2), KV_NAME(name) (a suffixed name), and how a token's row holds its heads: KV_HEAD(h, d)
-// (where head h starts, in elements), KV_ROW(heads, d) (a row's length) and KV_SCALE(p, d) (the
-// factor of the head at p: 1 for float types, its stored scale for int8).
+// (where head h starts, in elements) and KV_ROW(heads, d) (a row's length). KV_OWN_DOT: the
+// includer defines KV_NAME(dot) and KV_NAME(axpy) itself.
 
+#ifndef KV_OWN_DOT  // (int8 brings its own: a scale per block of 32)
 static inline float KV_NAME(dot)(const float *restrict a, const KV_T *restrict b, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
@@ -29,6 +30,7 @@ static inline void KV_NAME(axpy)(float *restrict y, float a, const KV_T *restric
 #endif
     for (; i < n; i++) y[i] += a * KV_FLOAT(x[i]);
 }
+#endif
 
 // One tile: query rows [0, nrows) of one request at consecutive positions (row i attends to
 // its last `window` tokens of [0, len0 + i)), heads [h0, h1). scores: nrows * (h1 - h0) * span.
@@ -54,7 +56,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
                 for (int64_t h = h0; h < h1; h++) {
                     const KV_T *key = block + t * row + KV_HEAD(h / group, head_dim);
                     scores[(i * nh + h - h0) * span + pos - lo] = KV_NAME(dot)(
-                        q + i * qstride + h * head_dim, key, head_dim) * scale * KV_SCALE(key, head_dim);
+                        q + i * qstride + h * head_dim, key, head_dim) * scale;
                 }
             }
         }
@@ -79,8 +81,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
                 for (int64_t h = h0; h < h1; h++) {
                     const KV_T *value = block + t * row + KV_HEAD(h / group, head_dim);
                     KV_NAME(axpy)(out + i * qstride + h * head_dim,
-                                  scores[(i * nh + h - h0) * span + pos - lo] * KV_SCALE(value, head_dim),
-                                  value, head_dim);
+                                  scores[(i * nh + h - h0) * span + pos - lo], value, head_dim);
                 }
             }
         }
@@ -165,4 +166,4 @@ static int KV_NAME(paged_attention)(
 #undef KV_NAME
 #undef KV_HEAD
 #undef KV_ROW
-#undef KV_SCALE
+#undef KV_OWN_DOT
