@@ -328,8 +328,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
                    help="float weights (default: auto: float32 on CPU, the checkpoint's or bfloat16 on "
                         "CUDA; bfloat16 on CPU: bf16 linears)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
-                   help="KV cache elements (default: auto)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16", "int8"],
+                   default=None, help="KV cache elements (default: auto)")
     p.add_argument("--speculative-config", default=None,
                    help='as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     p.add_argument("--kv-events-config", default=None,
