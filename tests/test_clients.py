@@ -258,6 +258,44 @@ def test_infill_refused_by_name_without_fim_tokens(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
+@pytest.fixture(scope="module")
+def fim_server(tmp_path_factory):
+    """A tiny random model whose vocabulary has StarCoder's FIM tokens (three of SmolLM2's
+    specials renamed): the infill routes end to end."""
+    from unison.bench.model import write_model
+
+    pre, suf, mid, _ = STYLES[1]
+    renames = {"<jupyter_start>": pre, "<jupyter_text>": suf, "<jupyter_code>": mid}
+    shape = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128}
+    path = write_model(shape, tmp_path_factory.mktemp("fim") / "fim.gguf", renames=renames)
+    yield from serve("fim", str(path), "--context-length", "256")
+
+
+def test_infill_on_a_model_with_fim_tokens(fim_server):
+    body = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n\nprint(add(1, 2))\n",
+            "input_extra": [{"filename": "util.py", "text": "import math\n"}], "n_predict": 6,
+            "temperature": 0}
+    r = fim_server.post("/infill", body)
+    assert r.status_code == 200, r.text
+    infilled = r.json()
+    assert infilled["tokens_predicted"] == 6 or infilled["stop_type"] == "eos"
+    # <file_sep> name text, then PRE prefix SUF suffix MID: four special tokens and the texts' own.
+    def tokenize(text: str) -> int:
+        return fim_server.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()["count"]
+
+    texts = ["util.py\n", "import math\n", body["input_prefix"], body["input_suffix"]]
+    assert infilled["tokens_evaluated"] == 4 + sum(map(tokenize, texts))
+    completion = fim_server.post("/v1/completions", {"prompt": body["input_prefix"], "max_tokens": 4,
+                                                      "suffix": body["input_suffix"], "temperature": 0})
+    assert completion.status_code == 200 and completion.json()["usage"]["prompt_tokens"] == \
+        3 + tokenize(body["input_prefix"]) + tokenize(body["input_suffix"])
+    ollama_fim = fim_server.post("/api/generate", {"model": "fim.gguf", "prompt": body["input_prefix"],
+                                                   "suffix": body["input_suffix"], "stream": False,
+                                                   "options": {"num_predict": 4}})
+    assert ollama_fim.status_code == 200 and ollama_fim.json()["done"], ollama_fim.text
+    assert "insert" in fim_server.post("/api/show", {"model": "fim.gguf"}).json()["capabilities"]
+
+
 def test_fim_prompt_from_the_models_tokens(server):
     """A vocabulary with StarCoder's FIM tokens (SmolLM2's, three of its specials renamed): the
     prompt is [file_sep name text] PRE prefix SUF suffix MID middle, as llama.cpp writes it."""

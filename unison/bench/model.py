@@ -40,8 +40,9 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.nda
     return np.concatenate([d.view(np.uint8), q], axis=2).reshape(rows, -1)
 
 
-def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader) -> None:
-    """Every tokenizer.* field of `source` (a GGUFReader) into `writer`."""
+def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader, renames: dict[str, str] | None = None) -> None:
+    """Every tokenizer.* field of `source` (a GGUFReader) into `writer`; `renames` gives some of
+    its tokens other strings (a vocabulary with FIM tokens, for the infill routes' tests)."""
     from gguf import GGUFValueType
 
     for name, field in source.fields.items():
@@ -49,7 +50,10 @@ def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader) -> None:
             continue
         kind = field.types[0]
         sub = field.types[1] if kind == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens" and renames:
+            value = [renames.get(t, t) for t in value]
+        writer.add_key_value(name, value, kind, sub_type=sub)
 
 
 @functools.cache
@@ -63,8 +67,10 @@ def embedded_gguf() -> GGUFReader:
     return GGUFReader(default_gguf_path())
 
 
-def write_model(shape: dict[str, int], out: Path, seed: int = 0) -> Path:
-    """Writes a model of `shape` (as SHAPES holds them) to `out`; returns `out`."""
+def write_model(shape: dict[str, int], out: Path, seed: int = 0,
+                renames: dict[str, str] | None = None) -> Path:
+    """Writes a model of `shape` (as SHAPES holds them) to `out`; returns `out`. `renames`: tokens
+    of the embedded vocabulary given other strings."""
     from gguf import GGUFWriter
 
     s, rng, tokenizer = shape, np.random.default_rng(seed), embedded_gguf()
@@ -90,7 +96,7 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0) -> Path:
         w.add_expert_used_count(s["top_k"])
         w.add_expert_feed_forward_length(s["ffn"])
     w.add_file_type(2)  # mostly Q4_0
-    _copy_tokenizer(w, tokenizer)
+    _copy_tokenizer(w, tokenizer, renames)
     tensors = _tensors(s, vocab, head_dim)
     for name, (rows, cols, kind) in tensors.items():
         _add_info(w, name, rows, cols, kind)
