@@ -160,7 +160,7 @@ static inline void axpy_i8(float *restrict y, float a, const int8_t *restrict x,
 #define KV_OWN_DOT
 #include "paged_attention_body.h"
 
-// dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 with scales (the cache's element type).
+// dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8 blocks (the cache's element type).
 // Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
