@@ -95,7 +95,18 @@ static inline __m256 q8_load8(const int8_t *p) {
 // a . b over n = head_dim values, b in q8 blocks: each block's sum scaled once.
 static inline float dot_i8(const float *restrict a, const int8_t *restrict b, int64_t n) {
     float s = 0.0f;
-#ifdef ATTN_AVX2
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < n; g += 32, b += Q8_BLOCK) {
+        __m512 part = _mm512_mul_ps(_mm512_loadu_ps(a + g),
+                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b))));
+        part = _mm512_fmadd_ps(_mm512_loadu_ps(a + g + 16),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)))),
+                               part);
+        acc = _mm512_fmadd_ps(part, _mm512_set1_ps(q8_scale(b)), acc);
+    }
+    s = _mm512_reduce_add_ps(acc);
+#elif defined(ATTN_AVX2)
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < n; g += 32, b += Q8_BLOCK) {
         __m256 part = _mm256_mul_ps(_mm256_loadu_ps(a + g), q8_load8(b));
@@ -119,7 +130,13 @@ static inline float dot_i8(const float *restrict a, const int8_t *restrict b, in
 static inline void axpy_i8(float *restrict y, float a, const int8_t *restrict x, int64_t n) {
     for (int64_t g = 0; g < n; g += 32, x += Q8_BLOCK) {
         const float f = a * q8_scale(x);
-#ifdef ATTN_AVX2
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 vf = _mm512_set1_ps(f);
+        for (int64_t j = 0; j < 32; j += 16)
+            _mm512_storeu_ps(y + g + j, _mm512_fmadd_ps(
+                vf, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + j)))),
+                _mm512_loadu_ps(y + g + j)));
+#elif defined(ATTN_AVX2)
         const __m256 vf = _mm256_set1_ps(f);
         for (int64_t j = 0; j < 32; j += 8)
             _mm256_storeu_ps(y + g + j, _mm256_fmadd_ps(vf, q8_load8(x + j), _mm256_loadu_ps(y + g + j)));
