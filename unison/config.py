@@ -387,7 +387,7 @@ HELP = {
     "load_format": "auto, or dummy: a tiny random model with the real tokenizer (benchmarks)",
     "quantization": "linear weights: auto (a GGUF at its own size), none (float), int8, int4",
     "kv_cache_dtype": "KV cache elements: auto (float16 beside quantized weights), float32, float16, "
-                      "bfloat16, int8 (a scale per token and head: 1.9x float16's tokens, CPU)",
+                      "bfloat16, int8 (llama.cpp's q8_0 blocks: 1.88x float16's tokens; CPU)",
     "num_threads": "torch threads in the core (default: torch's choice)",
     "context_length": "longest prompt + output in tokens (default: the model's own limit)",
     "block_size": "tokens per KV-cache block",

@@ -116,12 +116,12 @@ class ModelRunner:
         ops, attention = self.model.ops, self.attention
         kernel = ops if isinstance(ops, cpu_kernels.CpuKernels) else None
         attention.config, self._kernel = self.config, kernel  # a reload may change the attention scale
-        # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
-        # in the same order as the Python forward, without its per-op cost.
         if self.kv_dtype == torch.int8 and (kernel is None or self.config.head_dim % 32):
             raise ValueError("kv_cache_dtype='int8' is read by the C attention kernel only, in blocks of "
                              f"32 (this model: head_dim {self.config.head_dim}, C kernels "
                              f"{'on' if kernel else 'off'}); use float16")
+        # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
+        # in the same order as the Python forward, without its per-op cost.
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
                                                       attention.v_cache)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"
