@@ -221,7 +221,6 @@ class ServerInfo(msgspec.Struct, tag=True):
     admissions: list[tuple[int, str]]  # (worker id, rid) in admission order, the last few
     frontends: list[FrontendInfo]
     lora_adapters: list[LoraAdapterInfo] = []
-    requests: list[RequestInfo] = []  # running first, then waiting, in the scheduler's order
 
     def to_dict(self) -> dict:
         """Plain JSON-able values in SGLang's top-level keys (its options, the scheduler's
@@ -262,6 +261,12 @@ class OpResult(msgspec.Struct, tag=True):
 
     def __bool__(self) -> bool:
         return self.success
+
+
+class RequestList(msgspec.Struct, tag=True):
+    """The requests the core holds, running first, then waiting, in the scheduler's order."""
+
+    requests: list[RequestInfo]
 
 
 class StepShapeCounts(msgspec.Struct, tag=True):
@@ -336,6 +341,11 @@ class CheckIntegrity(ControlRequest[OpResult], tag="check_integrity", frozen=Tru
     """Answered with an error if the KV block pool has a leaked or double-owned block."""
 
 
+class GetRequests(ControlRequest[RequestList], tag="requests", frozen=True):
+    """Every request the core holds (llama-server's /slots): apart from GetServerInfo, which
+    every /metrics scrape asks for, so that a long queue is listed only when asked."""
+
+
 class GetStepShapes(ControlRequest[StepShapeCounts], tag="step_shapes", frozen=True):
     """Benchmarks: needs UNISON_RECORD_STEP_SHAPES=1 in the core's environment."""
 
@@ -379,8 +389,9 @@ class UnloadLoraAdapter(ControlRequest[OpResult], tag="unload_lora_adapter", fro
 
 
 ControlRequests = Union[GetServerInfo, FlushCache, Pause, Continue, CheckIntegrity, GetStepShapes,
-                        AbortRequests, UpdateWeights, UpdateTensors, LoadLoraAdapter, UnloadLoraAdapter]
-ControlResult = Union[ServerInfo, OpResult, StepShapeCounts]  # every request's reply type
+                        GetRequests, AbortRequests, UpdateWeights, UpdateTensors, LoadLoraAdapter,
+                        UnloadLoraAdapter]
+ControlResult = Union[ServerInfo, OpResult, StepShapeCounts, RequestList]  # every request's reply type
 CONTROL_REQUESTS: tuple[type[ControlRequest], ...] = get_args(ControlRequests)
 
 

@@ -30,12 +30,14 @@ from unison.protocol import (
     CoreInfo,
     FlushCache,
     FrontendInfo,
+    GetRequests,
     GetServerInfo,
     GetStepShapes,
     LoadLoraAdapter,
     OpResult,
     Pause,
     PauseMode,
+    RequestList,
     ServerInfo,
     StepShapeCounts,
     UnloadLoraAdapter,
@@ -108,7 +110,6 @@ class Controls:
             admissions=[(frontends.worker_ids.get(f, -1), rid) for f, rid in report.admissions()],
             frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident], fe.remote) for fe in frontends],
             lora_adapters=report.lora_adapters(),
-            requests=report.requests(frontends.worker_ids),
         )
 
     def flush_cache(self, req: FlushCache, by: Caller) -> OpResult:
@@ -136,6 +137,9 @@ class Controls:
     def check_integrity(self, req: CheckIntegrity, by: Caller) -> OpResult:
         self.core.check_integrity()  # raises: the reply is the error
         return OpResult(True, "no KV block is leaked or owned twice")
+
+    def requests(self, req: GetRequests, by: Caller) -> RequestList:
+        return RequestList(self.core.report.requests(self.server.frontends.worker_ids))
 
     def step_shapes(self, req: GetStepShapes, by: Caller) -> StepShapeCounts:
         if self.server.step_shapes is None:
@@ -194,6 +198,7 @@ class Controls:
         Continue: continue_generation,
         CheckIntegrity: check_integrity,
         GetStepShapes: step_shapes,
+        GetRequests: requests,
         AbortRequests: abort_requests,
         UpdateWeights: update_weights,
         UpdateTensors: update_weights,

@@ -23,7 +23,7 @@ from unison.json_types import JSONObject
 from unison.server.errors import HTTPError
 from unison.server.openai import check_model, names_of, render_chat, start_chat
 from unison.server.openai_format import ChatChunkChoice, Formatter, finish_reason
-from unison.server.openai_protocol import ChatCompletionRequest
+from unison.server.openai_protocol import ChatCompletionRequest, json_schema_format
 from unison.server.streaming import named_event, stream, wait
 
 router = APIRouter()
@@ -99,7 +99,7 @@ def _response_format(config: JSONObject | None) -> JSONObject | None:
     if not isinstance(schema, dict):
         raise HTTPError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}',
                         param="output_config.format")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    return json_schema_format(schema, "output")
 
 
 def _messages(given: list[Message]) -> list[JSONObject]:

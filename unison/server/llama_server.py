@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from unison.frontend.collector import Collector
 from unison.frontend.request import LengthFinish, StopFinish
 from unison.json_types import JSONObject
-from unison.protocol import GetServerInfo
+from unison.protocol import GetRequests
 from unison.sampling import MAX_TOP_LOGPROBS
 from unison.server.errors import HTTPError
 from unison.server.openai import (
@@ -26,7 +26,12 @@ from unison.server.openai import (
     start_completion,
 )
 from unison.server.openai_format import CompletionChunkChoice, Formatter
-from unison.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from unison.server.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    json_schema_format,
+)
 from unison.server.streaming import Timer, stream, wait, worker_of
 from unison.version import __version__
 
@@ -82,7 +87,7 @@ class CompletionBody(LlamaCppSampling):
 
     def to_completion(self, prompt: str | list[int]) -> CompletionRequest:
         fields = self.given(SAMPLING)
-        schema = {"type": "json_schema", "json_schema": {"name": "output", "schema": self.json_schema}}
+        schema = json_schema_format(self.json_schema, "output")
         bias = dict(self.logit_bias) if isinstance(self.logit_bias, list) else self.logit_bias
         return CompletionRequest.model_validate(dict(
             model=self.model, prompt=prompt, max_tokens=None if self.n_predict == -1 else self.n_predict,
@@ -138,7 +143,8 @@ async def _run(request: Request, body: CompletionBody, prompt: str | list[int]):
     if body.stream:
         return stream(collector, out.chunks, out.tail, done=False)
     await wait(request, collector, out.timer.seen)
-    return out.final(fmt.final()["choices"][0]["text"])
+    choice = fmt.final()["choices"][0]
+    return out.final(choice["text"], choice["logprobs"])
 
 
 class Chunks:
@@ -160,7 +166,7 @@ class Chunks:
         return out
 
     def tail(self) -> list[JSONObject]:
-        return self.chunks([]) + [self.final("")]
+        return self.chunks([]) + [self.final("", None)]
 
     def _chunk(self, text: str, logprobs: JSONObject | None) -> JSONObject:
         ids = self.collector.states[0].output_ids
@@ -171,7 +177,7 @@ class Chunks:
             out["completion_probabilities"] = _probabilities(logprobs)
         return out
 
-    def final(self, text: str) -> JSONObject:
+    def final(self, text: str, logprobs: JSONObject | None) -> JSONObject:
         """The last chunk (streamed), or the whole answer: the text, why it stopped, the counts."""
         state = self.collector.states[0]
         reason = state.finish_reason
@@ -180,7 +186,6 @@ class Chunks:
             else "eos" if isinstance(reason, StopFinish) else "none"
         usage = self.fmt.usage()
         prompt_s, output_s = self.timer.split()
-        logprobs = self.fmt.final()["choices"][0]["logprobs"] if text and self.body.n_probs else None
         return self._chunk(text, logprobs) | {
             "stop": True, "model": self.fmt.model, "stop_type": stop_type,
             "stopping_word": matched if isinstance(matched, str) else "",
@@ -231,11 +236,12 @@ async def props(request: Request):
 @router.get("/slots")
 async def slots(request: Request):
     """The requests the core holds, one slot each (running, then waiting), read-only."""
-    info = await worker_of(request).control(GetServerInfo())
-    return [{"id": i, "id_task": r.rid, "n_ctx": info.core.context_length, "is_processing": r.running,
+    worker = worker_of(request)
+    held = await worker.control(GetRequests())
+    return [{"id": i, "id_task": r.rid, "n_ctx": worker.info.context_length, "is_processing": r.running,
              "worker_id": r.worker_id,
              "next_token": [{"has_next_token": r.running, "n_decoded": r.output_tokens,
                              "n_remain": r.max_new_tokens - r.output_tokens}],
              "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
-            for i, r in enumerate(info.requests)]
+            for i, r in enumerate(held.requests)]
 

@@ -12,6 +12,7 @@ Models are never pulled, created, copied or deleted here: those routes do not ex
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -33,7 +34,7 @@ from unison.server.errors import HTTPError
 from unison.server.llama_server import LLAMA_CPP_SAMPLING, LlamaCppSampling
 from unison.server.openai import attached, check_model, names_of, start_chat, start_completion
 from unison.server.openai_format import ChatChunkChoice, CompletionChunkChoice, Formatter
-from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest, json_schema_format
 from unison.server.streaming import Timer, route, stream, wait, worker_of
 from unison.version import __version__
 
@@ -172,7 +173,7 @@ def _response_format(fmt: str | JSONObject | None) -> JSONObject | None:
     if fmt == "json":
         return {"type": "json_object"}
     if isinstance(fmt, dict):
-        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+        return json_schema_format(fmt, "format")
     raise HTTPError(400, f'format must be "json" or a JSON schema object, got {fmt!r}', param="format")
 
 
@@ -387,6 +388,7 @@ def _details(request: Request) -> JSONObject:
             "family": family, "families": [family], "quantization_level": info.quantization}
 
 
+@functools.cache
 def _model_type(model_dir: str) -> str:
     """config.json's model_type ("" where this frontend has no model files: a remote one)."""
     path = Path(model_dir) / "config.json"

@@ -34,6 +34,11 @@ def generation_defaults(setting: str, model_dir: str) -> JSONObject:
     return {k: config[k] for k in (*MODEL_DEFAULTS, "max_new_tokens") if k in config}
 
 
+def json_schema_format(schema: object, name: str) -> JSONObject:
+    """OpenAI's response_format for a JSON schema: what the other APIs' schema fields become."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
 class _Strict(BaseModel):
     # An unknown field is a 400 naming it, as OpenAI answers: a misspelt option silently ignored
     # would change the output unnoticed.
