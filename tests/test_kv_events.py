@@ -24,6 +24,7 @@ from unison.bench.lora import write_adapter
 from unison.config import EngineConfig, KVEventsConfig
 from unison.core.engine_core import EngineCore
 from unison.core.kv_publisher import Publisher
+from unison.core.weight_update import load_weights
 from unison.kv_events import LoadReport, block_hashes, offset_port
 from unison.kv_index import KVIndex
 from unison.model.loader import default_gguf_path
@@ -242,7 +243,7 @@ def test_the_mirror_equals_the_radix_cache_after_any_workload(core, mirror, ops,
             core.retract_all()
             core.flush_cache()
         elif op[0] == "weights":
-            core.load_weights(core.config.model_path or str(default_gguf_path()))
+            load_weights(core, core.config.model_path or str(default_gguf_path()))
         seen.extend(list(r.token_ids) for r in core.requests.values())
     while core.has_work:
         step(core)

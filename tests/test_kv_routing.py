@@ -79,6 +79,13 @@ def test_least_loaded_reads_the_engine_wide_reports_and_counts_what_it_sent_sinc
     assert least.pick("x") is least.workers[1]
 
 
+def store(log, parent: int | None, tokens: tuple[int, ...]) -> list[int]:
+    """Blocks stored in the radix cache, as it tells its event log."""
+    hashes = block_hashes(list(tokens), BS, None, parent)
+    log.stored(parent, hashes, tokens, list(range(len(hashes))), 0)
+    return hashes
+
+
 def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
     """The HTTP workers' Feed against a publisher: events published before it subscribed come by
     replay, later ones on the stream; load reports land on the board."""
@@ -94,7 +101,7 @@ def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
         log = EventLog(BS)
         pub = Publisher(ctx, KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
                                             replay_endpoint="tcp://127.0.0.1:*"), 1, log)
-        early = log.stored(None, tuple(range(2 * BS)), 0)
+        early = store(log, None, tuple(range(2 * BS)))
         pub.publish()  # seq 0 (AllBlocksCleared, then these), before anyone subscribed
         index, loads = KVIndex(), {}
         feed = Feed(1, pub.info(), "127.0.0.1", index, loads)
@@ -110,15 +117,15 @@ def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
                 raise AssertionError("the feed did not catch up")
 
             await serve_until(lambda: index.blocks.get(1) == set(early))
-            late = log.stored(early[-1], tuple(range(BS)), 0)
+            late = store(log, early[-1], tuple(range(BS)))
             log.removed(early[:1])  # the index applies what it is told, chain or not
             await serve_until(lambda: index.blocks.get(1) == {early[1], *late} and 1 in loads)
             assert feed.gaps == 0 and loads[1].num_running == 2 and loads[1].data_parallel_rank == 1
             # A batch PUB dropped at its high-water mark: buffered for replay, never delivered.
-            dropped = log.stored(late[-1], tuple(range(BS)), 0)
+            dropped = store(log, late[-1], tuple(range(BS)))
             pub.buffer.append((pub.seq, pub.encoder.encode(KVEventBatch(0.0, log.take(), 1))))
             pub.seq += 1
-            after = log.stored(dropped[-1], tuple(range(BS)), 0)
+            after = store(log, dropped[-1], tuple(range(BS)))
             await serve_until(lambda: set(after) <= index.blocks.get(1, set()))
             assert feed.gaps == 1 and set(dropped) <= index.blocks[1]
         finally:

@@ -158,6 +158,10 @@ class EngineConfig:
     max_queued_requests: int | None = None  # waiting requests, engine-wide; past it: refused at once
     chunked_prefill_size: int = 512  # a step's token budget: long prompts prefill in chunks (-1: never)
     disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
+    # The prefix cache's disk tier: cached blocks are also written under this directory, read back
+    # on a prefix hit (after a restart too), kept to kv_cache_disk_gb (least recently used go).
+    kv_cache_dir: str | None = None
+    kv_cache_disk_gb: float = 16.0
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
     # A frontend that has not processed its outputs for this long, or this many steps' worth,
     # has its requests aborted: the core never waits for a stalled frontend. The age is the bound
@@ -217,6 +221,9 @@ class EngineConfig:
                "max_total_tokens", f"must be >= block_size ({self.block_size})")
         _check(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb",
                "must be > 0")
+        _check(self.kv_cache_disk_gb > 0, "kv_cache_disk_gb", "must be > 0")
+        _check(self.kv_cache_dir is None or not self.disable_radix_cache, "kv_cache_dir",
+               "the disk tier extends the prefix cache, which disable_radix_cache turns off")
         _check(self.frontend_max_lag_s > 0, "frontend_max_lag_s", "must be > 0")
         _check(self.frontend_max_unacked >= 1, "frontend_max_unacked", "must be >= 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
@@ -398,6 +405,9 @@ HELP = {
                            "request is refused at once (HTTP 503)",
     "chunked_prefill_size": "tokens per step: longer prompts are prefilled in chunks",
     "disable_radix_cache": "turn off the prefix cache that reuses shared prompt prefixes' KV",
+    "kv_cache_dir": "the prefix cache's disk tier: cached KV blocks are kept in files here and read "
+                    "back on a prefix hit, across restarts of the same model",
+    "kv_cache_disk_gb": "the disk tier's size; past it the least recently used blocks are removed",
     "schedule_policy": "fcfs, lpm (longest cached prefix first), fair (round-robin over frontends) "
                        "or random",
     "frontend_max_lag_s": "a frontend this far behind its outputs has its requests aborted",

@@ -21,6 +21,7 @@ from typing import Any, overload
 import msgspec
 
 MEDIUM = "CPU"  # where the blocks live, in vLLM's words (GPU, CPU): Unison's KV cache is in RAM
+DISK = "DISK"  # ... or in the prefix cache's disk tier (kv_cache_dir), in vLLM's spelling
 HASH_MASK = (1 << 63) - 1  # non-negative and below 2**63: an int64 or a uint64 to any consumer
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message: [END_SEQ, b""]
 

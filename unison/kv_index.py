@@ -2,7 +2,8 @@
 
 Since a block's hash chains its parent's, one hash names a whole prefix: a replica holds a
 prompt's first k blocks when it holds the k-th one's hash and those before it. The index keeps a
-set of hashes per replica, a mirror of its core's radix cache. It applies any struct with vLLM's
+set of hashes per replica, a mirror of its core's radix cache and its disk tier (a hash leaves
+when no medium holds it). It applies any struct with vLLM's
 field names (the router's, or a test's own copy of vLLM's definitions).
 
 Feed follows one replica from an HTTP worker: its events into the index (asking the replay
@@ -31,23 +32,37 @@ REPLAY_TIMEOUT_S = 2.0
 
 class KVIndex:
     def __init__(self) -> None:
-        self.blocks: dict[int, set[int]] = {}  # replica -> the hashes of its cached blocks
+        self.blocks: dict[int, set[int]] = {}  # replica -> the hashes of its cached blocks, any medium
+        # replica -> hash -> the media holding it: a block evicted from RAM may still be on disk
+        self.media: dict[int, dict[int, set[str | None]]] = {}
 
     def apply(self, replica: int, events: Iterable[object]) -> None:
         """Events are told apart by class name, not isinstance: a subscriber that decodes into its
         own copies of vLLM's structs (as vLLM's example subscriber does) keeps an index too."""
         held = self.blocks.setdefault(replica, set())
+        media = self.media.setdefault(replica, {})
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
-                held.update(cast(BlockStored, event).block_hashes)
+                stored = cast(BlockStored, event)
+                held.update(stored.block_hashes)
+                for h in stored.block_hashes:
+                    media.setdefault(h, set()).add(stored.medium)
             elif kind == "BlockRemoved":
-                held.difference_update(cast(BlockRemoved, event).block_hashes)
+                removed = cast(BlockRemoved, event)
+                for h in removed.block_hashes:
+                    where = media.get(h, set())
+                    where.discard(removed.medium)
+                    if not where:
+                        media.pop(h, None)
+                        held.discard(h)
             elif kind == "AllBlocksCleared":
                 held.clear()
+                media.clear()
 
     def forget(self, replica: int) -> None:
         self.blocks.pop(replica, None)
+        self.media.pop(replica, None)
 
     def overlap(self, replica: int, hashes: list[int]) -> int:
         """How many of a prompt's leading blocks (their chained hashes) the replica holds."""

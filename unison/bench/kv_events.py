@@ -19,6 +19,7 @@ def main(args: argparse.Namespace) -> int:
 
     from unison.config import KVEventsConfig
     from unison.core.kv_publisher import EventLog, Publisher
+    from unison.kv_events import block_hashes
 
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
                          replay_endpoint="tcp://127.0.0.1:*")
@@ -44,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         for c in chunks:
-            hashes = log.stored(None, c, 0)
+            hashes = block_hashes(list(c), 16)  # the radix cache hashes what it adopts
+            log.stored(None, hashes, c, [], 0)
         log.removed(hashes[:8])
         pub.publish()
     dt = (time.perf_counter() - t0) / args.steps

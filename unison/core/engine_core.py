@@ -13,6 +13,7 @@ import torch
 
 from unison.config import EngineConfig
 from unison.core.block_pool import BlockPool
+from unison.core.disk_cache import open_disk_cache
 from unison.core.grammar import GrammarGate, advance
 from unison.core.kv_publisher import EventLog
 from unison.core.lora import LoraRegistry
@@ -47,13 +48,16 @@ class EngineCore:
         # The radix cache's changes as KV events, when they are published (core/kv_publisher.py)
         self.kv_events = EventLog(config.block_size) if config.kv_events is not None else None
         encoder = isinstance(self.runner, EncoderRunner)  # it keeps no KV: nothing to cache or chunk
+        # The prefix cache's disk tier (kv_cache_dir), or None
+        self.disk = open_disk_cache(config, self.runner, self.kv_events) if config.kv_cache_dir else None
+        observers = [o for o in (self.kv_events, self.disk) if o is not None]
         cache = None if config.disable_radix_cache or encoder else \
-            RadixCache(self.pool, config.block_size, self.kv_events)
+            RadixCache(self.pool, config.block_size, observers)
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
-            max_adapters=config.max_loras_per_batch, whole_prompts=encoder,
+            max_adapters=config.max_loras_per_batch, whole_prompts=encoder, disk=self.disk,
         )
         # An encoder never reaches it: make_runner refuses enable_lora for one.
         self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,
@@ -87,27 +91,9 @@ class EngineCore:
         return bool(sched.running) or bool(self.grammar.failed) or any(r.ready for r in sched.waiting)
 
     def flush_cache(self) -> None:
-        """Empty the prefix cache; RuntimeError while requests hold KV (they may share its blocks)."""
+        """Empty the prefix cache, its disk tier too; RuntimeError while requests hold KV (they
+        may share its blocks)."""
         self.scheduler.flush_cache()
-
-    def load_weights(self, model_path: str) -> None:
-        """Serve `model_path`'s weights from now on (ValueError: not the same shapes; the old ones
-        stay). Whatever holds KV computed with the old weights is recomputed, and the prefix
-        cache emptied: no token is ever computed over stale KV."""
-        self.runner.load_weights(model_path)
-        self.retract_all()
-        self.scheduler.flush_cache()
-        self.config.model_path = model_path
-
-    def update_tensors(self, path: str, flush_cache: bool = True) -> int:
-        """Replace the tensors in the safetensors file `path`, as load_weights does a whole
-        checkpoint. `flush_cache=False` keeps the prefix cache (SGLang's: more updates follow,
-        and the caller flushes after the last); what holds KV is recomputed either way."""
-        count = self.runner.update_tensors(path)
-        self.retract_all()
-        if flush_cache:
-            self.scheduler.flush_cache()
-        return count
 
     def retract_all(self) -> int:
         """Free the KV of every running request; they wait, first in line, to be recomputed."""
@@ -133,6 +119,8 @@ class EngineCore:
 
     def close(self) -> None:
         self.grammar.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def add(self, frontend: bytes, msg: Generate) -> ReqOutput | None:
         """Queue a request; returns a refusal instead when it cannot be served (or, when the
@@ -217,6 +205,8 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> Outputs:
         refused = self._refuse_bad_grammars()
+        if self.disk is not None:
+            self.disk.poll()
         items = self.scheduler.schedule()
         if not items:
             return refused

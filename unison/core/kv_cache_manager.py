@@ -1,7 +1,8 @@
 """KVCacheManager: which KV blocks each request holds.
 
-It allocates from the block pool, starts a request after the longest prefix the radix cache holds,
-offers computed blocks back to the cache, and evicts cached prefixes when the pool runs dry. The
+It allocates from the block pool, starts a request after the longest prefix the radix cache holds
+(in RAM, then in its disk tier when there is one), offers computed blocks back to the cache, and
+evicts cached prefixes when the pool runs dry. The
 scheduler decides who runs and how far; this decides the blocks, as vLLM v1 splits its scheduler
 from its KV cache manager.
 """
@@ -9,15 +10,18 @@ from its KV cache manager.
 from __future__ import annotations
 
 from unison.core.block_pool import BlockPool
-from unison.core.radix_cache import RadixCache
+from unison.core.disk_cache import DiskCache
+from unison.core.radix_cache import Node, RadixCache
 from unison.core.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, cache: RadixCache | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, cache: RadixCache | None = None,
+                 disk: DiskCache | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.cache = cache  # None: prefix caching is off
+        self.disk = disk  # the cache's disk tier (one of its observers), or None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -36,12 +40,33 @@ class KVCacheManager:
         if req.wants_prompt_logprobs:  # rows before the first owed logprob are not recomputed
             limit = min(limit, max(req.next_prompt_logprob - 1, 0))
         blocks, node = self.cache.match(req.token_ids[:limit], req.adapter)
+        if self.disk is not None and not req.adapter:
+            blocks, node = self._load_from_disk(req.token_ids[:limit], blocks, node)
         self.pool.share(blocks)
         self.cache.lock(node)
         req.cache_node, req.block_table = node, blocks
         req.num_computed_tokens = len(blocks) * self.block_size
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed_tokens
+
+    def _load_from_disk(self, tokens: list[int], blocks: list[int], node: Node) -> tuple[list[int], Node]:
+        """Extend a RAM match with the blocks that follow it on disk: read into fresh blocks
+        (evicting, as grow does, but never the matched path), adopted by the radix cache."""
+        assert self.cache is not None and self.disk is not None
+        start = len(blocks) * self.block_size
+        hashes = self.disk.lookup(node.hashes[-1] if node.hashes else None, tokens[start:])
+        if not hashes:
+            return blocks, node
+        self.cache.lock(node)
+        if len(hashes) > self.pool.num_free:
+            self.cache.evict(len(hashes) - self.pool.num_free)
+        fresh = self.pool.allocate(min(len(hashes), self.pool.num_free))
+        loaded = self.disk.load(hashes[: len(fresh)], tokens[start:], fresh)
+        self.cache.unlock(node)
+        end = start + loaded * self.block_size
+        self.cache.insert(tokens[:end], blocks + fresh[:loaded])
+        self.pool.release(fresh)  # the cache holds the loaded ones now; the rest go back
+        return self.cache.match(tokens[:end])
 
     def cached_prefix_len(self, req: Request) -> int:
         """Tokens of the request's prefix the cache holds (the lpm policy's key)."""
@@ -95,8 +120,11 @@ class KVCacheManager:
         req.num_computed_tokens = 0
 
     def reset_cache(self) -> None:
+        """Empty the prefix cache, both tiers."""
         if self.cache is not None:
             self.cache.reset()
+        if self.disk is not None:
+            self.disk.clear()
 
     def check_integrity(self, tables: list[list[int]]) -> None:
         """Every block is free or held, as often as the requests' `tables` and the cache hold it."""

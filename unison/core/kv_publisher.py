@@ -1,10 +1,10 @@
 """The core's KV-cache events and load reports (wire format: unison/kv_events.py).
 
-EventLog is the radix cache's observer: it hashes the blocks that enter the cache and queues an
-event per change. Publisher sends what queued as one KVEventBatch per step on a PUB socket, keeps
-the last `buffer_steps` batches for replay, and answers replay requests on a ROUTER socket. It
-never blocks the core: PUB drops messages at its high-water mark (the replay buffer covers the
-gap), and every send is non-blocking.
+EventLog observes the radix cache and its disk tier: it queues an event per change, each naming
+its medium (MEDIUM: RAM, DISK: files). Publisher sends what queued as one KVEventBatch per step
+on a PUB socket, keeps the last `buffer_steps` batches for replay, and answers replay requests
+on a ROUTER socket. It never blocks the core: PUB drops messages at its high-water mark (the
+replay buffer covers the gap), and every send is non-blocking.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
 
 from unison.config import KVEventsConfig
 from unison.kv_events import (
+    DISK,
     END_SEQ,
     MEDIUM,
     AllBlocksCleared,
@@ -28,7 +29,6 @@ from unison.kv_events import (
     KVEventBatch,
     KVEventsInfo,
     LoadReport,
-    block_hashes,
     lora_id_of,
     offset_port,
 )
@@ -47,14 +47,20 @@ class EventLog:
         self.block_size = block_size
         self.pending: list[Event] = [AllBlocksCleared()]
 
-    def stored(self, parent: int | None, tokens: tuple[int, ...], adapter: int) -> list[int]:
-        lora = lora_id_of(adapter)
-        hashes = block_hashes(list(tokens), self.block_size, lora, parent)
-        self.pending.append(BlockStored(hashes, parent, list(tokens), self.block_size, lora, MEDIUM))
-        return hashes
+    def stored(self, parent: int | None, hashes: list[int], tokens: Sequence[int], blocks: list[int],
+               adapter: int) -> None:
+        self.pending.append(BlockStored(list(hashes), parent, list(tokens), self.block_size,
+                                        lora_id_of(adapter), MEDIUM))
 
     def removed(self, hashes: list[int]) -> None:
         self.pending.append(BlockRemoved(list(hashes), MEDIUM))
+
+    def on_disk(self, parent: int | None, hashes: list[int], tokens: Sequence[int]) -> None:
+        """Blocks written to the disk tier (the base model's only: core/disk_cache.py)."""
+        self.pending.append(BlockStored(list(hashes), parent, list(tokens), self.block_size, None, DISK))
+
+    def off_disk(self, hashes: list[int]) -> None:
+        self.pending.append(BlockRemoved(list(hashes), DISK))
 
     def cleared(self) -> None:
         self.pending.append(AllBlocksCleared())

@@ -7,9 +7,10 @@ reference (BlockPool.share) on each of its blocks; a request using a cached pref
 more, and locks the path so it is not evicted.
 Unlocked leaves are evicted in least-recently-used order when the pool runs short.
 
-An observer (`events`, core/kv_publisher.EventLog) hears each change of the cached block set:
-stored(parent hash, tokens, adapter) -> the new blocks' hashes, which the nodes keep (they name
-what leaves later); removed(hashes); cleared(). Without one, nothing is hashed.
+Observers (core/kv_publisher.EventLog, core/disk_cache.DiskCache) hear each change of the
+cached block set: stored(parent hash, the new blocks' hashes, their tokens, blocks, adapter);
+removed(hashes); cleared(). The nodes keep each block's chained hash (kv_events.block_hash: they
+name what leaves later, and the disk tier's files). Without an observer, nothing is hashed.
 
 Contract:
   match(tokens, adapter)   -> (blocks, node): the longest cached prefix in whole blocks; the
@@ -25,16 +26,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from unison.core.block_pool import BlockPool
+from unison.kv_events import block_hashes, lora_id_of
 
 _clock = itertools.count()  # a logical clock: deterministic LRU order, even within one step
 
 
-class CacheEvents(Protocol):
-    def stored(self, parent: int | None, tokens: tuple[int, ...], adapter: int) -> list[int]: ...
+class CacheObserver(Protocol):
+    def stored(self, parent: int | None, hashes: list[int], tokens: tuple[int, ...], blocks: list[int],
+               adapter: int) -> None: ...
 
     def removed(self, hashes: list[int]) -> None: ...
 
@@ -62,10 +65,10 @@ class Node:
 
 
 class RadixCache:
-    def __init__(self, pool: BlockPool, block_size: int, events: CacheEvents | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, observers: Sequence[CacheObserver] = ()) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.events = events
+        self.observers = list(observers)
         self.roots: dict[int, Node] = {}  # adapter id -> its tree's root (never evicted)
         self.num_evicted = 0  # blocks evicted so far (a statistic)
 
@@ -136,12 +139,13 @@ class RadixCache:
         have = len(matched)
         if have < n_full:
             rest = tuple(tokens[have * bs: n_full * bs])
-            hashes = None
-            if self.events is not None:
-                hashes = self.events.stored(node.hashes[-1] if node.hashes else None, rest, adapter)
+            parent = node.hashes[-1] if node.hashes else None
+            hashes = block_hashes(list(rest), bs, lora_id_of(adapter), parent) if self.observers else None
             child = Node(node, rest, list(blocks[have:n_full]), hashes)
             node.children[self._key(child.tokens)] = child
             self.pool.share(child.blocks)  # the tree's own reference
+            for observer in self.observers:
+                observer.stored(parent, child.hashes, rest, child.blocks, adapter)
         return have
 
     def lock(self, node: Node) -> None:
@@ -168,8 +172,8 @@ class RadixCache:
             self.pool.release(leaf.blocks)
             freed += sum(1 for b in leaf.blocks if self.pool.refcount(b) == 0)
             self.num_evicted += len(leaf.blocks)
-            if self.events is not None and not quiet:
-                self.events.removed(leaf.hashes)
+            if not quiet:
+                self._removed(leaf.hashes)
             parent = leaf.above
             del parent.children[self._key(leaf.tokens)]
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
@@ -178,15 +182,13 @@ class RadixCache:
 
     def reset(self) -> None:
         """Evict everything unlocked (all of it, when no request holds KV: then one event says so)."""
-        if self.events is None:
-            self.evict(self.num_blocks)
-            return
         before = set(self.block_hashes())
         self.evict(self.num_blocks, quiet=True)
         if self.num_blocks == 0:
-            self.events.cleared()
+            for observer in self.observers:
+                observer.cleared()
         elif gone := before - set(self.block_hashes()):
-            self.events.removed(sorted(gone))
+            self._removed(sorted(gone))
 
     def drop(self, adapter: int) -> None:
         """Free an adapter's whole tree: the adapter is gone, so nothing can reuse those blocks
@@ -199,8 +201,11 @@ class RadixCache:
             assert node.lock_ref == 0, "radix cache: dropping an adapter's tree a request holds"
             self.pool.release(node.blocks)
             self.num_evicted += len(node.blocks)
-            if self.events is not None:
-                self.events.removed(node.hashes)
+            self._removed(node.hashes)
+
+    def _removed(self, hashes: list[int]) -> None:
+        for observer in self.observers:
+            observer.removed(hashes)
 
     def _nodes(self) -> Iterator[Node]:
         stack = [child for root in self.roots.values() for child in root.children.values()]
@@ -228,7 +233,7 @@ class RadixCache:
     def check_integrity(self) -> None:
         for node in self._nodes():
             assert len(node.tokens) == len(node.blocks) * self.block_size, "edge length mismatch"
-            assert self.events is None or len(node.hashes) == len(node.blocks), "a block without its hash"
+            assert not self.observers or len(node.hashes) == len(node.blocks), "a block without its hash"
             assert node.above.children.get(self._key(node.tokens)) is node, "broken parent link"
             locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= locks, f"node locked less ({node.lock_ref}) than its children ({locks})"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from unison.config import POLICIES
 from unison.core.block_pool import BlockPool
+from unison.core.disk_cache import DiskCache
 from unison.core.kv_cache_manager import KVCacheManager
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
@@ -47,10 +48,10 @@ class ScheduledItem:
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
                  cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None,
-                 max_adapters: int = 8, whole_prompts: bool = False) -> None:
+                 max_adapters: int = 8, whole_prompts: bool = False, disk: DiskCache | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
-        self.kv = KVCacheManager(pool, block_size, cache)
+        self.kv = KVCacheManager(pool, block_size, cache, disk)
         self.policy = policy
         self.rng = random.Random(seed)  # the random policy's
         self.last_served: dict[bytes, int] = {}  # frontend -> admission tick (fair)

@@ -6,10 +6,13 @@ import enum
 import logging
 import time
 from pathlib import Path
+from typing import cast
 
+from unison.core.disk_cache import weights_key
 from unison.core.engine_core import EngineCore
 from unison.core.frontends import Caller
 from unison.core.request import Request
+from unison.model.runner import ModelRunner
 from unison.model.weights import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
 from unison.protocol import OpResult, UpdateTensors, UpdateWeights
 
@@ -94,9 +97,34 @@ class WeightUpdate:
 
     def _load(self, req: UpdateWeights | UpdateTensors) -> str:
         if isinstance(req, UpdateTensors):
-            return f"{self.core.update_tensors(req.path, req.flush_cache)} tensor(s) updated"
-        self.core.load_weights(req.model_path)
+            return f"{update_tensors(self.core, req.path, req.flush_cache)} tensor(s) updated"
+        load_weights(self.core, req.model_path)
         return f"weights updated from {req.model_path}"
+
+
+def load_weights(core: EngineCore, model_path: str) -> None:
+    """Serve `model_path`'s weights from now on (ValueError: not the same shapes; the old ones
+    stay). Whatever holds KV computed with the old weights is recomputed, and the prefix cache
+    emptied: no token is ever computed over stale KV."""
+    core.runner.load_weights(model_path)
+    core.retract_all()
+    core.scheduler.flush_cache()
+    core.config.model_path = model_path
+    if core.disk is not None:  # the new file's blocks, which an earlier run may have left
+        core.disk.open(weights_key(cast(ModelRunner, core.runner), model_path))
+
+
+def update_tensors(core: EngineCore, path: str, flush_cache: bool = True) -> int:
+    """Replace the tensors in the safetensors file `path`, as load_weights does a whole
+    checkpoint. `flush_cache=False` keeps the prefix cache (SGLang's: more updates follow, and
+    the caller flushes after the last); what holds KV is recomputed either way."""
+    count = core.runner.update_tensors(path)
+    core.retract_all()
+    if flush_cache:
+        core.scheduler.flush_cache()
+    if core.disk is not None:  # no file holds these weights now: nothing on disk matches them
+        core.disk.retire()
+    return count
 
 
 def _source(req: UpdateWeights | UpdateTensors) -> str:

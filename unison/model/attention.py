@@ -105,6 +105,25 @@ class PagedAttention:
         # page faults that make decode attention 3x slower on CPU.
         self._gather_bufs = [torch.empty(0, dtype=kv_dtype, device=device) for _ in range(2)]
 
+    # --- whole blocks: the prefix cache's disk tier (core/disk_cache.py) moves them ----------
+
+    @property
+    def block_nbytes(self) -> int:
+        """One block's K and V over every layer, in bytes."""
+        return 2 * self.k_cache[:, 0].nbytes
+
+    def read_block(self, block: int) -> bytes:
+        """One block's K, then its V, over every layer."""
+        kv = torch.stack((self.k_cache[:, block], self.v_cache[:, block]))
+        return kv.view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_block(self, block: int, data: bytearray | memoryview) -> None:
+        """Fill a block from read_block's bytes."""
+        k = self.k_cache
+        kv = torch.frombuffer(data, dtype=torch.uint8).view(k.dtype).view(2, *k[:, block].shape)
+        k[:, block].copy_(kv[0])
+        self.v_cache[:, block].copy_(kv[1])
+
     @contextmanager
     def step(self, batch: Sequence[Item], positions: np.ndarray) -> Iterator[StepMeta]:
         """This step's metadata (`positions`: each new token's, flat), which `forward` reads
