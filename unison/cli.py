@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         frontend,
         kernels,
         kv_events,
+        long,
         lora,
         lora_runner,
         model,
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_parser(bench_sub)
     frontend.add_parser(bench_sub)
     prefix.add_parser(bench_sub)
+    long.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     soak.add_parser(bench_sub)
     model.add_parser(bench_sub)

@@ -1,0 +1,174 @@
+"""`unison bench long`: long prompts. TTFT of one long prompt cold, from the prefix cache in RAM,
+and from its disk tier after a restart; decode speed at that context with float16 and int8 KV.
+Beside llama-server (optional) on the same GGUF: cold, from its prompt cache (`--cache-ram`),
+restored from a slot file after a restart (`--slot-save-path`), with f16 and q8_0 KV.
+
+    unison bench long [--model-path GGUF] [--prompt-len 8000] [--llama-server PATH]
+
+Both are servers measured by one client over llama-server's own `/completion` route (Unison
+serves it too), one request at a time, greedy with ignore_eos: TTFT is the time to the first
+streamed token, decode speed the tokens after it over the time after it. Each server runs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from unison.bench.local_server import free_port, stop, wait_ready
+
+UNISON = [sys.executable, "-m", "unison.cli"]
+
+
+@dataclass
+class Timing:
+    ttft_s: float
+    decode_tok_s: float | None  # None: one token asked for
+    cached_tokens: int | None  # as the server reports it (Unison's /completion: tokens_cached)
+
+
+@contextmanager
+def server(cmd: list[str], name: str, ready_path: str) -> Iterator[str]:
+    """`cmd` serving on a free port, alone, until the block ends (SIGTERM: Unison then finishes
+    its disk writes)."""
+    port = free_port()
+    log_path = Path(tempfile.gettempdir()) / f"unison-bench-long-{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc, ready_path, timeout=600)
+            yield f"http://127.0.0.1:{port}"
+        except Exception as e:
+            raise RuntimeError(f"{name}: {e} (log: {log_path})") from None
+        finally:
+            stop(proc, timeout=120)
+
+
+def complete(url: str, prompt: list[int], n: int) -> Timing:
+    """One streamed /completion of `n` tokens."""
+    body = {"prompt": prompt, "n_predict": n, "stream": True, "ignore_eos": True, "temperature": 0,
+            "cache_prompt": True, "return_tokens": True}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens, cached = 0, None
+    with httpx.stream("POST", url + "/completion", json=body, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if new := len(chunk.get("tokens") or []) or int(bool(chunk.get("content"))):
+                tokens += new
+                last = time.perf_counter()
+                first = first or last
+            if chunk.get("stop"):
+                cached = chunk.get("tokens_cached", chunk.get("timings", {}).get("cache_n"))
+    if first is None or last is None:
+        raise RuntimeError(f"{url}: no token came back")
+    rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else None
+    return Timing(first - t0, rate, cached)
+
+
+def unison(args: argparse.Namespace, gguf: str, prompt: list[int]) -> dict[str, Timing]:
+    base = [*UNISON, "serve", "--model-path", gguf, "--num-threads", str(args.threads),
+            "--context-length", str(args.prompt_len + args.output_len + 16)]
+    out: dict[str, Timing] = {}
+    folder = Path(tempfile.mkdtemp(prefix="unison-bench-kv-"))
+    try:
+        disk = [*base, "--kv-cache-dir", str(folder), "--kv-cache-dtype", "float16"]
+        with server(disk, "unison", "/v1/models") as url:
+            out["cold, float16 KV"] = complete(url, prompt, args.output_len)
+            out["from RAM"] = complete(url, prompt, 1)
+        with server(disk, "unison-restart", "/v1/models") as url:
+            out["from disk, after a restart"] = complete(url, prompt, 1)
+        with server([*base, "--kv-cache-dtype", "int8"], "unison-int8", "/v1/models") as url:
+            out["cold, int8 KV"] = complete(url, prompt, args.output_len)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def llama_server(args: argparse.Namespace, gguf: str, prompt: list[int]) -> dict[str, Timing]:
+    folder = Path(tempfile.mkdtemp(prefix="unison-bench-slots-"))
+    base = [args.llama_server, "-m", gguf, "-t", str(args.threads), "--host", "127.0.0.1", "-np", "1",
+            "-c", str(args.prompt_len + args.output_len + 16), "--cache-ram", "8192",
+            "--slot-save-path", str(folder)]
+    out: dict[str, Timing] = {}
+    try:
+        with server([*base, "-ctk", "f16", "-ctv", "f16"], "llama-server", "/health") as url:
+            out["cold, float16 KV"] = complete(url, prompt, args.output_len)
+            out["from RAM"] = complete(url, prompt, 1)
+            saved = httpx.post(url + "/slots/0?action=save", json={"filename": "long.bin"}, timeout=600)
+            saved.raise_for_status()
+        with server([*base, "-ctk", "f16", "-ctv", "f16"], "llama-server-restart", "/health") as url:
+            t0 = time.perf_counter()
+            httpx.post(url + "/slots/0?action=restore", json={"filename": "long.bin"},
+                       timeout=600).raise_for_status()
+            restore = time.perf_counter() - t0
+            t = complete(url, prompt, 1)
+            out["from disk, after a restart"] = Timing(restore + t.ttft_s, None, t.cached_tokens)
+        q8 = [*base, "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]  # a quantized V needs flash attention
+        with server(q8, "llama-server-q8", "/health") as url:
+            out["cold, int8 KV"] = complete(url, prompt, args.output_len)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def report(results: dict[str, dict[str, Timing]]) -> str:
+    names = list(results)
+    lines = [f"{'':<30}" + "".join(f"{n:>30}" for n in names)]
+    for row in results[names[0]]:
+        cells = []
+        for n in names:
+            t = results[n].get(row)
+            cells.append("" if t is None else f"TTFT {t.ttft_s * 1e3:,.0f} ms" +
+                         (f", {t.decode_tok_s:.1f} tok/s" if t.decode_tok_s else ""))
+        lines.append(f"{row:<30}" + "".join(f"{c:>30}" for c in cells))
+    ours = results["unison"]
+    cold, disk, ram = (ours[k].ttft_s for k in ("cold, float16 KV", "from disk, after a restart", "from RAM"))
+    lines.append(f"unison: from disk after a restart {cold / disk:.1f}x faster than cold, "
+                 f"from RAM {cold / ram:.1f}x")
+    f16, i8 = ours["cold, float16 KV"].decode_tok_s, ours["cold, int8 KV"].decode_tok_s
+    if f16 and i8:
+        lines.append(f"unison: int8 KV decode {i8 / f16:.2f}x float16's")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from unison.model.loader import default_gguf_path
+
+    gguf = args.model_path or str(default_gguf_path())
+    rng = random.Random(args.seed)  # token ids that every vocabulary of these models has
+    prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
+    results = {"unison": unison(args, gguf, prompt)}
+    if args.llama_server:
+        results["llama-server"] = llama_server(args, gguf, prompt)
+    print(f"{args.prompt_len}-token prompt, {args.output_len} new tokens, {args.threads} threads, {gguf}")
+    print(report(results))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("long", help="long prompts: TTFT cold / from RAM / from disk after a restart, "
+                                    "decode with float16 and int8 KV (beside llama-server)")
+    p.add_argument("--model-path", help="a GGUF (default: the embedded model)")
+    p.add_argument("--prompt-len", type=int, default=8000)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-server", help="path to llama.cpp's llama-server, to run beside")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=main)
