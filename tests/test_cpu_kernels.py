@@ -3,6 +3,8 @@ prefill tiles, every KV cache dtype), the fused small ops, the KV-cache write.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,20 @@ def q8(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, scale.view(torch.int8)], -1).reshape(*x.shape[:-1], -1)
 
 
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x's last dim in blocks of its largest power-of-two divisor, each times the orthonormal
+    Hadamard matrix, by the kernel's butterflies in the kernel's order (so to the bit)."""
+    r = x.shape[-1] & -x.shape[-1]
+    y = x.reshape(-1, r)
+    h = 1
+    while h < r:
+        pairs = y.view(-1, r // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], 2).view(-1, r)
+        h *= 2
+    return (y * torch.tensor(1 / math.sqrt(r), dtype=torch.float32)).view(x.shape)
+
+
 def dequantize_q8(c: torch.Tensor) -> torch.Tensor:
     g = c.reshape(*c.shape[:-1], -1, 34)
     return (g[..., :32].float() * g[..., 32:].contiguous().view(torch.float16).float()).flatten(-2)
@@ -104,8 +120,9 @@ def dequantize_q8(c: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_cache_is_q8_0_and_attention_reads_it_in_place(seqs, heads, kv_heads, head_dim, block_size,
                                                             window, rows, threads):
-    """store_kv writes each row as q8_0 blocks, to the bit as torch computes them; the kernel's
-    attention over them is attention over their dequantized values."""
+    """store_kv writes each row rotated (fused_ops.c's hadamard_rotate) as q8_0 blocks, to the
+    bit as torch computes them; the kernel's attention over them is attention over their
+    dequantized values, with the queries rotated alike and the result rotated back."""
     g = torch.Generator().manual_seed(seqs + head_dim)
     q, kc, vc, tables, row_seq, row_len = _case(seqs, heads, kv_heads, head_dim, block_size, torch.float32,
                                                 rows, g)
@@ -113,11 +130,36 @@ def test_int8_cache_is_q8_0_and_attention_reads_it_in_place(seqs, heads, kv_head
     width = kv_heads * head_dim
     kc8 = torch.zeros(*kc.shape[:3], head_dim // 32 * 34, dtype=torch.int8)
     vc8 = torch.zeros_like(kc8)
-    kernels.store_kv(rows_kv[:, :width], rows_kv[:, width:], kc8, vc8, torch.arange(len(rows_kv)))
-    assert torch.equal(kc8[:-1], q8(kc[:-1])) and torch.equal(vc8[:-1], q8(vc[:-1]))
+    kernels.store_kv(rows_kv[:, :width], rows_kv[:, width:], kc8, vc8, torch.arange(len(rows_kv)), head_dim)
+    assert torch.equal(kc8[:-1], q8(hadamard(kc[:-1]))) and torch.equal(vc8[:-1], q8(hadamard(vc[:-1])))
     kc8[-1], vc8[-1] = 127, 127  # the unused tail's block: huge values, were it ever read
     got = kernels.paged_attention(q, kc8, vc8, tables, row_seq, row_len, window, threads)
-    want = reference(q, dequantize_q8(kc8), dequantize_q8(vc8), tables, row_seq, row_len, window)
+    rotated = reference(hadamard(q), dequantize_q8(kc8), dequantize_q8(vc8), tables, row_seq, row_len, window)
+    want = hadamard(rotated)  # the rotation is its own inverse
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp8_cache_is_torchs_fp8_and_attention_reads_it_in_place(fp8, threads):
+    """store_kv rounds to fp8 as torch does (to the bit, subnormals included; past the largest
+    finite value it saturates where torch would give NaN or infinity); the kernel's attention over
+    the bytes is attention over their values."""
+    g = torch.Generator().manual_seed(7)
+    q, kc, vc, tables, row_seq, row_len = _case(5, 8, 2, 64, 16, torch.float32, 3, g)
+    scales = torch.tensor([1e-6, 1e-3, 0.05, 1.0, 30.0])  # subnormal, small, normal, large values
+    kc[:-1] *= scales[torch.randint(0, 5, kc[:-1].shape, generator=g)]
+    rows_kv = torch.cat([kc[:-1].flatten(0, 1).flatten(1), vc[:-1].flatten(0, 1).flatten(1)], 1)
+    rows_kv[0, :4] = torch.tensor([1e6, -1e6, 500.0, -70000.0])
+    kc8, vc8 = torch.zeros(kc.shape, dtype=fp8), torch.zeros(vc.shape, dtype=fp8)
+    kernels.store_kv(rows_kv[:, :128], rows_kv[:, 128:], kc8, vc8, torch.arange(len(rows_kv)), 64)
+    top = torch.finfo(fp8).max
+    stored = torch.cat([kc8[:-1].flatten(0, 1).flatten(1), vc8[:-1].flatten(0, 1).flatten(1)], 1)
+    assert torch.equal(stored.view(torch.uint8), rows_kv.clamp(-top, top).to(fp8).view(torch.uint8))
+    assert stored[0, :4].float().tolist() == [top, -top, min(top, 512.0), -top]
+    kc8[-1], vc8[-1] = top, top  # the unused tail's block: huge values, were it ever read
+    got = kernels.paged_attention(q, kc8, vc8, tables, row_seq, row_len, None, threads)
+    want = reference(q, kc8.float(), vc8.float(), tables, row_seq, row_len, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -159,7 +201,7 @@ def test_fused_ops_match_torch_ops():
     for dtype in (torch.float32, torch.float16, torch.bfloat16):  # rounded as torch rounds
         k_cache = torch.zeros(200, kv_heads, d, dtype=dtype)
         v_cache = torch.zeros(200, kv_heads, d, dtype=dtype)
-        kernels.store_kv(k, v, k_cache, v_cache, slots)
+        kernels.store_kv(k, v, k_cache, v_cache, slots, d)
         assert torch.equal(k_cache[slots].view(rows, -1), k.to(dtype))
         assert torch.equal(v_cache[slots].view(rows, -1), v.to(dtype))
         untouched = torch.ones(200, dtype=torch.bool)

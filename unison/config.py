@@ -231,10 +231,11 @@ class EngineConfig:
         _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
                f"must be auto, none, int8 or int4, got {self.quantization!r}")
-        _check(self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16", "int8"), "kv_cache_dtype",
-               f"must be auto, float32, float16, bfloat16 or int8, got {self.kv_cache_dtype!r}")
-        _check(self.kv_cache_dtype != "int8" or self.device == "cpu", "kv_cache_dtype",
-               f"int8 is read by the CPU attention kernel only; on {self.device} use float16 or bfloat16")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype not in EIGHT_BIT_KV or self.device == "cpu", "kv_cache_dtype",
+               f"{self.kv_cache_dtype} is read by the CPU attention kernel only; on {self.device} use "
+               "float16 or bfloat16")
         _check(self.quantization in ("auto", "none") or self.device == "cpu", "quantization",
                f"{self.quantization!r} runs on CPU only; on {self.device} use 'none' or 'auto'")
         _check(self.schedule_policy in POLICIES, "schedule_policy",
@@ -350,6 +351,8 @@ LORA_MODULE_KEYS = {"lora_name", "lora_path", "pinned", "name", "path", "base_mo
 NO_CHUNKING = 1 << 30  # chunked_prefill_size=-1 (SGLang): a prompt is prefilled in one step
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 TASKS = ("auto", "generate", "embed", "rerank")
+EIGHT_BIT_KV = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # read by the C attention kernel only
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", *EIGHT_BIT_KV)
 POLICIES = ("fcfs", "lpm", "fair", "random")
 SGLANG_ONLY_POLICIES = ("dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -394,7 +397,8 @@ HELP = {
     "load_format": "auto, or dummy: a tiny random model with the real tokenizer (benchmarks)",
     "quantization": "linear weights: auto (a GGUF at its own size), none (float), int8, int4",
     "kv_cache_dtype": "KV cache elements: auto (float16 beside quantized weights), float32, float16, "
-                      "bfloat16, int8 (llama.cpp's q8_0 blocks: 1.88x float16's tokens; CPU)",
+                      "bfloat16, int8 (llama.cpp's q8_0 blocks: 1.88x float16's tokens; CPU), "
+                      "fp8_e4m3 (or fp8) and fp8_e5m2 (vLLM's: 2x the tokens, scale 1.0; CPU)",
     "num_threads": "torch threads in the core (default: torch's choice)",
     "context_length": "longest prompt + output in tokens (default: the model's own limit)",
     "block_size": "tokens per KV-cache block",

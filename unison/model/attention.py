@@ -253,13 +253,13 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [blocks, block_size, kv_heads, d]
         if step.paged is not None:
             assert self.kernel is not None  # paged metadata is built only for the C kernels
-            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots)
+            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d)
             p = step.paged
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
                                                self.config.layer_window[layer], threads,
                                                self.config.attention_scale).view(n, heads * d)
-        assert kc.dtype != torch.int8, "an int8 KV cache is read by the C kernel only (runner refuses)"
+        assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))
         meta = step.torch[self.config.layer_window[layer]]

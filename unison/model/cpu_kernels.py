@@ -101,7 +101,9 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # as act_mul numbers them
 QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 # The KV cache's element types, as the kernels number them.
 # The cache's element types; int8 is in llama.cpp's q8_0 blocks (csrc/paged_attention.c).
-KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3, torch.float8_e4m3fn: 4,
+             torch.float8_e5m2: 5}
+C_ONLY_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # torch's attention reads none
 
 
 class CpuKernels:
@@ -119,7 +121,7 @@ class CpuKernels:
         lib.add_rms_norm.restype = None
         lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.rope.restype = None
-        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _INT]
+        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.store_kv.restype = None
         lib.act_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
         lib.act_mul.restype = None
@@ -239,13 +241,13 @@ class CpuKernels:
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-        """Cache rows `slots` (of [slots, kv_heads * d]) = the rows of k and v, which share a row
-        stride (both live in the fused QKV output)."""
+                 slots: torch.Tensor, head_dim: int) -> None:
+        """Cache rows `slots` (of [slots, kv_heads * head_dim]) = the rows of k and v, which share
+        a row stride (both live in the fused QKV output). int8 keys go in rotated (fused_ops.c)."""
         assert k.stride() == v.stride() and k.stride(-1) == 1 and slots.dtype == torch.int64
         width = k.shape[1]
         self.lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), k.shape[0], width, KV_DTYPES[k_cache.dtype])
+                          slots.data_ptr(), k.shape[0], width, head_dim, KV_DTYPES[k_cache.dtype])
 
     def act16(self, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' view of x [m, k]: its int16 values per 32-block [m, kp] and their scales

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from unison.config import KV_CACHE_DTYPES
+
 from . import cpu_kernels
 from .attention import PagedAttention, kv_head_bytes
 from .decoder import DecoderModel, dummy_model
@@ -120,6 +122,9 @@ class ModelRunner:
             raise ValueError("kv_cache_dtype='int8' is read by the C attention kernel only, in blocks of "
                              f"32 (this model: head_dim {self.config.head_dim}, C kernels "
                              f"{'on' if kernel else 'off'}); use float16")
+        if self.kv_dtype in cpu_kernels.C_ONLY_KV_DTYPES and kernel is None:
+            raise ValueError(f"kv_cache_dtype={str(self.kv_dtype).removeprefix('torch.')!r} is read by the C "
+                             "attention kernel only, which this model does not run on; use float16")
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
@@ -352,7 +357,8 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+# vLLM's fp8 names: fp8 is fp8_e4m3. Each fp8 value is a byte, scale 1.0 (vLLM's default).
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) -> torch.dtype:
@@ -363,7 +369,7 @@ def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) ->
         raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
     if name == "auto":
         return torch.float16 if quantization != "none" else model_dtype
-    return torch.int8 if name == "int8" else _DTYPES[name]
+    return torch.int8 if name == "int8" else FP8[name] if name in FP8 else _DTYPES[name]
 
 
 def _resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> tuple[torch.dtype, torch.dtype]:

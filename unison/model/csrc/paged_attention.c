@@ -9,8 +9,8 @@
 // (Torch's path, index_select into a buffer and then SDPA over the padded batch, moves every
 // byte three times and sums in an order that depends on the shapes.)
 //
-// Layouts (contiguous; q and out float32, the cache float32, float16, bfloat16 or int8 in q8
-// blocks, see Q8_BLOCK):
+// Layouts (contiguous; q and out float32, the cache float32, float16, bfloat16, int8 in q8
+// blocks (see Q8_BLOCK) or fp8):
 //   q, out       [rows, num_heads, head_dim]
 //   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
 //   block_tables [seqs, table_stride]  int64, block ids of each request in order
@@ -79,6 +79,8 @@ static inline float f32_of_bf16(uint16_t h) {
 // written by store_kv (fused_ops.c).
 #define Q8_BLOCK 34
 #define Q8_HEAD(d) ((d) / 32 * Q8_BLOCK)
+
+void hadamard_rotate(float *x, int64_t count, int64_t d);  // fused_ops.c
 
 static inline float q8_scale(const int8_t *block) {
     _Float16 s;
@@ -170,6 +172,51 @@ static inline void axpy_i8(float *restrict y, float a, const int8_t *restrict x,
 #define KV_HEAD(h, d) ((h) * (d))
 #define KV_ROW(heads, d) ((heads) * (d))
 #include "paged_attention_body.h"
+// fp8 (kv_cache_dtype="fp8_e4m3" / "fp8_e5m2"), one byte a value, no scale (vLLM's default of
+// 1.0). Both widen exactly to float16: e5m2 is float16's top byte; e4m3's bits, moved to
+// float16's places, read 2^8 too small (its exponent bias is 7, not 15), subnormals included.
+static inline float f32_of_e5m2(uint8_t x) {
+    const uint16_t h = (uint16_t)(x << 8);
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+}
+
+static inline float f32_of_e4m3(uint8_t x) {
+    const uint16_t h = (uint16_t)(((x & 0x7f) << 7) | ((x & 0x80) << 8));
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f * 256.0f;
+}
+
+#ifdef ATTN_AVX2
+static inline __m256 e5m2_load8(const uint8_t *p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+}
+
+static inline __m256 e4m3_load8(const uint8_t *p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+#endif
+
+#define KV_T uint8_t
+#define KV_FLOAT(x) f32_of_e4m3(x)
+#define KV_LOAD8(p) e4m3_load8(p)
+#define KV_NAME(name) name##_e4m3
+#define KV_HEAD(h, d) ((h) * (d))
+#define KV_ROW(heads, d) ((heads) * (d))
+#include "paged_attention_body.h"
+#define KV_T uint8_t
+#define KV_FLOAT(x) f32_of_e5m2(x)
+#define KV_LOAD8(p) e5m2_load8(p)
+#define KV_NAME(name) name##_e5m2
+#define KV_HEAD(h, d) ((h) * (d))
+#define KV_ROW(heads, d) ((heads) * (d))
+#include "paged_attention_body.h"
 #define KV_T int8_t
 #define KV_NAME(name) name##_i8
 #define KV_HEAD(h, d) ((h) * Q8_HEAD(d))
@@ -177,7 +224,8 @@ static inline void axpy_i8(float *restrict y, float a, const int8_t *restrict x,
 #define KV_OWN_DOT
 #include "paged_attention_body.h"
 
-// dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8 blocks (the cache's element type).
+// dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8 blocks, 4 fp8 e4m3, 5 fp8 e5m2 (the
+// cache's element type).
 // Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
@@ -189,10 +237,26 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
         return paged_attention_f16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
                                    num_threads);
-    case 3:
-        return paged_attention_i8(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
-                                  out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                  num_threads);
+    case 4:
+        return paged_attention_e4m3(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
+                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
+                                    num_threads);
+    case 5:
+        return paged_attention_e5m2(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
+                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
+                                    num_threads);
+    case 3: {  // keys and values are stored rotated (fused_ops.c's hadamard_rotate): so are the queries
+        float *rotated = malloc(sizeof(float) * rows * num_heads * head_dim);
+        if (rotated == NULL) return -1;
+        memcpy(rotated, q, sizeof(float) * rows * num_heads * head_dim);
+        hadamard_rotate(rotated, rows * num_heads, head_dim);
+        const int rc = paged_attention_i8(rotated, k_cache, v_cache, block_tables, table_stride, row_seq,
+                                          row_len, out, rows, num_heads, kv_heads, head_dim, block_size,
+                                          window, scale, num_threads);
+        free(rotated);
+        hadamard_rotate(out, rows * num_heads, head_dim);  // the values' rotation, undone
+        return rc;
+    }
     case 2:
         return paged_attention_bf16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
