@@ -1,7 +1,10 @@
 """`unison bench long`: long prompts. TTFT of one long prompt cold, from the prefix cache in RAM,
-and from its disk tier after a restart; decode speed at that context with float16 and int8 KV.
-Beside llama-server (optional) on the same GGUF: cold, from its prompt cache (`--cache-ram`),
-restored from a slot file after a restart (`--slot-save-path`), with f16 and q8_0 KV.
+and from its disk tier after a restart; decode speed at that context with float16 and int8 KV,
+one request alone and `--decode-batch` together (the prompt, cached, then each its own suffix:
+attention then reads a long context per row, as a batch of long prompts does). Beside
+llama-server (optional) on the same GGUF, one request: cold, from its prompt cache
+(`--cache-ram`), restored from a slot file after a restart (`--slot-save-path`), with f16 and
+q8_0 KV.
 
     unison bench long [--model-path GGUF] [--prompt-len 8000] [--llama-server PATH]
 
@@ -21,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,20 +86,34 @@ def complete(url: str, prompt: list[int], n: int) -> Timing:
     return Timing(first - t0, rate, cached)
 
 
+def batch(url: str, prompt: list[int], n: int, size: int) -> Timing:
+    """`size` requests at once, each `prompt` and a suffix of its own, `n` tokens each; the
+    decode speed is theirs together."""
+    suffixes = [[1000 + 16 * i + j for j in range(16)] for i in range(size)]
+    with ThreadPoolExecutor(size) as pool:
+        timings = list(pool.map(lambda s: complete(url, prompt + s, n), suffixes))
+    return Timing(max(t.ttft_s for t in timings), sum(t.decode_tok_s or 0 for t in timings), None)
+
+
 def unison(args: argparse.Namespace, gguf: str, prompt: list[int]) -> dict[str, Timing]:
     base = [*UNISON, "serve", "--model-path", gguf, "--num-threads", str(args.threads),
             "--context-length", str(args.prompt_len + args.output_len + 16)]
     out: dict[str, Timing] = {}
     folder = Path(tempfile.mkdtemp(prefix="unison-bench-kv-"))
     try:
+        # Both dtypes with the disk tier: a cold request's blocks are written while it decodes.
         disk = [*base, "--kv-cache-dir", str(folder), "--kv-cache-dtype", "float16"]
         with server(disk, "unison", "/v1/models") as url:
             out["cold, float16 KV"] = complete(url, prompt, args.output_len)
             out["from RAM"] = complete(url, prompt, 1)
+            out[f"{args.decode_batch} at once, float16 KV"] = batch(url, prompt, args.output_len,
+                                                                    args.decode_batch)
         with server(disk, "unison-restart", "/v1/models") as url:
             out["from disk, after a restart"] = complete(url, prompt, 1)
-        with server([*base, "--kv-cache-dtype", "int8"], "unison-int8", "/v1/models") as url:
+        with server([*disk[:-1], "int8"], "unison-int8", "/v1/models") as url:
             out["cold, int8 KV"] = complete(url, prompt, args.output_len)
+            out[f"{args.decode_batch} at once, int8 KV"] = batch(url, prompt, args.output_len,
+                                                                 args.decode_batch)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return out
@@ -128,7 +146,7 @@ def llama_server(args: argparse.Namespace, gguf: str, prompt: list[int]) -> dict
     return out
 
 
-def report(results: dict[str, dict[str, Timing]]) -> str:
+def report(results: dict[str, dict[str, Timing]], batch_size: int) -> str:
     names = list(results)
     lines = [f"{'':<30}" + "".join(f"{n:>30}" for n in names)]
     for row in results[names[0]]:
@@ -142,9 +160,10 @@ def report(results: dict[str, dict[str, Timing]]) -> str:
     cold, disk, ram = (ours[k].ttft_s for k in ("cold, float16 KV", "from disk, after a restart", "from RAM"))
     lines.append(f"unison: from disk after a restart {cold / disk:.1f}x faster than cold, "
                  f"from RAM {cold / ram:.1f}x")
-    f16, i8 = ours["cold, float16 KV"].decode_tok_s, ours["cold, int8 KV"].decode_tok_s
-    if f16 and i8:
-        lines.append(f"unison: int8 KV decode {i8 / f16:.2f}x float16's")
+    for how in ("cold", f"{batch_size} at once"):
+        f16, i8 = ours[f"{how}, float16 KV"].decode_tok_s, ours[f"{how}, int8 KV"].decode_tok_s
+        if f16 and i8:
+            lines.append(f"unison: int8 KV decode {i8 / f16:.2f}x float16's ({how})")
     return "\n".join(lines)
 
 
@@ -158,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
     if args.llama_server:
         results["llama-server"] = llama_server(args, gguf, prompt)
     print(f"{args.prompt_len}-token prompt, {args.output_len} new tokens, {args.threads} threads, {gguf}")
-    print(report(results))
+    print(report(results, args.decode_batch))
     return 0
 
 
@@ -168,6 +187,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model-path", help="a GGUF (default: the embedded model)")
     p.add_argument("--prompt-len", type=int, default=8000)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--decode-batch", type=int, default=4, help="requests decoding at once, each at the "
+                                                                "prompt's context (Unison)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", help="path to llama.cpp's llama-server, to run beside")
     p.add_argument("--seed", type=int, default=0)
