@@ -128,6 +128,23 @@ static inline float dot_i8(const float *restrict a, const int8_t *restrict b, in
     return s;
 }
 
+// A head's n values from q8 blocks, as float (KV_DEQUANT).
+static inline void dequant_i8(float *restrict dst, const int8_t *restrict x, int64_t n) {
+    for (int64_t g = 0; g < n; g += 32, x += Q8_BLOCK) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 s = _mm512_set1_ps(q8_scale(x));
+        for (int64_t j = 0; j < 32; j += 16)
+            _mm512_storeu_ps(dst + g + j, _mm512_mul_ps(
+                s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + j))))));
+#elif defined(ATTN_AVX2)
+        const __m256 s = _mm256_set1_ps(q8_scale(x));
+        for (int64_t j = 0; j < 32; j += 8) _mm256_storeu_ps(dst + g + j, _mm256_mul_ps(s, q8_load8(x + j)));
+#else
+        for (int64_t j = 0; j < 32; j++) dst[g + j] = q8_scale(x) * (float)x[j];
+#endif
+    }
+}
+
 // y += a * x over n values, x in q8 blocks.
 static inline void axpy_i8(float *restrict y, float a, const int8_t *restrict x, int64_t n) {
     for (int64_t g = 0; g < n; g += 32, x += Q8_BLOCK) {
@@ -203,9 +220,54 @@ static inline __m256 e4m3_load8(const uint8_t *p) {
 }
 #endif
 
+// The 8-bit types' arithmetic, on rows already converted to float (KV_DEQUANT): a . b and
+// y += a * x, 16 values a step where the CPU has AVX-512.
+static inline float dot_wide(const float *restrict a, const float *restrict b, int64_t n) {
+#if defined(__AVX512F__)
+    int64_t i = 0;
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+#else
+    return dot_f32(a, b, n);
+#endif
+}
+
+static inline void axpy_wide(float *restrict y, float a, const float *restrict x, int64_t n) {
+#if defined(__AVX512F__)
+    int64_t i = 0;
+    const __m512 va = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+#else
+    axpy_f32(y, a, x, n);
+#endif
+}
+
+// A head's n fp8 values as float (KV_DEQUANT).
+static inline void dequant_e4m3(float *restrict dst, const uint8_t *restrict src, int64_t n) {
+    int64_t i = 0;
+#ifdef ATTN_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, e4m3_load8(src + i));
+#endif
+    for (; i < n; i++) dst[i] = f32_of_e4m3(src[i]);
+}
+
+static inline void dequant_e5m2(float *restrict dst, const uint8_t *restrict src, int64_t n) {
+    int64_t i = 0;
+#ifdef ATTN_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, e5m2_load8(src + i));
+#endif
+    for (; i < n; i++) dst[i] = f32_of_e5m2(src[i]);
+}
+
 #define KV_T uint8_t
 #define KV_FLOAT(x) f32_of_e4m3(x)
 #define KV_LOAD8(p) e4m3_load8(p)
+#define KV_DEQUANT(dst, src, n) dequant_e4m3(dst, src, n)
 #define KV_NAME(name) name##_e4m3
 #define KV_HEAD(h, d) ((h) * (d))
 #define KV_ROW(heads, d) ((heads) * (d))
@@ -213,11 +275,13 @@ static inline __m256 e4m3_load8(const uint8_t *p) {
 #define KV_T uint8_t
 #define KV_FLOAT(x) f32_of_e5m2(x)
 #define KV_LOAD8(p) e5m2_load8(p)
+#define KV_DEQUANT(dst, src, n) dequant_e5m2(dst, src, n)
 #define KV_NAME(name) name##_e5m2
 #define KV_HEAD(h, d) ((h) * (d))
 #define KV_ROW(heads, d) ((heads) * (d))
 #include "paged_attention_body.h"
 #define KV_T int8_t
+#define KV_DEQUANT(dst, src, n) dequant_i8(dst, src, n)
 #define KV_NAME(name) name##_i8
 #define KV_HEAD(h, d) ((h) * Q8_HEAD(d))
 #define KV_ROW(heads, d) ((heads) * Q8_HEAD(d))

@@ -2,7 +2,10 @@
 // (the element type), KV_FLOAT(x) (its value as float), KV_LOAD8(p) (8 of them as __m256, with
 // AVX2), KV_NAME(name) (a suffixed name), and how a token's row holds its heads: KV_HEAD(h, d)
 // (where head h starts, in elements) and KV_ROW(heads, d) (a row's length). KV_OWN_DOT: the
-// includer defines KV_NAME(dot) and KV_NAME(axpy) itself.
+// includer defines KV_NAME(dot) and KV_NAME(axpy) itself. KV_DEQUANT(dst, src, n): the includer's
+// conversion of a head's n values to float; with it, each K and V row is converted once for all
+// the query heads and rows that read it (dot_wide / axpy_wide then do the arithmetic), instead of
+// once per head: an 8-bit type's conversion costs more than its arithmetic.
 
 #ifndef KV_OWN_DOT  // (int8 brings its own: a scale per block of 32)
 static inline float KV_NAME(dot)(const float *restrict a, const KV_T *restrict b, int64_t n) {
@@ -51,6 +54,20 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
         for (int64_t t = t0; t < t1; t++) {
             const int64_t pos = b * block_size + t;
             if (next) prefetch_row(next + t * row, row * (int64_t)sizeof(KV_T));
+#ifdef KV_DEQUANT
+            for (int64_t kh = h0 / group; kh * group < h1; kh++) {
+                float key[head_dim];
+                KV_DEQUANT(key, block + t * row + KV_HEAD(kh, head_dim), head_dim);
+                const int64_t ha = kh * group > h0 ? kh * group : h0;
+                const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
+                for (int64_t i = pos < len0 ? 0 : pos - len0 + 1; i < nrows; i++) {
+                    if (window > 0 && pos < len0 + i - window) break;  // before this row's window
+                    for (int64_t h = ha; h < hb; h++)
+                        scores[(i * nh + h - h0) * span + pos - lo] =
+                            dot_wide(q + i * qstride + h * head_dim, key, head_dim) * scale;
+                }
+            }
+#else
             for (int64_t i = pos < len0 ? 0 : pos - len0 + 1; i < nrows; i++) {
                 if (window > 0 && pos < len0 + i - window) break;  // before this row's window
                 for (int64_t h = h0; h < h1; h++) {
@@ -59,6 +76,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
                         q + i * qstride + h * head_dim, key, head_dim) * scale;
                 }
             }
+#endif
         }
     }
     for (int64_t i = 0; i < nrows; i++) {
@@ -76,6 +94,20 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
         for (int64_t t = t0; t < t1; t++) {
             const int64_t pos = b * block_size + t;
             if (next) prefetch_row(next + t * row, row * (int64_t)sizeof(KV_T));
+#ifdef KV_DEQUANT
+            for (int64_t kh = h0 / group; kh * group < h1; kh++) {
+                float value[head_dim];
+                KV_DEQUANT(value, block + t * row + KV_HEAD(kh, head_dim), head_dim);
+                const int64_t ha = kh * group > h0 ? kh * group : h0;
+                const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
+                for (int64_t i = pos < len0 ? 0 : pos - len0 + 1; i < nrows; i++) {
+                    if (window > 0 && pos < len0 + i - window) break;
+                    for (int64_t h = ha; h < hb; h++)
+                        axpy_wide(out + i * qstride + h * head_dim,
+                                  scores[(i * nh + h - h0) * span + pos - lo], value, head_dim);
+                }
+            }
+#else
             for (int64_t i = pos < len0 ? 0 : pos - len0 + 1; i < nrows; i++) {
                 if (window > 0 && pos < len0 + i - window) break;
                 for (int64_t h = h0; h < h1; h++) {
@@ -84,6 +116,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
                                   scores[(i * nh + h - h0) * span + pos - lo], value, head_dim);
                 }
             }
+#endif
         }
     }
 }
@@ -167,3 +200,4 @@ static int KV_NAME(paged_attention)(
 #undef KV_HEAD
 #undef KV_ROW
 #undef KV_OWN_DOT
+#undef KV_DEQUANT
