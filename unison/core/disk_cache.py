@@ -131,13 +131,13 @@ class DiskCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         found = []
         for path in self.dir.iterdir():
-            header = self._header(path) if path.suffix == ".kv" else None
-            if header is None:
-                self._unlink(path)
+            got = self._header(path) if path.suffix == ".kv" else None
+            if got is None:
+                path.unlink(missing_ok=True)
             else:
-                found.append((path.stat().st_mtime_ns, header, path.stat().st_size))
-        for _, header, size in sorted(found, key=lambda f: f[0]):  # oldest first: the LRU order
-            self._add(header.block_hash, Entry(header.parent, tuple(header.tokens), size))
+                found.append(got)
+        for header, stat in sorted(found, key=lambda f: f[1].st_mtime_ns):  # oldest first: the LRU order
+            self._add(header.block_hash, Entry(header.parent, tuple(header.tokens), stat.st_size))
         if self.events is not None:
             for h in self._parents_first():
                 entry = self.index[h]
@@ -157,15 +157,14 @@ class DiskCache:
     def stored(self, parent: int | None, hashes: list[int], tokens: Sequence[int], blocks: list[int],
                adapter: int) -> None:
         """Blocks the radix cache adopted: copy them out now (their RAM may be reused before the
-        writer gets to them) and queue the files."""
+        writer gets to them) and queue the files (the writer adds the checksum)."""
         if self.key is None or adapter:
             return
         bs = self.block_size
         for i, (h, block) in enumerate(zip(hashes, blocks)):
             if h not in self.index and h not in self.writer.queued:
                 payload = self.io.read_block(block)
-                header = BlockHeader(self.key, h, parent, list(tokens[i * bs: (i + 1) * bs]), len(payload),
-                                     zlib.crc32(payload))
+                header = BlockHeader(self.key, h, parent, list(tokens[i * bs: (i + 1) * bs]), len(payload), 0)
                 self.writer.put(self._path(h), header, payload)
             parent = h
 
@@ -190,7 +189,7 @@ class DiskCache:
         while self.used > self.capacity and self.index:
             h, entry = self.index.popitem(last=False)
             self.used -= entry.nbytes
-            self._unlink(self._path(h))
+            self._path(h).unlink(missing_ok=True)
             gone.append(h)
         if gone and self.events is not None:
             self.events.off_disk(gone)
@@ -217,7 +216,7 @@ class DiskCache:
                 self.num_bad += 1
                 entry = self.index.pop(h, None)
                 self.used -= entry.nbytes if entry else 0
-                self._unlink(self._path(h))
+                self._path(h).unlink(missing_ok=True)
                 if self.events is not None:
                     self.events.off_disk([h])
                 return i
@@ -231,7 +230,7 @@ class DiskCache:
         self.writer.drain()
         self.poll()
         for h in list(self.index):
-            self._unlink(self._path(h))
+            self._path(h).unlink(missing_ok=True)
         if self.events is not None and self.index:
             self.events.off_disk(list(self.index))
         self.index, self.used = OrderedDict(), 0
@@ -249,18 +248,20 @@ class DiskCache:
         self.index[h] = entry
         self.used += entry.nbytes
 
-    def _header(self, path: Path) -> BlockHeader | None:
-        """The file's header when it is ours and whole (the payload is checked when read)."""
+    def _header(self, path: Path) -> tuple[BlockHeader, os.stat_result] | None:
+        """The file's header and stat when it is ours and whole (the payload is checked when
+        read)."""
         try:
             with path.open("rb") as f:
                 header = _decode(f)
-                size = path.stat().st_size
+                stat = os.fstat(f.fileno())
         except (OSError, ValueError, msgspec.DecodeError):
             return None
         if header.fingerprint != self.key or path.name != f"{header.block_hash:016x}.kv" \
-                or len(header.tokens) != self.block_size or header.nbytes != self.io.block_nbytes:
+                or len(header.tokens) != self.block_size or header.nbytes != self.io.block_nbytes \
+                or stat.st_size != len(_encode(header)) + header.nbytes:
             return None
-        return header if size == _header_size(header) + header.nbytes else None
+        return header, stat
 
     def _read(self, h: int, tokens: Sequence[int]) -> bytearray | None:
         """The block's bytes, when the file is whole, ours, and holds exactly these tokens."""
@@ -294,21 +295,10 @@ class DiskCache:
                 depth[c] = d
         return sorted(self.index, key=depth.__getitem__)
 
-    @staticmethod
-    def _unlink(path: Path) -> None:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-
 
 def _encode(header: BlockHeader) -> bytes:
     body = msgspec.msgpack.encode(header)
     return MAGIC + struct.pack("<I", len(body)) + body
-
-
-def _header_size(header: BlockHeader) -> int:
-    return len(_encode(header))
 
 
 def _decode(f: BinaryIO) -> BlockHeader:
@@ -369,6 +359,7 @@ class _Writer:
         while (job := self.jobs.get()) is not None:
             path, header, payload = job
             tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
+            header.crc32 = zlib.crc32(payload)
             head, nbytes = _encode(header), 0
             try:
                 with tmp.open("wb") as f:
@@ -378,7 +369,7 @@ class _Writer:
                 nbytes = len(head) + len(payload)
             except OSError as e:
                 log.warning("KV disk cache: could not write %s: %s", path, e)
-                DiskCache._unlink(tmp)
+                tmp.unlink(missing_ok=True)
             with self.lock:
                 self.pending_bytes -= len(payload)
                 self.done.append((header, nbytes))

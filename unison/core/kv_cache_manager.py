@@ -2,9 +2,8 @@
 
 It allocates from the block pool, starts a request after the longest prefix the radix cache holds
 (in RAM, then in its disk tier when there is one), offers computed blocks back to the cache, and
-evicts cached prefixes when the pool runs dry. The
-scheduler decides who runs and how far; this decides the blocks, as vLLM v1 splits its scheduler
-from its KV cache manager.
+evicts cached prefixes when the pool runs dry. The scheduler decides who runs and how far; this
+decides the blocks, as vLLM v1 splits its scheduler from its KV cache manager.
 """
 
 from __future__ import annotations

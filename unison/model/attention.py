@@ -91,7 +91,8 @@ class PagedAttention:
         self.config, self.block_size, self.device = config, block_size, device
         self.dtype = dtype  # the model's: the masks' type
         c = config
-        # int8: each head's row is q8_0 blocks, 32 values and a float16 scale (csrc/paged_attention.c).
+        # int8: each head's row is q8_0 blocks, 32 values and a float16 scale (csrc/paged_attention.c),
+        # of the row times a Hadamard matrix (csrc/fused_ops.c); fp8: a byte a value.
         row = kv_head_bytes(c.head_dim, kv_dtype) // kv_dtype.itemsize
         shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, row)
         self.k_cache = _zeros(shape, kv_dtype, device)

@@ -243,7 +243,7 @@ class CpuKernels:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, head_dim: int) -> None:
         """Cache rows `slots` (of [slots, kv_heads * head_dim]) = the rows of k and v, which share
-        a row stride (both live in the fused QKV output). int8 keys go in rotated (fused_ops.c)."""
+        a row stride (both live in the fused QKV output). int8 rows go in rotated (fused_ops.c)."""
         assert k.stride() == v.stride() and k.stride(-1) == 1 and slots.dtype == torch.int64
         width = k.shape[1]
         self.lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),

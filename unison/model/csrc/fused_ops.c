@@ -113,7 +113,7 @@ static inline uint8_t e5m2_of_f32(float f) {
     const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
     const float a = fabsf(f);
     if (!(a < 57344.0f)) return sign | 0x7b;
-    if (a < 6.103515625e-05f) return sign | (uint8_t)nearbyintf(a * 65536.0f);  // subnormal: 2^-16 units
+    if (a < 6.103515625e-05f) return sign | (uint8_t)nearbyintf(a * 65536.0f);  // subnormal: of 2^-16
     uint32_t au = u & 0x7fffffff;
     au += 0xfffff + ((au >> 21) & 1);  // to 2 mantissa bits
     const int e = (int)(au >> 23) - 127 + 15, m = (int)((au >> 21) & 3);
@@ -147,7 +147,7 @@ static void store_row(void *cache, int64_t slot, const float *x, int64_t width, 
     if (dtype == 4 || dtype == 5) {
         uint8_t *dst = (uint8_t *)cache + slot * width;
         for (int64_t i = 0; i < width; i++) dst[i] = dtype == 4 ? e4m3_of_f32(x[i]) : e5m2_of_f32(x[i]);
-    } else if (dtype == 3) {  // heads one after another (head_dim a multiple of 32): width / 32 blocks a row
+    } else if (dtype == 3) {  // heads one after another (head_dim a multiple of 32): width / 32 blocks
         store_q8((int8_t *)cache + slot * (width / 32 * 34), x, width);
     } else if (dtype == 1) {
         _Float16 *dst = (_Float16 *)cache + slot * width;

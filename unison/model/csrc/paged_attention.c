@@ -76,7 +76,7 @@ static inline float f32_of_bf16(uint16_t h) {
 
 // int8 (kv_cache_dtype="int8"): llama.cpp's q8_0 blocks. Each head's row of a token is head_dim / 32
 // blocks of 32 int8 values and their float16 scale (value = int8 * scale), 34 bytes a block,
-// written by store_kv (fused_ops.c).
+// written by store_kv (fused_ops.c) from the row times a Hadamard matrix.
 #define Q8_BLOCK 34
 #define Q8_HEAD(d) ((d) / 32 * Q8_BLOCK)
 
