@@ -6,35 +6,14 @@ further from float16 (BENCHMARKS.md has both measured)."""
 
 from __future__ import annotations
 
-import json
 import math
-import random
 import statistics
-from pathlib import Path
 
 import pytest
 
 from unison import Engine
+from unison.bench.datasets import quiz_prompts
 from unison.config import EngineConfig
-
-QUESTIONS = json.loads((Path(__file__).parent / "data" / "multiple_choice.json").read_text())
-
-
-def long_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
-    """n quiz transcripts of `tokens` tokens or a little more: shuffled questions, each answered,
-    until the last, which the model answers."""
-    prompts = []
-    for i in range(n):
-        rng, text, ids = random.Random(i), "", []
-        while len(ids) < tokens:
-            item = rng.choice(QUESTIONS)
-            choices = " ".join(f"{'ABCD'[k]}) {c}" for k, c in enumerate(item["choices"]))
-            text += f"Question: {item['q']}\nChoices: {choices}\nAnswer:"
-            ids = tokenizer.encode(text)
-            text += f" {'ABCD'[item['answer']]}\n\n"
-        prompts.append(ids)
-    return prompts
-
 
 MEMORY_GB = 0.25  # the same KV cache memory for both
 
@@ -55,7 +34,7 @@ def test_close_to_float16_on_long_prompts(engines):
     """Eight prompts of 600 tokens here (the suite's time); 16 of 1,000 are measured in
     BENCHMARKS.md's int8 KV section."""
     f16, i8, fp8 = engines
-    prompts = long_prompts(f16.tokenizer, 8, 600)
+    prompts = quiz_prompts(f16.tokenizer.encode, 8, 600)
     params = {"temperature": 0, "max_new_tokens": 16}
     want, got, rough = ([o for o in e.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
                                                top_logprobs_num=5)] for e in (f16, i8, fp8))
@@ -78,7 +57,7 @@ def distances(want: list[dict], got: list[dict]) -> list[float]:
 @pytest.mark.parametrize("which", [1, 2])
 def test_alone_equals_batched(engines, which):
     engine = engines[which]
-    prompts = long_prompts(engine.tokenizer, 3, 300)
+    prompts = quiz_prompts(engine.tokenizer.encode, 3, 300)
     params = {"temperature": 0, "max_new_tokens": 8}
     batched = engine.generate(input_ids=prompts, sampling_params=params)
     assert [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts] == \

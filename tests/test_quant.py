@@ -4,7 +4,6 @@ the kernel's blocks, quality against the float32 path, batch invariance, memory 
 from __future__ import annotations
 
 import ctypes
-import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 
 from tests.utils import TEXTS, Blocks, assert_greedy_close, greedy
 from unison import Engine
+from unison.bench.datasets import QUIZ
 from unison.config import EngineConfig
 from unison.frontend.tokenizer import Tokenizer
 from unison.model import cpu_kernels, quant
@@ -404,7 +404,7 @@ def _loglikelihoods(runner: ModelRunner, tok: Tokenizer, items: list[dict]) -> l
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "bfloat16"])
 def test_multiple_choice_answers_match_fp32(runners, tok, kind: str):
-    items = json.loads((Path(__file__).parent / "data" / "multiple_choice.json").read_text())
+    items = QUIZ
     assert len(items) == 40
     ref, got = _loglikelihoods(runners["none"], tok, items), _loglikelihoods(_kind(runners, kind), tok, items)
     per_token = [abs(a - b) / n for (a, n), (b, _) in zip(ref, got)]

@@ -1,4 +1,5 @@
-"""Prompt sources for the benchmarks: seeded random prompts, or a ShareGPT-format JSON file.
+"""Prompt sources for the benchmarks: seeded random prompts, quiz transcripts, or a
+ShareGPT-format JSON file.
 
 They give `SampleRequest`s of text (the serving client needs no tokenizer), or, for the offline
 benchmarks, random token ids of exact lengths. Random text is common English words, one word ≈
@@ -14,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Short, frequent words: nearly all are a single token (with their leading space) in the
 # vocabularies of Llama, Qwen, Mistral, GPT-2 and their kin.
@@ -211,3 +213,23 @@ def sharegpt_requests(path: str, n: int, seed: int = 0, output_len: int | None =
         kept += [SampleRequest(r.prompt, r.prompt_len, r.output_len)
                  for r in rng.choices(kept, k=n - len(kept))]
     return kept
+
+
+# 40 four-choice questions with their answers (the quantization and KV-cache checks' prompts).
+QUIZ: list[dict[str, Any]] = json.loads((Path(__file__).parent / "data" / "multiple_choice.json").read_text())
+
+
+def quiz_prompts(encode: Callable[[str], list[int]], n: int, tokens: int) -> list[list[int]]:
+    """n quiz transcripts of `tokens` tokens or a little more: shuffled questions, each answered,
+    until the last, which the model answers (seeded by the prompt's index)."""
+    prompts = []
+    for i in range(n):
+        rng, text, ids = random.Random(i), "", list[int]()
+        while len(ids) < tokens:
+            item = rng.choice(QUIZ)
+            choices = " ".join(f"{'ABCD'[k]}) {c}" for k, c in enumerate(item["choices"]))
+            text += f"Question: {item['q']}\nChoices: {choices}\nAnswer:"
+            ids = encode(text)
+            text += f" {'ABCD'[item['answer']]}\n\n"
+        prompts.append(ids)
+    return prompts

@@ -7,6 +7,12 @@ llama-server (optional) on the same GGUF, one request: cold, from its prompt cac
 q8_0 KV.
 
     unison bench long [--model-path GGUF] [--prompt-len 8000] [--llama-server PATH]
+    unison bench long --quality [--prompts 16] [--prompt-len 1000]
+
+`--quality` measures instead how close each 8-bit cache stays to float16's, offline: quiz
+transcripts (datasets.quiz_prompts, the tests' kind), greedy, 16 new tokens; per cache type, the
+prompts whose tokens are float16's, and the first step's top-5 logprob distance (over the tokens
+both top 5s hold: median and max).
 
 Both are servers measured by one client over llama-server's own `/completion` route (Unison
 serves it too), one request at a time, greedy with ignore_eos: TTFT is the time to the first
@@ -19,6 +25,7 @@ import argparse
 import json
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,9 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import httpx
 
+from unison.bench import Json
 from unison.bench.local_server import free_port, stop, wait_ready
 
 UNISON = [sys.executable, "-m", "unison.cli"]
@@ -167,9 +176,38 @@ def report(results: dict[str, dict[str, Timing]], batch_size: int) -> str:
     return "\n".join(lines)
 
 
+def quality(args: argparse.Namespace) -> int:
+    from unison import Engine
+    from unison.bench.datasets import quiz_prompts
+
+    params = {"temperature": 0, "max_new_tokens": 16}
+    outs: dict[str, list[Json]] = {}
+    for dtype in ("float16", "int8", "fp8_e4m3", "fp8_e5m2"):
+        with Engine(model_path=args.model_path, kv_cache_dtype=dtype, num_threads=args.threads) as engine:
+            prompts = quiz_prompts(engine.tokenizer.encode, args.prompts, args.prompt_len)
+            outs[dtype] = cast(list[Json], engine.generate(input_ids=prompts, sampling_params=params,
+                                                           return_logprob=True, top_logprobs_num=5))
+    print(f"{args.prompts} quiz prompts of {args.prompt_len}+ tokens, 16 greedy tokens, against float16 KV")
+    for dtype, got in list(outs.items())[1:]:
+        same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(outs["float16"], got))
+        gaps = [abs(lp - top5(b)[t]) for a, b in zip(outs["float16"], got) for t, lp in top5(a).items()
+                if t in top5(b)]
+        print(f"{dtype:<10} greedy equal {same}/{len(got)}; first-step top-5 logprobs: median "
+              f"{statistics.median(gaps):.4f}, max {max(gaps):.4f}")
+    return 0
+
+
+def top5(out: Json) -> dict[int, float]:
+    return {tid: lp for lp, tid, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
 def main(args: argparse.Namespace) -> int:
     from unison.model.loader import default_gguf_path
 
+    if args.quality:
+        args.prompt_len = args.prompt_len or 1000
+        return quality(args)
+    args.prompt_len = args.prompt_len or 8000
     gguf = args.model_path or str(default_gguf_path())
     rng = random.Random(args.seed)  # token ids that every vocabulary of these models has
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
@@ -185,11 +223,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("long", help="long prompts: TTFT cold / from RAM / from disk after a restart, "
                                     "decode with float16 and int8 KV (beside llama-server)")
     p.add_argument("--model-path", help="a GGUF (default: the embedded model)")
-    p.add_argument("--prompt-len", type=int, default=8000)
+    p.add_argument("--prompt-len", type=int, help="tokens (default 8000; with --quality 1000)")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--decode-batch", type=int, default=4, help="requests decoding at once, each at the "
                                                                 "prompt's context (Unison)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", help="path to llama.cpp's llama-server, to run beside")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quality", action="store_true", help="each 8-bit cache's distance to float16's instead")
+    p.add_argument("--prompts", type=int, default=16, help="--quality's prompts")
     p.set_defaults(func=main)
