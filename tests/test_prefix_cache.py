@@ -45,3 +45,42 @@ def test_outputs_are_identical_under_eviction_and_preemption():
         assert all(o["meta_info"]["cached_tokens"] == 0 for o in plain)
     for ref, got in zip(plain, cached):
         assert_greedy_close(ref["output_ids"], top_dicts(ref), got["output_ids"], top_dicts(got))
+
+
+def test_a_cached_blocks_leading_tokens_are_copied_not_recomputed(model_dir):
+    """A prompt that leaves a cached block partway (or repeats a cached prompt whole) reuses that
+    block's leading tokens through a copy of its own: cached_tokens counts them, and the output
+    is the cold run's to the bit (in-process core: block ids are visible)."""
+    from unison.config import EngineConfig
+    from unison.core.engine_core import EngineCore
+    from unison.protocol import CoreSamplingParams, Generate
+
+    def run(core: EngineCore, rid: str, tokens: list[int], n: int = 4) -> tuple[list[int], int]:
+        core.add(b"fe", Generate(rid, tokens, CoreSamplingParams(max_new_tokens=n, ignore_eos=True,
+                                                                  temperature=0.0)))
+        ids, cached = [], 0
+        while core.has_work:
+            for out in core.step().get(b"fe", []):
+                ids, cached = ids + out.token_ids, max(cached, out.cached_tokens)
+        core.check_integrity()
+        return ids, cached
+
+    base = [(i * 7919) % 30000 + 100 for i in range(100)]  # 6 whole blocks and 4 tokens
+    diverging = base[:90] + [7, 8, 9, 10, 11]  # leaves base's 6th block after 10 of its tokens
+    core = EngineCore(EngineConfig(num_threads=1, max_total_tokens=64 * 16), str(model_dir))
+    try:
+        cold = []
+        for i, prompt in enumerate((base, diverging)):
+            core.flush_cache()
+            cold.append(run(core, f"cold{i}", prompt)[0])
+        core.flush_cache()
+        run(core, "fill", base, 16)  # its 7th block, base's last 4 tokens and 12 outputs, is cached
+        again, cached = run(core, "again", base)
+        assert cached == len(base) - 1 and again == cold[0]  # all but the one token computed
+        partial, cached = run(core, "partial", diverging)
+        assert cached == 90 and partial == cold[1]
+        core.scheduler.kv.copy_block = None  # without copies: whole blocks only
+        _, cached = run(core, "whole", diverging)
+        assert cached == 80
+    finally:
+        core.close()

@@ -58,6 +58,7 @@ class EngineCore:
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
             max_adapters=config.max_loras_per_batch, whole_prompts=encoder, disk=self.disk,
+            copy_block=None if encoder else cast(ModelRunner, self.runner).attention.copy_block,
         )
         # An encoder never reaches it: make_runner refuses enable_lora for one.
         self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,

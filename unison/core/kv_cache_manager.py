@@ -8,6 +8,8 @@ decides the blocks, as vLLM v1 splits its scheduler from its KV cache manager.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from unison.core.block_pool import BlockPool
 from unison.core.disk_cache import DiskCache
 from unison.core.radix_cache import Node, RadixCache
@@ -16,11 +18,12 @@ from unison.core.request import Request
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, cache: RadixCache | None = None,
-                 disk: DiskCache | None = None) -> None:
+                 disk: DiskCache | None = None, copy_block: Callable[[int, int], None] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.cache = cache  # None: prefix caching is off
         self.disk = disk  # the cache's disk tier (one of its observers), or None
+        self.copy_block = copy_block  # (src, dst): one block's KV into another (the runner's)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -45,8 +48,25 @@ class KVCacheManager:
         self.cache.lock(node)
         req.cache_node, req.block_table = node, blocks
         req.num_computed_tokens = len(blocks) * self.block_size
+        self._copy_partial(req, req.token_ids[req.num_computed_tokens: limit], node)
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed_tokens
+
+    def _copy_partial(self, req: Request, rest: list[int], node: Node) -> None:
+        """The cache holds whole blocks only, so a prompt would recompute up to a block's worth of
+        tokens past its match (all 16 when it is cached whole: one token is always computed).
+        When a cached block starts with some of them, its KV goes into a fresh block of the
+        request's own: those tokens are not recomputed (each row's KV depends on its prefix only,
+        so the copy is exactly what the request would compute)."""
+        assert self.cache is not None
+        if self.copy_block is None or not rest or not self.pool.num_free:
+            return
+        src, n = self.cache.match_partial(node, rest)
+        if n:
+            [dst] = self.pool.allocate(1)
+            self.copy_block(src, dst)
+            req.block_table.append(dst)
+            req.num_computed_tokens += n
 
     def _load_from_disk(self, tokens: list[int], blocks: list[int], node: Node) -> tuple[list[int], Node]:
         """Extend a RAM match with the blocks that follow it on disk: read into fresh blocks

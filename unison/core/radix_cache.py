@@ -98,6 +98,18 @@ class RadixCache:
             node.last_access = next(_clock)
         return blocks, node
 
+    def match_partial(self, node: Node, tokens: list[int]) -> tuple[int, int]:
+        """Below `node` (where a match ended), the cached block that starts with the most of
+        `tokens` (less than a block): (its id, how many tokens), or (-1, 0)."""
+        best, most = -1, 0
+        for child in node.children.values():
+            n = 0
+            while n < len(tokens) and child.tokens[n] == tokens[n]:
+                n += 1
+            if n > most:
+                best, most = child.blocks[0], n
+        return best, most
+
     def match_len(self, tokens: list[int], adapter: int = 0) -> int:
         """Tokens of the longest cached prefix, without touching the tree (for ordering only)."""
         node, i = self.roots.get(adapter), 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from unison.config import POLICIES
@@ -48,10 +48,11 @@ class ScheduledItem:
 class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
                  cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None,
-                 max_adapters: int = 8, whole_prompts: bool = False, disk: DiskCache | None = None) -> None:
+                 max_adapters: int = 8, whole_prompts: bool = False, disk: DiskCache | None = None,
+                 copy_block: Callable[[int, int], None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
-        self.kv = KVCacheManager(pool, block_size, cache, disk)
+        self.kv = KVCacheManager(pool, block_size, cache, disk, copy_block)
         self.policy = policy
         self.rng = random.Random(seed)  # the random policy's
         self.last_served: dict[bytes, int] = {}  # frontend -> admission tick (fair)

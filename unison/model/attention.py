@@ -118,6 +118,11 @@ class PagedAttention:
         kv = torch.stack((self.k_cache[:, block], self.v_cache[:, block]))
         return kv.view(torch.uint8).cpu().numpy().tobytes()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block dst's K and V = block src's (the prefix cache's partial-block hits)."""
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
     def write_block(self, block: int, data: bytearray | memoryview) -> None:
         """Fill a block from read_block's bytes."""
         k = self.k_cache
