@@ -8,6 +8,8 @@ the last test runs the real processes through the Engine API, across a restart.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,9 +32,21 @@ def prompts(n: int) -> list[list[int]]:
     return [[(i * 7919 + j * 104729) % 40000 + 100 for j in range(PROMPT_BLOCKS * BS + 5)] for i in range(n)]
 
 
-def make_core(tmp: Path, **kw) -> EngineCore:
+@contextmanager
+def core_at(tmp: Path, **kw) -> Iterator[EngineCore]:
+    """A core with its disk tier in `tmp` (closed at the end: its writes finish)."""
     config = EngineConfig(num_threads=1, max_total_tokens=20 * BS, kv_cache_dir=str(tmp), **kw)
-    return EngineCore(config, str(resolve_model_dir(None)))
+    core = EngineCore(config, str(resolve_model_dir(None)))
+    try:
+        yield core
+    finally:
+        core.close()
+
+
+def settle(core: EngineCore) -> None:
+    """The queued files written, and indexed."""
+    core.disk.writer.drain()
+    core.disk.poll()
 
 
 _rids = iter(range(10**9))
@@ -58,8 +72,7 @@ def files(tmp: Path) -> list[Path]:
 
 def test_evicted_blocks_come_back_from_disk_in_this_run_and_the_next(tmp_path):
     a, b = prompts(2)
-    core = make_core(tmp_path)
-    try:
+    with core_at(tmp_path) as core:
         cold, cached = run(core, a)
         assert cached == 0
         run(core, b)  # evicts a's blocks from RAM
@@ -71,24 +84,16 @@ def test_evicted_blocks_come_back_from_disk_in_this_run_and_the_next(tmp_path):
         assert from_disk == cold
         ram, cached = run(core, a)  # now a RAM hit: the same bytes, so the same tokens
         assert cached == PROMPT_BLOCKS * BS and ram == from_disk
-    finally:
-        core.close()
-    core = make_core(tmp_path)  # a restart: nothing in RAM, everything on disk
-    try:
+    with core_at(tmp_path) as core:  # a restart: nothing in RAM, everything on disk
         assert len(core.disk.index) == 2 * PROMPT_BLOCKS
         again, cached = run(core, a)
         assert cached == PROMPT_BLOCKS * BS and again == from_disk
-    finally:
-        core.close()
 
 
 def test_bad_and_foreign_files_are_removed_never_served(tmp_path):
     a, b = prompts(2)
-    core = make_core(tmp_path)
-    try:
+    with core_at(tmp_path) as core:
         cold, _ = run(core, a)
-    finally:
-        core.close()
     mine = files(tmp_path)
     folder = mine[0].parent
     hashes = block_hashes(a, BS)
@@ -107,8 +112,7 @@ def test_bad_and_foreign_files_are_removed_never_served(tmp_path):
         payload = f.read()
     header.fingerprint = bytes(16)
     sixth.write_bytes(disk_cache._encode(header) + payload)
-    core = make_core(tmp_path)
-    try:
+    with core_at(tmp_path) as core:
         assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".kv")) == []
         assert not (folder / "0123456789abcdef.kv").exists() and not sixth.exists()
         got, cached = run(core, a)
@@ -116,39 +120,30 @@ def test_bad_and_foreign_files_are_removed_never_served(tmp_path):
         assert core.disk.num_bad == 1 and got == cold
         core.disk.writer.drain()  # the recomputed block is written afresh
         assert fourth.read_bytes() != bytes(data)
-    finally:
-        core.close()
 
 
 def test_the_disk_keeps_its_size_dropping_the_least_recently_used(tmp_path):
     a, b = prompts(2)
-    core = make_core(tmp_path)
-    try:
+    with core_at(tmp_path) as core:
         run(core, a)
-        core.disk.writer.drain()
-        core.disk.poll()
+        settle(core)
         per_file = core.disk.used // PROMPT_BLOCKS  # headers differ by a few bytes: half a file spare
         core.disk.capacity = 14 * per_file + per_file // 2  # b's 12 push out 10 of a's, oldest first
         run(core, b)
-        core.disk.writer.drain()
-        core.disk.poll()
+        settle(core)
         assert core.disk.used <= core.disk.capacity
         kept = {int(p.stem, 16) for p in files(tmp_path)}
         assert set(block_hashes(b, BS)) <= kept
         assert kept & set(block_hashes(a, BS)) == set(block_hashes(a, BS)[10:])
-    finally:
-        core.close()
 
 
 def test_kv_events_name_the_medium_and_a_restart_announces_the_files(tmp_path):
     a, b = prompts(2)
     events = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*"}
-    core = make_core(tmp_path, kv_events_config=events)
-    try:
+    with core_at(tmp_path, kv_events_config=events) as core:
         run(core, a)
         run(core, b)
-        core.disk.writer.drain()
-        core.disk.poll()
+        settle(core)
         log = core.kv_events.take()
         index = KVIndex()
         index.apply(0, log)
@@ -156,10 +151,7 @@ def test_kv_events_name_the_medium_and_a_restart_announces_the_files(tmp_path):
         assert sorted(on_disk) == sorted(block_hashes(a, BS) + block_hashes(b, BS))
         assert any(isinstance(e, BlockRemoved) and e.medium == MEDIUM for e in log), "a left RAM"
         assert set(block_hashes(a, BS)) <= index.blocks[0], "still on disk: still held"
-    finally:
-        core.close()
-    core = make_core(tmp_path, kv_events_config=events)
-    try:
+    with core_at(tmp_path, kv_events_config=events) as core:
         log = core.kv_events.take()
         assert type(log[0]).__name__ == "AllBlocksCleared"
         stored = [e for e in log[1:] if isinstance(e, BlockStored)]
@@ -168,28 +160,22 @@ def test_kv_events_name_the_medium_and_a_restart_announces_the_files(tmp_path):
         for e in stored:  # parents first: a subscriber can check each chain
             assert e.parent_block_hash in seen and e.medium == DISK
             seen.update(e.block_hashes)
-    finally:
-        core.close()
 
 
 def test_flush_removes_the_files_and_a_weight_update_stops_the_tier(tmp_path):
     a, _ = prompts(2)
-    core = make_core(tmp_path)
-    try:
+    with core_at(tmp_path) as core:
         run(core, a)
         core.disk.writer.drain()
         core.flush_cache()
         assert files(tmp_path) == [] and not core.disk.index
         run(core, a)
-        core.disk.writer.drain()
-        core.disk.poll()
+        settle(core)
         assert len(core.disk.index) == PROMPT_BLOCKS
         core.disk.retire()  # what update_tensors does: no file holds the weights then
         core.flush_cache()
         _, cached = run(core, a)
         assert cached == 0 and len(files(tmp_path)) == PROMPT_BLOCKS, "files stay for the next run"
-    finally:
-        core.close()
 
 
 def test_bad_options_name_their_field(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from tests.test_model import tiny_model
 from unison.config import EngineConfig
 from unison.core.engine_core import EngineCore
 from unison.protocol import CoreSamplingParams, Generate
@@ -15,23 +16,9 @@ from unison.protocol import CoreSamplingParams, Generate
 PROMPT_LEN, STEPS = 16384, 16
 
 
-def tiny_qwen2(path: Path):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
-                                   max_position_embeddings=32768, tie_word_embeddings=False)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # random init is near-zero; widen it so positions and heads matter
-        for p in hf.parameters():
-            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
-    hf.save_pretrained(path)
-    return hf
-
-
 def test_a_16k_prompt_gives_transformers_greedy_tokens(tmp_path: Path):
-    hf = tiny_qwen2(tmp_path)
+    hf = tiny_model("qwen2-qkv-bias", tmp_path, max_position_embeddings=32768, rope_theta=1e6,
+                    tie_word_embeddings=False)
     ids = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS)

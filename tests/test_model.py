@@ -223,15 +223,16 @@ TINY = {  # small random models of each supported kind, saved by transformers
 }
 
 
-def tiny_model(kind: str, path: Path):
-    """TINY[kind] with seeded random weights, saved by transformers in `path`; returns the model."""
+def tiny_model(kind: str, path: Path, **changes):
+    """TINY[kind] (with `changes` to its config) with seeded random weights, saved by
+    transformers in `path`; returns the model."""
     import transformers
 
     name, extra = TINY[kind]
     torch.manual_seed(0)
     shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    cfg = getattr(transformers, name)(**(shape | extra))
+    cfg = getattr(transformers, name)(**(shape | extra | changes))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # random init is near-zero; widen it so positions and heads matter
         for p in hf.parameters():
