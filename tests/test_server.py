@@ -341,8 +341,11 @@ def test_native_generate(server, engine):
     out = r.json()
     assert out["text"] == want["text"] and out["output_ids"] == want["output_ids"]
     assert set(out["meta_info"]) == set(want["meta_info"])
-    for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"):
+    for k in ("prompt_tokens", "completion_tokens", "finish_reason"):
         assert out["meta_info"][k] == want["meta_info"][k], k
+    # What each engine's prefix cache holds depends on what it served before (a cached block's
+    # leading tokens count too): a count of the prompt's tokens, at least one computed.
+    assert 0 <= out["meta_info"]["cached_tokens"] < out["meta_info"]["prompt_tokens"]
     ids = engine.tokenizer.encode(PROMPT)
     by_ids = server.post("/generate", {"input_ids": ids, "sampling_params": params})
     assert by_ids.json()["output_ids"] == want["output_ids"]
