@@ -22,7 +22,7 @@ MEMORY_GB = 0.25  # the same KV cache memory for both
 def engines():
     with Engine(kv_cache_dtype="float16", kv_cache_memory_gb=MEMORY_GB, num_threads=2) as f16, \
             Engine(kv_cache_dtype="int8", kv_cache_memory_gb=MEMORY_GB, num_threads=2) as i8, \
-            Engine(kv_cache_dtype="fp8_e4m3", kv_cache_memory_gb=MEMORY_GB, num_threads=1) as fp8:
+            Engine(kv_cache_dtype="fp8_e4m3", kv_cache_memory_gb=MEMORY_GB, num_threads=2) as fp8:
         yield f16, i8, fp8
 
 
@@ -31,13 +31,13 @@ def first_top5(out: dict) -> dict[int, float]:
 
 
 def test_close_to_float16_on_long_prompts(engines):
-    """Eight prompts of 600 tokens here (the suite's time); 16 of 1,000 are measured in
-    BENCHMARKS.md's int8 KV section."""
+    """Eight prompts of 600 tokens here, four for fp8 (the suite's time); 16 of 1,000 are measured
+    in BENCHMARKS.md's long-prompt section (`unison bench long --quality`)."""
     f16, i8, fp8 = engines
     prompts = quiz_prompts(f16.tokenizer.encode, 8, 600)
     params = {"temperature": 0, "max_new_tokens": 16}
-    want, got, rough = ([o for o in e.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
-                                               top_logprobs_num=5)] for e in (f16, i8, fp8))
+    want, got, rough = (e.generate(input_ids=prompts[:n], sampling_params=params, return_logprob=True,
+                                   top_logprobs_num=5) for e, n in ((f16, 8), (i8, 8), (fp8, 4)))
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(want, got))
     assert same >= 7, f"greedy equal on {same} of 8"
     diffs = distances(want, got)

@@ -9,14 +9,14 @@ q8_0 KV.
     unison bench long [--model-path GGUF] [--prompt-len 8000] [--llama-server PATH]
     unison bench long --quality [--prompts 16] [--prompt-len 1000]
 
+Both engines are servers, measured by one client over llama-server's own `/completion` route
+(Unison serves it too), greedy with ignore_eos: TTFT is the time to the first streamed token,
+decode speed the tokens after it over the time after it. Each server runs alone.
+
 `--quality` measures instead how close each 8-bit cache stays to float16's, offline: quiz
 transcripts (datasets.quiz_prompts, the tests' kind), greedy, 16 new tokens; per cache type, the
 prompts whose tokens are float16's, and the first step's top-5 logprob distance (over the tokens
 both top 5s hold: median and max).
-
-Both are servers measured by one client over llama-server's own `/completion` route (Unison
-serves it too), one request at a time, greedy with ignore_eos: TTFT is the time to the first
-streamed token, decode speed the tokens after it over the time after it. Each server runs alone.
 """
 
 from __future__ import annotations
@@ -157,14 +157,15 @@ def llama_server(args: argparse.Namespace, gguf: str, prompt: list[int]) -> dict
 
 def report(results: dict[str, dict[str, Timing]], batch_size: int) -> str:
     names = list(results)
-    lines = [f"{'':<30}" + "".join(f"{n:>30}" for n in names)]
+    lines = [f"{'':<30}" + "".join(f"{n:>36}" for n in names)]
     for row in results[names[0]]:
         cells = []
         for n in names:
             t = results[n].get(row)
             cells.append("" if t is None else f"TTFT {t.ttft_s * 1e3:,.0f} ms" +
-                         (f", {t.decode_tok_s:.1f} tok/s" if t.decode_tok_s else ""))
-        lines.append(f"{row:<30}" + "".join(f"{c:>30}" for c in cells))
+                         (f", {t.decode_tok_s:.1f} tok/s" if t.decode_tok_s else "") +
+                         (f", {t.cached_tokens} cached" if t.cached_tokens else ""))
+        lines.append(f"{row:<30}" + "".join(f"{c:>36}" for c in cells))
     ours = results["unison"]
     cold, disk, ram = (ours[k].ttft_s for k in ("cold, float16 KV", "from disk, after a restart", "from RAM"))
     lines.append(f"unison: from disk after a restart {cold / disk:.1f}x faster than cold, "
