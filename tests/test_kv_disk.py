@@ -90,6 +90,17 @@ def test_evicted_blocks_come_back_from_disk_in_this_run_and_the_next(tmp_path):
         assert cached == PROMPT_BLOCKS * BS and again == from_disk
 
 
+def test_a_prompt_of_whole_blocks_computes_one_token_after_a_restart(tmp_path):
+    """Its last block is on disk too: read back, its head is copied (prefix cache), so only the
+    prompt's last token is computed, as from RAM."""
+    whole = prompts(3)[2][: PROMPT_BLOCKS * BS]
+    with core_at(tmp_path) as core:
+        cold, _ = run(core, whole)
+    with core_at(tmp_path) as core:
+        again, cached = run(core, whole)
+        assert cached == len(whole) - 1 and again == cold
+
+
 def test_bad_and_foreign_files_are_removed_never_served(tmp_path):
     a, b = prompts(2)
     with core_at(tmp_path) as core:
@@ -194,6 +205,7 @@ def test_the_engine_serves_a_prefix_from_disk_after_a_restart(tmp_path):
     assert len(files(tmp_path)) == len(prompt) // BS, "shutdown finishes the queued writes"
     with Engine(**kw) as engine:
         again = engine.generate(input_ids=prompt, sampling_params=params)
-    assert again["meta_info"]["cached_tokens"] == (len(prompt) - 1) // BS * BS
+    whole = len(prompt) // BS * BS  # the blocks on disk; a last one the prompt ends with is copied
+    assert again["meta_info"]["cached_tokens"] == (len(prompt) - 1 if whole == len(prompt) else whole)
     assert again["output_ids"] == first["output_ids"]
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

@@ -43,7 +43,7 @@ class KVCacheManager:
             limit = min(limit, max(req.next_prompt_logprob - 1, 0))
         blocks, node = self.cache.match(req.token_ids[:limit], req.adapter)
         if self.disk is not None and not req.adapter:
-            blocks, node = self._load_from_disk(req.token_ids[:limit], blocks, node)
+            blocks, node = self._load_from_disk(req.token_ids, limit, blocks, node)
         self.pool.share(blocks)
         self.cache.lock(node)
         req.cache_node, req.block_table = node, blocks
@@ -68,9 +68,11 @@ class KVCacheManager:
             req.block_table.append(dst)
             req.num_computed_tokens += n
 
-    def _load_from_disk(self, tokens: list[int], blocks: list[int], node: Node) -> tuple[list[int], Node]:
-        """Extend a RAM match with the blocks that follow it on disk: read into fresh blocks
-        (evicting, as grow does, but never the matched path), adopted by the radix cache."""
+    def _load_from_disk(self, tokens: list[int], limit: int, blocks: list[int],
+                        node: Node) -> tuple[list[int], Node]:
+        """Extend a RAM match (of tokens[:limit]) with the blocks that follow it on disk: read
+        into fresh blocks (evicting, as grow does, but never the matched path), adopted by the
+        radix cache. A block past `limit` is read too: _copy_partial then uses its head."""
         assert self.cache is not None and self.disk is not None
         start = len(blocks) * self.block_size
         hashes = self.disk.lookup(node.hashes[-1] if node.hashes else None, tokens[start:])
@@ -85,7 +87,7 @@ class KVCacheManager:
         end = start + loaded * self.block_size
         self.cache.insert(tokens[:end], blocks + fresh[:loaded])
         self.pool.release(fresh)  # the cache holds the loaded ones now; the rest go back
-        return self.cache.match(tokens[:end])
+        return self.cache.match(tokens[:limit])
 
     def cached_prefix_len(self, req: Request) -> int:
         """Tokens of the request's prefix the cache holds (the lpm policy's key)."""
