@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, KeysView
 from typing import TYPE_CHECKING, cast
 
 import msgspec
@@ -32,20 +32,23 @@ REPLAY_TIMEOUT_S = 2.0
 
 class KVIndex:
     def __init__(self) -> None:
-        self.blocks: dict[int, set[int]] = {}  # replica -> the hashes of its cached blocks, any medium
-        # replica -> hash -> the media holding it: a block evicted from RAM may still be on disk
+        # replica -> hash of a cached block -> the media holding it (a block evicted from RAM may
+        # still be on disk): a hash is cached while any medium holds it
         self.media: dict[int, dict[int, set[str | None]]] = {}
+
+    @property
+    def blocks(self) -> dict[int, KeysView[int]]:
+        """replica -> the hashes of its cached blocks (set-like)."""
+        return {replica: held.keys() for replica, held in self.media.items()}
 
     def apply(self, replica: int, events: Iterable[object]) -> None:
         """Events are told apart by class name, not isinstance: a subscriber that decodes into its
         own copies of vLLM's structs (as vLLM's example subscriber does) keeps an index too."""
-        held = self.blocks.setdefault(replica, set())
         media = self.media.setdefault(replica, {})
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
                 stored = cast(BlockStored, event)
-                held.update(stored.block_hashes)
                 for h in stored.block_hashes:
                     media.setdefault(h, set()).add(stored.medium)
             elif kind == "BlockRemoved":
@@ -55,18 +58,15 @@ class KVIndex:
                     where.discard(removed.medium)
                     if not where:
                         media.pop(h, None)
-                        held.discard(h)
             elif kind == "AllBlocksCleared":
-                held.clear()
                 media.clear()
 
     def forget(self, replica: int) -> None:
-        self.blocks.pop(replica, None)
         self.media.pop(replica, None)
 
     def overlap(self, replica: int, hashes: list[int]) -> int:
         """How many of a prompt's leading blocks (their chained hashes) the replica holds."""
-        held, n = self.blocks.get(replica, ()), 0
+        held, n = self.media.get(replica, {}), 0
         while n < len(hashes) and hashes[n] in held:
             n += 1
         return n

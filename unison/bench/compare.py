@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unison.bench.datasets import random_requests
-from unison.bench.local_server import free_port, stop, wait_ready
+from unison.bench.local_server import serving
 from unison.bench.serve import Summary, run_benchmark
 
 UNISON = [sys.executable, "-m", "unison.cli"]
@@ -53,18 +53,9 @@ class Client:
 
 
 def measure_server(setup: Setup, client: Client) -> dict[int, Summary]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = Path(tempfile.gettempdir()) / f"unison-bench-compare-{setup.name.replace(' ', '')}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*setup.cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            wait_ready(url, proc)
-            client.run(url, 4, 4)  # warm up
-            return {c: client.run(url, c, max(4, c if c >= 64 else 2 * c)) for c in setup.levels}
-        finally:
-            stop(proc)
+    with serving(setup.cmd, f"unison-bench-compare-{setup.name.replace(' ', '')}") as url:
+        client.run(url, 4, 4)  # warm up
+        return {c: client.run(url, c, max(4, c if c >= 64 else 2 * c)) for c in setup.levels}
 
 
 def offline(concurrency: int, gguf: str, input_len: int, output_len: int) -> float:

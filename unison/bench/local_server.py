@@ -7,8 +7,12 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -44,3 +48,24 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextmanager
+def serving(cmd: list[str], log_name: str, ready_path: str = "/v1/models", timeout: float = 300,
+            stop_timeout: float = 30) -> Iterator[str]:
+    """`cmd` (given `--port`) serving on a free port until the block ends; yields its URL. Its
+    output goes to <tmp>/<log_name>.log, which an error names."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(tempfile.gettempdir()) / f"{log_name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            try:
+                wait_ready(url, proc, ready_path, timeout)
+            except (RuntimeError, TimeoutError) as e:
+                raise RuntimeError(f"{log_name}: {e} (log: {log_path})") from None
+            yield url
+        finally:
+            stop(proc, stop_timeout)

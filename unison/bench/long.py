@@ -26,13 +26,11 @@ import json
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -40,7 +38,7 @@ from typing import cast
 import httpx
 
 from unison.bench import Json
-from unison.bench.local_server import free_port, stop, wait_ready
+from unison.bench.local_server import serving
 
 UNISON = [sys.executable, "-m", "unison.cli"]
 
@@ -52,22 +50,10 @@ class Timing:
     cached_tokens: int | None  # as the server reports it (Unison's /completion: tokens_cached)
 
 
-@contextmanager
-def server(cmd: list[str], name: str, ready_path: str) -> Iterator[str]:
-    """`cmd` serving on a free port, alone, until the block ends (SIGTERM: Unison then finishes
-    its disk writes)."""
-    port = free_port()
-    log_path = Path(tempfile.gettempdir()) / f"unison-bench-long-{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", proc, ready_path, timeout=600)
-            yield f"http://127.0.0.1:{port}"
-        except Exception as e:
-            raise RuntimeError(f"{name}: {e} (log: {log_path})") from None
-        finally:
-            stop(proc, timeout=120)
+def server(cmd: list[str], name: str, ready_path: str) -> AbstractContextManager[str]:
+    """`cmd` serving alone (a long prefill may take minutes; SIGTERM: Unison finishes its disk
+    writes before it exits)."""
+    return serving(cmd, f"unison-bench-long-{name}", ready_path, timeout=600, stop_timeout=120)
 
 
 def complete(url: str, prompt: list[int], n: int) -> Timing:

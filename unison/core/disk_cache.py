@@ -26,7 +26,6 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -73,13 +72,6 @@ class DiskEvents(Protocol):
     def off_disk(self, hashes: list[int]) -> None: ...
 
 
-@dataclass
-class Entry:
-    parent: int | None
-    tokens: tuple[int, ...]
-    nbytes: int  # the file's
-
-
 def open_disk_cache(config: EngineConfig, runner: ModelRunner | EncoderRunner,
                     events: DiskEvents | None) -> DiskCache:
     """The disk tier at config.kv_cache_dir, serving the files of the runner's weights."""
@@ -116,9 +108,10 @@ class DiskCache:
         self.io, self.events = io, events
         self.key: bytes | None = None  # the fingerprint served; None: the tier is off
         self.dir = self.root
-        self.index: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
+        # hash -> its file's bytes, least recently used first
+        self.index: OrderedDict[int, int] = OrderedDict()
         self.used = 0  # bytes of the indexed files
-        self.num_loaded = self.num_written = self.num_bad = 0  # blocks, so far (statistics)
+        self.num_loaded = self.num_bad = 0  # blocks, so far
         self.writer = _Writer()
 
     # ---- which weights ------------------------------------------------------------------------
@@ -137,20 +130,16 @@ class DiskCache:
             else:
                 found.append(got)
         for header, stat in sorted(found, key=lambda f: f[1].st_mtime_ns):  # oldest first: the LRU order
-            self._add(header.block_hash, Entry(header.parent, tuple(header.tokens), stat.st_size))
+            self._add(header.block_hash, stat.st_size)
         if self.events is not None:
-            for h in self._parents_first():
-                entry = self.index[h]
-                self.events.on_disk(entry.parent, [h], entry.tokens)
+            for header in _parents_first([header for header, _ in found]):
+                self.events.on_disk(header.parent, [header.block_hash], header.tokens)
         log.info("KV disk cache %s: %d blocks, %.2f GiB", self.dir, len(self.index), self.used / (1 << 30))
 
     def retire(self) -> None:
         """Stop reading and writing (the weights changed in place: no file matches them)."""
-        self.writer.drain()
-        self.poll()
-        if self.events is not None and self.index:
-            self.events.off_disk(list(self.index))
-        self.key, self.index, self.used = None, OrderedDict(), 0
+        self._forget(remove=False)
+        self.key = None
 
     # ---- the radix cache's observer -----------------------------------------------------------
 
@@ -181,14 +170,13 @@ class DiskCache:
         for header, nbytes in self.writer.take():
             h = header.block_hash
             if nbytes and header.fingerprint == self.key and h not in self.index:
-                self._add(h, Entry(header.parent, tuple(header.tokens), nbytes))
-                self.num_written += 1
+                self._add(h, nbytes)
                 if self.events is not None:
                     self.events.on_disk(header.parent, [h], header.tokens)
         gone = []
         while self.used > self.capacity and self.index:
-            h, entry = self.index.popitem(last=False)
-            self.used -= entry.nbytes
+            h, nbytes = self.index.popitem(last=False)
+            self.used -= nbytes
             self._path(h).unlink(missing_ok=True)
             gone.append(h)
         if gone and self.events is not None:
@@ -214,8 +202,7 @@ class DiskCache:
             data = self._read(h, tokens[i * bs: (i + 1) * bs])
             if data is None:
                 self.num_bad += 1
-                entry = self.index.pop(h, None)
-                self.used -= entry.nbytes if entry else 0
+                self.used -= self.index.pop(h, 0)
                 self._path(h).unlink(missing_ok=True)
                 if self.events is not None:
                     self.events.off_disk([h])
@@ -227,9 +214,13 @@ class DiskCache:
 
     def clear(self) -> None:
         """Remove every file of the served fingerprint (flush_cache: nothing cached survives)."""
+        self._forget(remove=True)
+
+    def _forget(self, remove: bool) -> None:
+        """Empty the index once the queued writes have landed (and `remove` their files)."""
         self.writer.drain()
         self.poll()
-        for h in list(self.index):
+        for h in self.index if remove else ():
             self._path(h).unlink(missing_ok=True)
         if self.events is not None and self.index:
             self.events.off_disk(list(self.index))
@@ -244,9 +235,9 @@ class DiskCache:
     def _path(self, h: int) -> Path:
         return self.dir / f"{h:016x}.kv"
 
-    def _add(self, h: int, entry: Entry) -> None:
-        self.index[h] = entry
-        self.used += entry.nbytes
+    def _add(self, h: int, nbytes: int) -> None:
+        self.index[h] = nbytes
+        self.used += nbytes
 
     def _header(self, path: Path) -> tuple[BlockHeader, os.stat_result] | None:
         """The file's header and stat when it is ours and whole (the payload is checked when
@@ -280,20 +271,22 @@ class DiskCache:
             log.warning("KV disk cache: removed a bad file for block %016x", h)
         return data if ok else None
 
-    def _parents_first(self) -> list[int]:
-        """The indexed hashes, each after its parent (KV event subscribers build chains)."""
-        depth: dict[int, int] = {}
-        for h in self.index:
-            chain: list[int] = []
-            at: int | None = h
-            while at is not None and at in self.index and at not in depth:
-                chain.append(at)
-                at = self.index[at].parent
-            d = -1 if at is None else depth.get(at, -1)
-            for c in reversed(chain):
-                d += 1
-                depth[c] = d
-        return sorted(self.index, key=depth.__getitem__)
+def _parents_first(headers: list[BlockHeader]) -> list[BlockHeader]:
+    """The headers, each after its parent's when both are here (KV event subscribers build
+    chains)."""
+    by_hash = {h.block_hash: h for h in headers}
+    depth: dict[int, int] = {}
+    for header in headers:
+        chain: list[int] = []
+        at: int | None = header.block_hash
+        while at is not None and at in by_hash and at not in depth:
+            chain.append(at)
+            at = by_hash[at].parent
+        d = -1 if at is None else depth.get(at, -1)
+        for h in reversed(chain):
+            d += 1
+            depth[h] = d
+    return sorted(headers, key=lambda h: depth[h.block_hash])
 
 
 def _encode(header: BlockHeader) -> bytes:
