@@ -7,6 +7,7 @@ import sys
 import typing
 from collections.abc import Iterator
 from dataclasses import MISSING, fields
+from pathlib import Path
 
 from unison.config import HELP, EngineConfig
 from unison.server.settings import ServeSettings, add_serve_options
@@ -17,10 +18,15 @@ ALIASES = {"model_path": ["--model"], "context_length": ["--max-model-len"], "lo
            "max_loras_per_batch": ["--max-loras"], "max_loaded_loras": ["--max-cpu-loras"]}
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One --flag per EngineConfig field, so the CLI never falls behind the config."""
+def add_engine_options(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
+    """One --flag per EngineConfig field, so the CLI never falls behind the config. `many_models`:
+    `--model NAME=PATH` may be repeated (`unison serve`'s several models)."""
     group = parser.add_argument_group("engine options")
-    group.add_argument("--model-path", *ALIASES["model_path"], default=None, help=HELP["model_path"])
+    if many_models:
+        group.add_argument("--model-path", *ALIASES["model_path"], action="append", default=None,
+                           help=HELP["model_path"] + "; NAME=PATH, repeated: serve several models")
+    else:
+        group.add_argument("--model-path", *ALIASES["model_path"], default=None, help=HELP["model_path"])
     hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
         if f.name in _SERVE_OWN:
@@ -70,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from unison.server.launch import serve
+    from unison.server.launch import serve, serve_models
 
     settings = ServeSettings.from_args(args)
     settings.check()
@@ -78,18 +84,44 @@ def _serve(args: argparse.Namespace) -> int:
         from unison.server.data_parallel import import_ray
 
         import_ray()  # not installed: say what to install, before anything starts
-    if args.model is not None:
-        if args.model_path not in (None, args.model):
-            raise ValueError(f"the model is given twice: {args.model!r} and --model-path "
-                             f"{args.model_path!r}")
-        args.model_path = args.model
+    paths = [*(args.model_path or []), *([args.model] if args.model is not None else [])]
+    named = [p for p in paths if _is_named(p)]
+    if named or settings.models_dir is not None:
+        return _serve_models(args, settings, paths, named, serve_models)
+    if settings.preload:
+        raise ValueError("--preload names models of --models-dir or --model NAME=PATH")
+    if len(set(paths)) > 1:
+        raise ValueError(f"the model is given twice: {paths}; several models are given as --model NAME=PATH")
+    args.model_path = paths[0] if paths else None
+    return serve(_serve_config(args), settings)
+
+
+def _serve_models(args: argparse.Namespace, settings: ServeSettings, paths: list[str], named: list[str],
+                  serve_models: typing.Callable[..., int]) -> int:
+    from unison.server.model_pool import find_models
+
+    if plain := [p for p in paths if p not in named]:
+        raise ValueError(f"with several models each is given as --model NAME=PATH: {plain}")
+    if settings.data_parallel or settings.served_model_name is not None:
+        raise ValueError("several models take their names from --model NAME=PATH or their files: "
+                         "--served-model-name and --data-parallel-size are for one model")
+    args.model_path = None
+    return serve_models(_serve_config(args), settings, find_models(settings.models_dir, named))
+
+
+def _is_named(value: str) -> bool:
+    """`NAME=PATH` (one of several models) rather than a path that holds a '='."""
+    name, eq, _ = value.partition("=")
+    return bool(eq) and "/" not in name and not Path(value).expanduser().exists()
+
+
+def _serve_config(args: argparse.Namespace) -> EngineConfig:
     opts = engine_options(args)
     if opts.get("skip_tokenizer_init"):
         raise ValueError("--skip-tokenizer-init is for the Python Engine: the server's routes "
                          "tokenize and detokenize")
     opts.setdefault("log_level", "info")
-    config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
-    return serve(config, settings)
+    return EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
                      help="HTTP worker processes, each a frontend of the one engine core")
     add_serve_options(srv)
-    add_engine_options(srv)
+    add_engine_options(srv, many_models=True)
     srv.set_defaults(func=_serve)
 
     from unison.bench import (

@@ -43,7 +43,8 @@ def curve_keypair() -> tuple[str, str]:
 
 
 class CoreProcess:
-    def __init__(self, config: EngineConfig, publish: bool, curve_secret_key: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, publish: bool, curve_secret_key: str | None = None,
+                 registry_path: Path | None = None) -> None:
         config.check_model_path()
         if config.listen and curve_secret_key is None:
             curve_secret_key = curve_keypair()[1]
@@ -51,7 +52,10 @@ class CoreProcess:
         self.runtime_dir = tempfile.mkdtemp(prefix=f"unison-{os.getpid()}-")
         self.endpoint = f"ipc://{self.runtime_dir}/core.sock"
         self.token = secrets.token_hex(16)
-        self.registry_path = registry.free_registry_path(os.getpid()) if publish else None
+        # (a caller that starts several cores at once names each one's: none has published yet)
+        if publish and registry_path is None:
+            registry_path = registry.free_registry_path(os.getpid())
+        self.registry_path = registry_path if publish else None
         args = CoreArgs(
             config=config, endpoint=self.endpoint,
             runtime_dir=self.runtime_dir, token=self.token, owner_pid=os.getpid(),

@@ -30,7 +30,7 @@ from unison.server.errors import HTTPError, error_kind, error_response, field_pa
 from unison.server.openai_format import invalid_param
 from unison.server.openai_protocol import generation_defaults
 from unison.server.replicas import Replicas
-from unison.server.settings import WorkerSettings
+from unison.server.settings import ServeSettings, WorkerSettings
 
 log = logging.getLogger("unison.server")
 
@@ -42,7 +42,9 @@ UI_DIR = Path(__file__).with_name("ui")
 UI_POLICY = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'"
 
 
-def create_app(settings: WorkerSettings | None = None) -> FastAPI:
+def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -> FastAPI:
+    """One model's app. `embedded`: a model's among several (models_app.py), which answers the API
+    key, the page and the engine's death itself."""
     settings = settings or WorkerSettings.from_json(os.environ[ENV])
     serve = settings.serve
 
@@ -52,7 +54,7 @@ def create_app(settings: WorkerSettings | None = None) -> FastAPI:
             replicas = await Replicas.remote(settings.replicas_path, serve.routing)
         else:
             replicas = await Replicas.local(settings.registry_path, settings.owner_pid,
-                                            _exit_when_engine_dies)
+                                            _forget if embedded else _exit_when_engine_dies)
         app.state.replicas = replicas
         worker = replicas.any
         app.state.sampling_defaults = generation_defaults(serve.generation_config, worker.info.model_dir)
@@ -66,9 +68,9 @@ def create_app(settings: WorkerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="Unison", lifespan=lifespan)
     app.state.settings = settings
-    max_body = MAX_REQUEST_BYTES if serve.max_request_bytes is None else serve.max_request_bytes
-    app.add_middleware(_Gate, api_key=serve.api_key, max_body=max_body, ui=not serve.disable_ui)
-    _add_error_handlers(app)
+    if not embedded:
+        app.add_middleware(Gate, api_key=serve.api_key, max_body=max_body_of(serve), ui=not serve.disable_ui)
+    add_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(pooling_routes.router)
     app.include_router(responses.router)
@@ -76,12 +78,16 @@ def create_app(settings: WorkerSettings | None = None) -> FastAPI:
     app.include_router(ollama.router)
     app.include_router(llama_server.router)
     app.include_router(native.router)
-    if not serve.disable_ui:
-        _add_ui(app)
+    if not serve.disable_ui and not embedded:
+        add_ui(app)
     return app
 
 
-def _add_ui(app: FastAPI) -> None:
+def max_body_of(serve: ServeSettings) -> int:
+    return MAX_REQUEST_BYTES if serve.max_request_bytes is None else serve.max_request_bytes
+
+
+def add_ui(app: FastAPI) -> None:
     """The web page: chat, and the engine with its frontends, from the routes above."""
     app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
 
@@ -90,7 +96,7 @@ def _add_ui(app: FastAPI) -> None:
         return FileResponse(UI_DIR / "index.html", headers={"Content-Security-Policy": UI_POLICY})
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
         return error_response(e.status, e.message, e.kind, e.param, request.url.path)
@@ -148,7 +154,7 @@ def _add_error_handlers(app: FastAPI) -> None:
                               path=request.url.path)
 
 
-class _Gate:
+class Gate:
     """Checks the API key and the body size; tags every response with this worker's pid.
 
     Plain ASGI rather than @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the
@@ -227,6 +233,10 @@ def _template_text(value: str | None) -> str | None:
     if value is not None and "{" not in value and Path(value).is_file():
         return Path(value).read_text()
     return value
+
+
+def _forget() -> None:
+    pass  # one model's core among several: its requests fail, and the next one starts it again
 
 
 def _exit_when_engine_dies() -> None:

@@ -21,13 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
 from unison.protocol import ServerInfo
 from unison.server.app import ENV, create_app
+from unison.server.model_pool import ModelPool, ModelSource
+from unison.server.models_app import create_models_app
 from unison.server.settings import ServeSettings, WorkerSettings
 
 log = logging.getLogger("unison.server")
@@ -75,6 +77,37 @@ def serve(config: EngineConfig, settings: ServeSettings) -> int:
     return 0 if core.proc.returncode in (0, -signal.SIGTERM) else 1
 
 
+def serve_models(config: EngineConfig, settings: ServeSettings, sources: list[ModelSource]) -> int:
+    """Several models: the launcher's pool starts each one's core when first asked for."""
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    names = [s.name for s in sources]
+    if unknown := [n for n in settings.preload if n not in names]:
+        raise ValueError(f"--preload {unknown}: not among the models {names}")
+    workers = config.tokenizer_worker_num
+    pool = ModelPool(config, sources, frontends=workers + settings.extra_frontends,
+                     models_max=settings.models_max, idle_unload_s=settings.idle_unload_s,
+                     load_timeout=settings.model_load_timeout)
+    failure: list[str] = []
+    try:
+        for name in settings.preload:
+            try:
+                pool.load_now(name)
+            except RuntimeError as e:
+                raise ValueError(f"--preload: {e}") from None
+        to_workers = WorkerSettings(settings, "", "", os.getpid(), pool_endpoint=pool.endpoint,
+                                    models=tuple(names))
+        threading.Thread(target=_announce_models, daemon=True, name="unison-ready",
+                         args=(settings, names, config.startup_timeout, failure)).start()
+        _run_uvicorn(to_workers, workers, config.log_level)
+    finally:
+        pool.close()
+    if failure:
+        log.error("the server stopped: %s", failure[0])
+        return 1
+    return 0
+
+
 def _serve_data_parallel(config: EngineConfig, settings: ServeSettings) -> int:
     """N cores in Ray actors; the same HTTP workers, each attached to every core over TCP."""
     from unison.server.data_parallel import RayReplicas
@@ -114,7 +147,8 @@ def _run_uvicorn(settings: WorkerSettings, workers: int, log_level: str) -> None
     # under the handler it found: the default one would kill the launcher before it stops
     # the core and reports. The signal is handled by then.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    app: FastAPI | str = create_app(settings) if workers == 1 else "unison.server.app:create_app"
+    factory: Callable[[WorkerSettings], ASGIApp] = create_models_app if settings.pool_endpoint else create_app
+    app: ASGIApp | str = factory(settings) if workers == 1 else f"{factory.__module__}:{factory.__name__}"
     uvicorn.run(app, host=settings.serve.host, port=settings.serve.port,
                 workers=None if workers == 1 else workers,
                 factory=workers > 1, log_level=log_level, timeout_graceful_shutdown=5)
@@ -126,6 +160,23 @@ def _model_name(settings: ServeSettings, config: EngineConfig) -> str:
     if config.model_path is None:
         return "SmolLM2-135M-Instruct"
     return os.path.basename(os.path.normpath(config.model_path))
+
+
+def _announce_models(settings: ServeSettings, names: list[str], timeout: float, failure: list[str]) -> None:
+    """Log the URL once the workers answer (each model loads on its first request)."""
+    url = f"http://{settings.host}:{settings.port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                log.warning("Unison ready at %s with models %s (each loads on its first request).\n  curl "
+                            "%s/v1/models", url, names, url)
+                return
+        except OSError:
+            time.sleep(0.2)
+    failure.append(f"the server did not get ready: its workers did not answer within {timeout:.0f} s")
+    log.error("%s", failure[0])
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _stop_when_core_exits(core: CoreProcess, stopping: threading.Event, failure: list[str]) -> None:

@@ -30,10 +30,11 @@ HISTOGRAMS = {  # ServerInfo.histograms key -> (name, help)
 
 
 class _EngineCollector:
-    """One engine's metrics; `engine`: its label among data-parallel replicas (vLLM's)."""
+    """One engine's metrics; `labels` tell it from the others: `engine` among data-parallel
+    replicas, `model_name` among several models (vLLM's)."""
 
-    def __init__(self, info: ServerInfo, engine: str | None = None) -> None:
-        self.info, self.labels = info, {} if engine is None else {"engine": engine}
+    def __init__(self, info: ServerInfo, labels: dict[str, str]) -> None:
+        self.info, self.labels = info, labels
 
     def collect(self) -> Iterator[Metric]:
         info, stats = self.info, self.info.stats
@@ -117,11 +118,10 @@ def _histogram_of(name: str, doc: str, h: HistogramData, labels: dict[str, str])
 
 
 class _Engines:
-    """Every replica's metrics as one family per name, a sample set per `engine` label."""
+    """Every engine's metrics as one family per name, a sample set per engine's labels."""
 
-    def __init__(self, infos: list[ServerInfo], engines: list[str] | None) -> None:
-        labels: list[str | None] = list(engines) if engines else [None] * len(infos)
-        self.collectors = [_EngineCollector(i, e) for i, e in zip(infos, labels)]
+    def __init__(self, infos: list[ServerInfo], labels: list[dict[str, str]] | None) -> None:
+        self.collectors = [_EngineCollector(i, one) for i, one in zip(infos, labels or [{}] * len(infos))]
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
@@ -134,8 +134,9 @@ class _Engines:
         yield from merged.values()
 
 
-def render_metrics(infos: list[ServerInfo], engines: list[str] | None = None) -> bytes:
-    """The engine's metrics; data parallel: each replica's, labelled engine="i"."""
+def render_metrics(infos: list[ServerInfo], labels: list[dict[str, str]] | None = None) -> bytes:
+    """The engine's metrics; several engines': each one's with its labels (engine="i" for a
+    data-parallel replica, model_name="..." for one of several models)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Engines(infos, engines))
+    registry.register(_Engines(infos, labels))
     return generate_latest(registry)

@@ -149,8 +149,8 @@ def _results(indexed: list[tuple[int, OpResult]], **extra: object) -> JSONRespon
 async def metrics(request: Request):
     replicas: Replicas = request.app.state.replicas
     indexed = await _control_all(request, GetServerInfo())
-    engines = [str(i) for i, _ in indexed] if replicas.replicas_path else None
-    return Response(render_metrics([one for _, one in indexed], engines), media_type=CONTENT_TYPE)
+    labels = [{"engine": str(i)} for i, _ in indexed] if replicas.replicas_path else None
+    return Response(render_metrics([one for _, one in indexed], labels), media_type=CONTENT_TYPE)
 
 
 @router.post("/generate")

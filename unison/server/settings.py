@@ -34,6 +34,11 @@ class ServeSettings:
     disable_ui: bool = False
     extra_frontends: int = 0
     enable_auto_tool_choice: bool = False
+    models_dir: str | None = None
+    models_max: int = 4
+    idle_unload_s: float | None = None
+    preload: tuple[str, ...] = ()
+    model_load_timeout: float = 600.0
 
     @property
     def data_parallel(self) -> bool:
@@ -50,6 +55,12 @@ class ServeSettings:
                              "over TCP only")
         if self.routing not in ROUTINGS:
             raise ValueError(f"--routing must be one of {list(ROUTINGS)}, got {self.routing!r}")
+        if self.models_max < 1:
+            raise ValueError(f"--models-max must be >= 1, got {self.models_max}")
+        if self.idle_unload_s is not None and self.idle_unload_s <= 0:
+            raise ValueError(f"--idle-unload-s must be > 0, got {self.idle_unload_s}")
+        if self.model_load_timeout <= 0:
+            raise ValueError(f"--model-load-timeout must be > 0, got {self.model_load_timeout}")
         if self.tool_call_parser is not None:
             from unison.frontend.tool_parsers import get_parser
 
@@ -57,7 +68,8 @@ class ServeSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls(**{**values, "preload": tuple(values["preload"])})
 
 
 HELP = {
@@ -81,6 +93,15 @@ HELP = {
     "extra_frontends": "frontends that may attach beside the HTTP workers, e.g. an Engine in another "
                        "process: Engine.attach_tokenizer_worker(<server pid>)",
     "enable_auto_tool_choice": "vLLM's flag, accepted: tool_choice \"auto\" works whenever a parser is set",
+    "models_dir": "serve every model in this folder (each .gguf file, and each folder with a config.json, "
+                  "named by its file or folder name), each on its own engine core started on first use; "
+                  "--model NAME=PATH (repeatable) adds one",
+    "models_max": "several models: engine cores loaded at once; past it the least recently used idle one "
+                  "is stopped",
+    "idle_unload_s": "several models: stop a model's core after this many seconds without requests "
+                     "(default: never)",
+    "preload": "several models: load these at start",
+    "model_load_timeout": "several models: how long a request waits for its model to load (seconds)",
 }
 ALIASES = {"data_parallel_size": ["--dp-size"], "disable_ui": ["--no-webui"]}  # vLLM's, SGLang's
 CHOICES = {"routing": ROUTINGS}
@@ -94,10 +115,11 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         if hints[f.name] is bool:
             parser.add_argument(*flags, dest=f.name, action="store_true", help=HELP[f.name])
             continue
-        kind = next(t for t in (int, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
-        default = "" if f.default is None else f" (default: {f.default})"
+        kind = next(t for t in (int, float, str) if t in typing.get_args(hints[f.name]) or hints[f.name] is t)
+        many = "+" if typing.get_origin(hints[f.name]) is tuple else None
+        default = "" if f.default in (None, ()) else f" (default: {f.default})"
         parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=CHOICES.get(f.name),
-                            help=HELP[f.name] + default)
+                            nargs=many, help=HELP[f.name] + default)
 
 
 @dataclass(frozen=True)
@@ -109,6 +131,8 @@ class WorkerSettings:
     registry_path: str  # the core's registry (one engine)
     owner_pid: int
     replicas_path: str | None = None  # data parallel: the launcher's replicas file (replicas.ReplicaSet)
+    pool_endpoint: str | None = None  # several models: the launcher's model pool (model_pool.py)
+    models: tuple[str, ...] = ()  # ... and their names
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
