@@ -30,6 +30,7 @@ from unison.server.errors import HTTPError
 from unison.server.metrics import CONTENT_TYPE, render_metrics
 from unison.server.native_protocol import (
     AbortBody,
+    BodyT,
     ContinueBody,
     GenerateBody,
     LoadLoraBody,
@@ -37,6 +38,7 @@ from unison.server.native_protocol import (
     UnloadLoraBody,
     UpdateWeightsBody,
 )
+from unison.server.openai import check_model
 from unison.server.replicas import Replicas
 from unison.server.streaming import route, stream, wait, worker_of
 
@@ -83,18 +85,21 @@ async def flush_cache(request: Request):
 
 @router.post("/pause_generation")
 async def pause_generation(request: Request, body: PauseBody | None = None):
-    await _control_all(request, Pause((body or PauseBody()).mode))
+    body = await _checked(request, body or PauseBody())
+    await _control_all(request, Pause(body.mode))
     return {"message": "Generation paused successfully.", "status": "ok"}
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request, body: ContinueBody | None = None):
+    await _checked(request, body or ContinueBody())
     await _control_all(request, Continue())
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 @router.post("/abort_request")
 async def abort_request(body: AbortBody, request: Request):
+    await _checked(request, body)
     if not body.rid and not body.abort_all:
         raise HTTPError(400, "give a rid, or abort_all: true", param="rid")
     await _control_all(request, AbortRequests(body.rid, body.abort_all))
@@ -103,6 +108,7 @@ async def abort_request(body: AbortBody, request: Request):
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: UpdateWeightsBody, request: Request):
+    await _checked(request, body)
     if not body.model_path:
         raise HTTPError(400, "model_path must be the path of a model directory or GGUF file",
                         param="model_path")
@@ -115,6 +121,7 @@ async def update_weights_from_disk(body: UpdateWeightsBody, request: Request):
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraBody, request: Request):
     """Loaded in the core (each replica's), so every worker serves it from the next request on."""
+    await _checked(request, body)
     if body.load_inplace:
         await _control_all(request, UnloadLoraAdapter(body.lora_name))  # vLLM's in-place reload
     load = LoadLoraAdapter(body.lora_name, body.lora_path, body.pinned)
@@ -124,7 +131,15 @@ async def load_lora_adapter(body: LoadLoraBody, request: Request):
 @router.post("/unload_lora_adapter")
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoraBody, request: Request):
+    await _checked(request, body)
     return _results(await _control_all(request, UnloadLoraAdapter(body.lora_name)))
+
+
+async def _checked(request: Request, body: BodyT) -> BodyT:
+    """A body that names a model must name this one (a server of several models has handed it here)."""
+    if body.model is not None:
+        await check_model(request, body.model)
+    return body
 
 
 async def _control_all(request: Request, req: ControlRequest[ReplyT],
@@ -156,6 +171,7 @@ async def metrics(request: Request):
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
+    await _checked(request, body)
     if body.text is not None and body.input_ids is not None:
         raise HTTPError(400, "give exactly one of text and input_ids", param="text")
     req = worker_of(request).make_request(body.args())  # InvalidParam: the app's handler

@@ -9,7 +9,7 @@ change the output unnoticed.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, create_model
 
@@ -19,6 +19,10 @@ from unison.protocol import PauseMode
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    model: str | None = None  # which model (a server of several hands the request to it); checked
+
+
+BodyT = TypeVar("BodyT", bound=_Body)
 
 
 class _GenerateBase(_Body):
@@ -28,7 +32,7 @@ class _GenerateBase(_Body):
         input_ids: InputIds
 
     def args(self) -> GenerateArgs:
-        values = self.model_dump(exclude={"stream"})
+        values = self.model_dump(exclude={"stream", "model"})
         values["prompt"] = values.pop("text")
         return GenerateArgs(**values)
 

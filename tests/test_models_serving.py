@@ -1,0 +1,255 @@
+"""`unison serve` with several models: each its own core, loaded on first use, unloaded when idle or
+least recently used, restarted after a crash; nothing left behind on SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import conftest
+import httpx
+import psutil
+import pytest
+from models import gemma3_gguf, minilm_dir
+from serving import assert_openai_error, free_port
+from utils import wait_until
+
+from unison.model.loader import default_gguf_path
+from unison.server.model_pool import check_name, find_models
+
+SMOL = default_gguf_path()
+PROMPT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+
+
+class ModelsServer:
+    """`unison serve` of several models in a subprocess; its processes carry a mark, so the cores it
+    starts and stops as models come and go are counted by the module's leak check, not per test."""
+
+    def __init__(self, mark: str, *args: str, workers: int = 1) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-models-", suffix=".log")
+        cmd = [sys.executable, "-m", "unison.cli", "serve", "--port", self.url.rpartition(":")[2],
+               "--tokenizer-worker-num", str(workers), "--num-threads", "1", *args]
+        self.mark = mark
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "UNISON_TEST_MODULE_TREE": mark})
+        try:
+            wait_until(self._ready, 60, f"the server to answer:\n{self.output()}")
+        except BaseException:
+            self.kill()
+            raise
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.output()
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        return False
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=timeout)
+
+    def models(self) -> dict[str, dict]:
+        r = httpx.get(f"{self.url}/v1/models", timeout=10)
+        assert r.status_code == 200, r.text
+        return {card["id"]: card for card in r.json()["data"]}
+
+    def state(self, name: str) -> str:
+        return self.models()[name]["state"]
+
+    def marked(self) -> list[int]:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                ours = p.environ().get("UNISON_TEST_MODULE_TREE") == self.mark
+                if ours and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.pid)
+        return found
+
+    def stop(self) -> None:
+        """SIGTERM: exit 0, with every core it started gone."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(15) == 0, self.output()
+        wait_until(lambda: not self.marked(), 10, "every process of the server to exit")
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *self.marked()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def models_server(tmp_path_factory, *args: str, workers: int = 1):
+    mark = str(tmp_path_factory.mktemp("models"))
+    conftest.MODULE_TREES.add(mark)
+    server = ModelsServer(mark, *args, workers=workers)
+    try:
+        yield server
+        server.stop()
+    finally:
+        server.kill()
+        conftest.MODULE_TREES.discard(mark)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    """Two small generators, an embedding model and a file that is no model."""
+    d = tmp_path_factory.mktemp("models-dir")
+    (d / "smol.gguf").symlink_to(SMOL)
+    (d / "gemma.gguf").symlink_to(gemma3_gguf())
+    (d / "minilm").symlink_to(minilm_dir())
+    (d / "broken.gguf").write_bytes(b"not a gguf file")
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, models_dir):
+    with models_server(tmp_path_factory, "--models-dir", str(models_dir), "--models-max", "2",
+                       workers=2) as s:
+        yield s
+
+
+def test_names_and_paths_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="model name '../x'"):
+        check_name("../x", "--model")
+    with pytest.raises(ValueError, match="model name 'a/b'"):
+        find_models(None, [f"a/b={SMOL}"])
+    with pytest.raises(ValueError, match="given twice"):
+        find_models(None, [f"a={SMOL}", f"a={SMOL}"])
+    with pytest.raises(FileNotFoundError, match="'nowhere' does not exist"):
+        find_models(None, ["a=nowhere"])
+    with pytest.raises(ValueError, match="holds no model"):
+        find_models(str(tmp_path), [])
+
+
+def test_lists_every_model_before_any_loads(server):
+    models = server.models()
+    assert list(models) == ["broken", "gemma", "minilm", "smol"]
+    assert {m["state"] for m in models.values()} == {"unloaded"}
+    assert models["minilm"]["task"] == "embed" and models["smol"]["task"] == "generate"
+    err = assert_openai_error(server.post("/v1/completions", {**PROMPT, "model": "nope"}), 404, "'nope'",
+                              "smol", "gemma")
+    assert err["param"] == "model"
+    assert_openai_error(server.post("/v1/completions", {**PROMPT, "model": "../smol"}), 404, "does not exist")
+    assert_openai_error(server.post("/v1/completions", PROMPT), 400, "model is required")
+    assert_openai_error(httpx.get(f"{server.url}/v1/models/nope"), 404, "'nope'")
+    assert {m["state"] for m in server.models().values()} == {"unloaded"}  # nothing was loaded
+
+
+def test_concurrent_requests_share_one_load(server):
+    results: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: results.append(server.post("/v1/completions",
+                                                                          {**PROMPT, "model": "smol"})))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+    assert len({r.json()["choices"][0]["text"] for r in results}) == 1
+    assert server.output().count("loading model 'smol'") == 1
+    assert server.models()["smol"]["state"] == "loaded"
+    r = server.post("/v1/embeddings", {"model": "minilm", "input": ["Paris is the capital of France."]})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+
+
+@contextlib.contextmanager
+def streaming(server: ModelsServer, model: str):
+    """A long generation of `model` in flight while the block runs (closed after it)."""
+    with httpx.Client(timeout=120) as client, client.stream(
+            "POST", f"{server.url}/v1/completions",
+            json={"model": model, "prompt": "Once upon a time", "max_tokens": 5000, "ignore_eos": True,
+                  "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+        yield lines
+
+
+def test_lru_unloading_never_stops_a_core_with_requests_in_flight(server):
+    # smol and minilm are loaded (the test above); smol is the least recently used once minilm serves.
+    smol_pid = server.models()["smol"]["core_pid"]
+    with streaming(server, "smol"):
+        assert server.post("/v1/embeddings", {"model": "minilm", "input": "x"}).status_code == 200
+        # At --models-max 2 gemma needs a core's room: smol's is busy, so minilm's is stopped.
+        assert server.post("/v1/completions", {**PROMPT, "model": "gemma"}).status_code == 200
+        models = server.models()
+        assert (models["smol"]["state"], models["minilm"]["state"], models["gemma"]["state"]) == \
+            ("loaded", "unloaded", "loaded")
+        assert models["smol"]["core_pid"] == smol_pid
+        with streaming(server, "gemma"):
+            # Both cores serve requests: a third model cannot load, and says why.
+            r = server.post("/v1/embeddings", {"model": "minilm", "input": "x"})
+            assert_openai_error(r, 503, "--models-max 2", "in flight")
+    assert server.models()["smol"]["core_pid"] == smol_pid
+
+
+def test_a_core_killed_mid_stream_fails_only_its_requests_and_starts_again(server):
+    gemma_pid = server.models()["gemma"]["core_pid"]
+    with streaming(server, "gemma") as lines:
+        os.kill(gemma_pid, signal.SIGKILL)
+        rest = [line for line in lines if line]
+    errors = [json.loads(line[6:])["error"] for line in rest if line.startswith('data: {"error"')]
+    assert errors and "engine" in errors[0]["message"], rest[-3:]
+    assert rest[-1] == "data: [DONE]"
+    assert server.post("/v1/completions", {**PROMPT, "model": "smol"}).status_code == 200  # serves on
+    wait_until(lambda: server.state("gemma") == "unloaded", 5, "the pool to see gemma's core exit")
+    assert "exited" in server.models()["gemma"]["error"]
+    r = server.post("/v1/completions", {**PROMPT, "model": "gemma"})
+    assert r.status_code == 200, r.text
+    assert server.models()["gemma"]["core_pid"] not in (None, gemma_pid)
+
+
+def test_a_model_that_fails_to_load_stays_failed_until_its_file_changes(server, models_dir):
+    r = server.post("/v1/completions", {**PROMPT, "model": "broken"})
+    assert_openai_error(r, 500, "'broken' failed to load")
+    assert server.models()["broken"]["state"] == "failed"
+    again = server.post("/v1/completions", {**PROMPT, "model": "broken"})
+    assert_openai_error(again, 500, "once its file changes")
+    (models_dir / "broken.gguf").write_bytes(b"still not a gguf file")
+    r = server.post("/v1/completions", {**PROMPT, "model": "broken"})
+    assert_openai_error(r, 500, "'broken' failed to load")
+    assert "once its file changes" not in r.json()["error"]["message"]  # it was tried again
+    assert server.output().count("loading model 'broken'") == 2
+
+
+def test_load_unload_metrics_and_server_info_per_model(server):
+    r = server.post("/models/unload", {"model": "smol"})
+    assert r.status_code == 200 and r.json()["model"]["state"] == "unloaded", r.text
+    r = server.post("/models/load", {"model": "smol"})
+    assert r.status_code == 200 and r.json()["model"]["state"] == "loaded", r.text
+    assert_openai_error(server.post("/models/load", {"model": "../smol"}), 404, "does not exist")
+    with streaming(server, "smol"):
+        assert_openai_error(server.post("/models/unload", {"model": "smol"}), 409, "in flight")
+        r = server.post("/pause_generation", {"model": "smol", "mode": "in_place"})
+        assert r.status_code == 200, r.text
+        assert server.post("/continue_generation", {"model": "smol"}).status_code == 200
+    loaded = {n for n, m in server.models().items() if m["state"] == "loaded"}
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in loaded:
+        assert f'unison:num_requests_running{{model_name="{name}"}}' in metrics
+    info = httpx.get(f"{server.url}/get_server_info").json()
+    rows = {m["name"]: m for m in info["models"]}
+    assert {n for n, m in rows.items() if m["server_info"] is not None} == loaded
+    assert rows["smol"]["server_info"]["core_pid"] == rows["smol"]["core_pid"]
+    tags = httpx.get(f"{server.url}/api/tags").json()["models"]
+    assert [t["name"] for t in tags] == ["broken", "gemma", "minilm", "smol"]
+
+
+def test_preload_and_idle_unload(tmp_path_factory):
+    with models_server(tmp_path_factory, "--model", f"smol={SMOL}", "--preload", "smol",
+                       "--idle-unload-s", "1") as server:
+        assert server.state("smol") == "loaded"  # loaded before the server answered
+        wait_until(lambda: server.state("smol") == "unloaded", 10, "smol to unload once idle")
+        r = server.post("/v1/completions", PROMPT)  # the one model: `model` may be left out
+        assert r.status_code == 200 and r.json()["model"] == "smol", r.text
