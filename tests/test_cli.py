@@ -8,6 +8,7 @@ import pytest
 
 from unison import cli
 from unison.config import HELP, EngineConfig
+from unison.model.loader import default_gguf_path
 
 
 def test_every_engine_option_has_one_line_of_help():
@@ -22,13 +23,20 @@ def test_vllm_spellings_parse_to_ours():
         ["serve", "some/model", "--max-model-len", "512", "--api-server-count", "2"])
     assert (args.model, args.context_length, args.tokenizer_worker_num) == ("some/model", 512, 2)
     args = cli.build_parser().parse_args(["serve", "--model", "other/model"])
-    assert args.model_path == "other/model" and args.model is None
+    assert args.model_path == ["other/model"] and args.model is None  # (serve: NAME=PATH, repeated)
+    args = cli.build_parser().parse_args(["generate", "hi", "--model", "other/model"])
     assert cli.engine_options(args)["model_path"] == "other/model"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
     (["serve", "a/model", "--model", "b/model"], "the model is given twice"),
+    (["serve", "--models-max", "0"], "--models-max must be >= 1"),
+    (["serve", "--preload", "a"], "--preload names models of --models-dir"),
+    (["serve", "--model", "a=/no/such.gguf"], "model 'a': path '/no/such.gguf' does not exist"),
+    (["serve", "--model", f"a={default_gguf_path()}", "b/model"], "each is given as --model NAME=PATH"),
+    (["serve", "--model", f"a={default_gguf_path()}", "--served-model-name", "x"], "--served-model-name"),
+    (["serve", "--model", f"a={default_gguf_path()}", "--preload", "b"], "--preload ['b']: not among"),
 ])
 def test_serve_refuses_clearly(argv, message, capsys):
     assert cli.main(argv) == 2
