@@ -1,5 +1,6 @@
 """`unison serve` as a test subject: start it, wait for every worker, stop or kill it, check that
-nothing of it is left; the OpenAI error shape; the fault-timing report."""
+nothing of it is left (one model, or several: ModelsServer); the OpenAI error shape; the
+fault-timing report."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import conftest  # pytest's own instance (tests.conftest would be a second copy of the module)
 import httpx
+import psutil
 
+from tests.utils import wait_until
 from unison import registry
 
 FIGURES: dict[str, float] = {}  # seconds each fault took to handle, printed after each module
@@ -172,3 +176,76 @@ def assert_openai_error(r: httpx.Response, status: int, *fragments: str) -> dict
     for f in fragments:
         assert f.lower() in err["message"].lower(), (f, err["message"])
     return err
+
+
+class ModelsServer:
+    """`unison serve` of several models in a subprocess; its processes carry a mark, so the cores it
+    starts and stops as models come and go are counted by the module's leak check, not per test."""
+
+    def __init__(self, mark: str, *args: str, workers: int = 1) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-models-", suffix=".log")
+        cmd = [sys.executable, "-m", "unison.cli", "serve", "--port", self.url.rpartition(":")[2],
+               "--tokenizer-worker-num", str(workers), "--num-threads", "1", *args]
+        self.mark = mark
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "UNISON_TEST_MODULE_TREE": mark})
+        try:
+            wait_until(self._ready, 60, f"the server to answer:\n{self.output()}")
+        except BaseException:
+            self.kill()
+            raise
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.output()
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        return False
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=timeout)
+
+    def models(self) -> dict[str, dict]:
+        r = httpx.get(f"{self.url}/v1/models", timeout=10)
+        assert r.status_code == 200, r.text
+        return {card["id"]: card for card in r.json()["data"]}
+
+    def state(self, name: str) -> str:
+        return self.models()[name]["state"]
+
+    def marked(self) -> list[int]:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                ours = p.environ().get("UNISON_TEST_MODULE_TREE") == self.mark
+                if ours and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.pid)
+        return found
+
+    def stop(self) -> None:
+        """SIGTERM: exit 0, with every core it started gone."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(15) == 0, self.output()
+        wait_until(lambda: not self.marked(), 10, "every process of the server to exit")
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *self.marked()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def models_server(tmp_path_factory, *args: str, workers: int = 1):
+    mark = str(tmp_path_factory.mktemp("models"))
+    conftest.MODULE_TREES.add(mark)
+    server = ModelsServer(mark, *args, workers=workers)
+    try:
+        yield server
+        server.stop()
+    finally:
+        server.kill()
+        conftest.MODULE_TREES.discard(mark)

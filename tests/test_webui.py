@@ -318,3 +318,34 @@ def test_narrow_window(browser, server, tmp_path):
         assert not tab.errors, tab.errors
     finally:
         tab.context.close()
+
+
+def test_engine_view_lists_each_models_core(browser, tmp_path_factory, tmp_path):
+    """Several models: a row each with its state and core; the loaded one picked is drawn, and the
+    controls act on it."""
+    from tests.models import minilm_dir
+    from tests.serving import models_server
+    from unison.model.loader import default_gguf_path
+
+    with models_server(tmp_path_factory, "--model", f"smol={default_gguf_path()}", "--model",
+                       f"minilm={minilm_dir()}", "--preload", "smol") as server:
+        tab = Tab(browser, server, key=None)
+        try:
+            tab.page.goto(f"{server.url}/#engine")
+            rows = tab.page.locator("#models tbody tr")
+            expect(rows).to_have_count(2)
+            smol = server.models()["smol"]
+            expect(rows.nth(0)).to_contain_text("smol")
+            expect(rows.nth(0)).to_contain_text(str(smol["core_pid"]))
+            expect(rows.nth(1)).to_contain_text("unloaded")
+            expect(tab.page.locator("#core")).to_contain_text(str(smol["core_pid"]))
+            tab.page.click("#pause")
+            expect(tab.page.locator("#core .state")).to_have_text("paused (abort)")
+            tab.page.click("#continue")
+            expect(tab.page.locator("#core .state")).to_have_text("serving")
+            tab.page.goto(f"{server.url}/#chat")
+            expect(tab.page.locator("#model option")).to_have_text(["smol"])  # minilm embeds: no chat
+            tab.screenshot(tmp_path / "models.png")
+            assert not tab.errors, tab.errors
+        finally:
+            tab.context.close()

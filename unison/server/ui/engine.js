@@ -1,5 +1,6 @@
 // The engine view: /get_server_info about once a second (the core's engine-wide state, the same
 // whichever HTTP worker answers), drawn as it is now, with the last minute's rates as charts.
+// A server of several models lists them, each with its core; the one picked is drawn below.
 
 import { json } from "./api.js";
 
@@ -37,6 +38,7 @@ const mib = (bytes) => `${(bytes / 2 ** 20).toFixed(0)} MiB`;
 export class EngineView {
   constructor() {
     this.samples = []; // {t, generated, ttftSum, ttftCount, hits, queries}, the last minute's
+    this.model = null; // several models: the one drawn (the controls act on it)
     $("pause").addEventListener("click", () =>
       this.control("/pause_generation", { mode: $("pause-mode").value }));
     $("continue").addEventListener("click", () => this.control("/continue_generation"));
@@ -66,7 +68,8 @@ export class EngineView {
   async control(path, body) {
     const result = $("control-result");
     try {
-      result.textContent = (await json(path, { method: "POST", body })).message || "done";
+      const named = this.model ? { ...body, model: this.model } : body;
+      result.textContent = (await json(path, { method: "POST", body: named })).message || "done";
     } catch (e) {
       result.textContent = e.message;
     }
@@ -74,6 +77,11 @@ export class EngineView {
   }
 
   show(info) {
+    if (info.models) {
+      info = this.showModels(info.models);
+      $("engine-detail").hidden = !info;
+      if (!info) return;
+    }
     // Data parallel: one state per replica in internal_states; the counters are their sums.
     const states = info.internal_states;
     const sum = (key) => states.reduce((total, s) => total + s.stats[key], 0);
@@ -130,6 +138,27 @@ export class EngineView {
     });
     $("frontends").tBodies[0].replaceChildren(...rows);
     $("frontend-count").textContent = `${rows.length} attached, room for ${info.tokenizer_worker_num}`;
+  }
+
+  // Several models: a row each; the server info of the one picked (the first loaded at first).
+  showModels(models) {
+    $("models-card").hidden = false;
+    const loaded = models.filter((m) => m.server_info);
+    const picked = loaded.find((m) => m.name === this.model) ?? loaded[0];
+    this.model = picked?.name ?? null;
+    if (this.model !== this.drawn) this.samples = []; // another core: its own rates
+    this.drawn = this.model;
+    $("models").tBodies[0].replaceChildren(...models.map((m) => {
+      const tr = document.createElement("tr");
+      tr.append(cell("td", m.name), cell("td", m.state), cell("td", m.task), cell("td", m.core_pid ?? ""),
+        cell("td", m.holders), cell("td", m.error ?? ""));
+      if (m.server_info) {
+        tr.className = m.name === this.model ? "picked" : "pickable";
+        tr.addEventListener("click", () => { this.model = m.name; this.refresh(); });
+      }
+      return tr;
+    }));
+    return picked?.server_info;
   }
 
   showReplicas(replicas) {

@@ -30,11 +30,13 @@ function askKey(message) {
   });
 }
 
-// The served models, asking for the key while the server refuses the one this tab has.
+// The served models that chat (not embedding or reranking ones), asking for the key while the
+// server refuses the one this tab has.
 async function servedModels() {
   for (;;) {
     try {
-      return (await json("/v1/models")).data.map((m) => m.id);
+      return (await json("/v1/models")).data.filter((m) => (m.task ?? "generate") === "generate")
+        .map((m) => m.id);
     } catch (e) {
       if (!(e instanceof ApiError) || e.status !== 401) throw e;
       await askKey(apiKey.get() ? `The server refused this key: ${e.message}` : e.message);
