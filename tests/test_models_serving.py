@@ -36,8 +36,9 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, models_dir):
+    # --enable-lora: for the decoders; the embedding model's core starts without it
     with models_server(tmp_path_factory, "--models-dir", str(models_dir), "--models-max", "2",
-                       workers=2) as s:
+                       "--enable-lora", workers=2) as s:
         yield s
 
 
@@ -166,6 +167,22 @@ def test_load_unload_metrics_and_server_info_per_model(server):
     assert rows["smol"]["server_info"]["core_pid"] == rows["smol"]["core_pid"]
     tags = httpx.get(f"{server.url}/api/tags").json()["models"]
     assert [t["name"] for t in tags] == ["broken", "gemma", "minilm", "smol"]
+
+
+def test_lora_adapters_per_model(server, tmp_path):
+    from tests.adapters import make_adapter
+
+    adapter = make_adapter(tmp_path / "a", rank=4, seed=1)
+    assert server.post("/v1/completions", {**PROMPT, "model": "smol"}).status_code == 200  # loaded
+    r = server.post("/load_lora_adapter", {"model": "smol", "lora_name": "pirate", "lora_path": str(adapter)})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    base = server.post("/v1/completions", {**PROMPT, "model": "smol", "max_tokens": 12}).json()
+    tuned = server.post("/v1/completions", {**PROMPT, "model": "pirate", "max_tokens": 12})
+    assert tuned.status_code == 200 and tuned.json()["model"] == "pirate", tuned.text
+    assert tuned.json()["choices"][0]["text"] != base["choices"][0]["text"]
+    assert server.models()["pirate"]["parent"] == "smol"
+    r = server.post("/load_lora_adapter", {"model": "nope", "lora_name": "x", "lora_path": str(adapter)})
+    assert_openai_error(r, 404, "'nope' does not exist")
 
 
 def test_preload_and_idle_unload(tmp_path_factory):

@@ -24,7 +24,7 @@ from unison.core.request import Request, check_generate
 from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter, add_drafts, verify
-from unison.model.encoder_config import DecoderPooling, DecoderReranker, encoder_task
+from unison.model.encoder_config import DecoderPooling, DecoderReranker, encoder_task, model_task
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
@@ -327,9 +327,7 @@ def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRu
     A task the model cannot serve is refused here, at start, naming `task`."""
     path = Path(model_dir)
     encoder = encoder_task(json.loads((path / "config.json").read_text()))
-    # What the model serves by itself: an encoder's task; a decoder with sentence-transformers'
-    # modules embeds; any other decoder generates.
-    task = encoder or ("embed" if (path / "modules.json").is_file() else "generate")
+    task = model_task(path)
     # A decoder asked to embed (last-token pooling) or rerank (yes / no at the last token)
     pooled = encoder is None and config.task in ("embed", "rerank")
     if config.task not in ("auto", task) and not pooled:

@@ -33,6 +33,13 @@ def encoder_task(hf_config: JSONObject) -> str | None:
     return None
 
 
+def model_task(model_dir: Path) -> str:
+    """What a model folder serves by itself: an encoder's task; a decoder with sentence-transformers'
+    modules embeds; any other decoder generates."""
+    encoder = encoder_task(json.loads((model_dir / "config.json").read_text()))
+    return encoder or ("embed" if (model_dir / "modules.json").is_file() else "generate")
+
+
 @dataclass(frozen=True, slots=True)
 class EncoderConfig:
     task: str  # embed | rerank

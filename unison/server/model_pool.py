@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import queue
@@ -36,7 +35,7 @@ import zmq
 from unison import registry
 from unison.config import EngineConfig
 from unison.core_process import CoreProcess
-from unison.model.encoder_config import encoder_task
+from unison.model.encoder_config import model_task
 from unison.server import pool_protocol as pp
 
 log = logging.getLogger("unison.server")
@@ -95,11 +94,9 @@ def file_signature(path: str) -> tuple[tuple[str, int, int], ...]:
 
 
 def guess_task(path: str) -> str:
-    """What a model serves, before its core says: an encoder's folder says so in its config."""
-    config = Path(path).expanduser() / "config.json"
-    if config.is_file():
-        return encoder_task(json.loads(config.read_text())) or "generate"
-    return "generate"
+    """What a model serves, before its core says (a GGUF file: a decoder that generates)."""
+    folder = Path(path).expanduser()
+    return model_task(folder) if (folder / "config.json").is_file() else "generate"
 
 
 def unknown_model(name: str, names: list[str]) -> str:
@@ -215,8 +212,15 @@ class ModelPool:
             self._send(identity, pp.Rows(msg.call_id, [s.row() for s in self.slots.values()]))
         elif isinstance(msg, pp.Unload):
             self._unload(msg.model, identity, msg.call_id)
+        elif isinstance(msg, pp.Load) and msg.if_loaded and self._state(msg.model) != "loaded":
+            reply(None, 409, f"model {msg.model!r} is not loaded")
         else:
             self._want(msg.model, reply, msg.pid if isinstance(msg, pp.Acquire) else None)
+
+    def _state(self, name: str) -> str | None:
+        if (slot := self.slots.get(name)) is not None and slot.state == "loaded":
+            self._notice_exit(slot)
+        return slot.state if slot is not None else None
 
     def _send(self, identity: bytes, msg: pp.FromPool) -> None:
         try:
@@ -270,6 +274,8 @@ class ModelPool:
         # data_parallel_rank: a numbered KV-events port is offset by it, as among replicas
         config = dataclasses.replace(self.config, model_path=slot.source.path,
                                      tokenizer_worker_num=self.frontends, data_parallel_rank=slot.index)
+        if slot.task != "generate" and config.enable_lora:  # adapters are a decoder's that generates
+            config = dataclasses.replace(config, enable_lora=False, lora_paths=())
         path = registry.registry_path(os.getpid(), next(self.suffixes))
         t = threading.Thread(target=self._load, args=(slot, config, path), daemon=True,
                              name=f"unison-load-{slot.source.name}")

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.types import Message, Receive, Scope, Send
 
 from unison.errors import EngineDeadError
-from unison.protocol import GetServerInfo, ServerInfo
+from unison.protocol import GetServerInfo, LoraAdapterInfo, ServerInfo
 from unison.server import pool_protocol as pp
 from unison.server.app import ENV, Gate, add_error_handlers, add_ui, create_app, max_body_of
 from unison.server.errors import HTTPError, error_response
@@ -161,7 +161,12 @@ class ModelsRouter:
             if len(self.names) == 1:
                 return self.names[0], receive
             raise HTTPError(400, f"model is required: this server serves {self.names}", param="model")
-        return self._resolve(named), receive
+        try:
+            return self._resolve(named), receive
+        except HTTPError:
+            if (base := await self._base_of_adapter(named)) is None:
+                raise
+            return base, receive  # its app finds the adapter by the name the body gives
 
     def _resolve(self, name: str) -> str:
         if name in self.names:
@@ -169,6 +174,13 @@ class ModelsRouter:
         if name.removesuffix(":latest") in self.names:  # Ollama's clients tag names
             return name.removesuffix(":latest")
         raise HTTPError(404, unknown_model(name, self.names), param="model")
+
+    async def _base_of_adapter(self, name: str) -> str | None:
+        """The loaded model that has a LoRA adapter called `name` (its core lost it if unloaded)."""
+        for model, info in (await self._loaded_infos()).items():
+            if any(a.name == name for a in info.lora_adapters):
+                return model
+        return None
 
     async def _serve(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
         """Hold `name` while this request runs (the pool stops no core a worker holds)."""
@@ -184,11 +196,12 @@ class ModelsRouter:
                 self.pool.release(name)
 
     async def _acquired(self, name: str, hold: bool = True) -> _Model:
-        """`name`'s app, attached to its core as the pool has it now (loading it if need be)."""
+        """`name`'s app, attached to its core as the pool has it now: loading it if need be and
+        held for a request; else (`hold` False) only if it is loaded."""
         assert self.pool is not None  # (the lifespan's)
         pid = os.getpid()
         make: Callable[[int], pp.ToPool] = (lambda i: pp.Acquire(i, name, pid)) if hold \
-            else (lambda i: pp.Load(i, name))
+            else (lambda i: pp.Load(i, name, if_loaded=True))
         row = await self.pool.row(make, self.load_timeout)
         async with self.locks[name]:
             model = self.models.get(name)
@@ -243,7 +256,10 @@ class ModelsRouter:
         @app.get("/v1/models")
         @app.get("/models")
         async def models():
-            return {"object": "list", "data": [_card(row) for row in await self._pool().rows()]}
+            """Every model, then every LoRA adapter of a loaded one (vLLM's card, `parent` its model)."""
+            infos = await self._loaded_infos()
+            adapters = [_adapter_card(name, a) for name, info in infos.items() for a in info.lora_adapters]
+            return {"object": "list", "data": [_card(row) for row in await self._pool().rows()] + adapters}
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str):
@@ -322,6 +338,12 @@ def _card(row: pp.ModelRow) -> dict:
     return {"id": row.name, "object": "model", "owned_by": "unison", "created": int(row.last_used),
             "root": row.path, "parent": None, "task": row.task, "state": row.state,
             "status": {"value": row.state}, "core_pid": row.core_pid, "error": row.error}
+
+
+def _adapter_card(model: str, adapter: LoraAdapterInfo) -> dict:
+    return {"id": adapter.name, "object": "model", "owned_by": "unison", "created": int(adapter.loaded_at),
+            "root": adapter.path, "parent": model, "task": "generate", "state": "loaded",
+            "status": {"value": "loaded"}}
 
 
 def _ollama_card(row: pp.ModelRow) -> dict:

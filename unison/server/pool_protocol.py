@@ -28,10 +28,12 @@ class Release(msgspec.Struct, tag=True):
 
 
 class Load(msgspec.Struct, tag=True):
-    """Load `model` without holding it (/models/load, --preload); answered by Ready or PoolError."""
+    """Load `model` without holding it (/models/load, --preload); answered by Ready or PoolError.
+    `if_loaded`: only say where it is, loading nothing (a listing attaches to what runs)."""
 
     call_id: int
     model: str
+    if_loaded: bool = False
 
 
 class Unload(msgspec.Struct, tag=True):
