@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         lora,
         lora_runner,
         model,
+        multi_model,
         offline,
         prefix,
         ray_hop,
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_parser(bench_sub)
     long.add_parser(bench_sub)
     serve.add_parser(bench_sub)
+    multi_model.add_parser(bench_sub)
     soak.add_parser(bench_sub)
     model.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
