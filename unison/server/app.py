@@ -53,8 +53,9 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
         if settings.replicas_path:  # data parallel: every replica's core, over TCP
             replicas = await Replicas.remote(settings.replicas_path, serve.routing)
         else:
-            replicas = await Replicas.local(settings.registry_path, settings.owner_pid,
-                                            _forget if embedded else _exit_when_engine_dies)
+            # One model's core among several: its requests fail, and the next one starts it again.
+            on_dead = (lambda: None) if embedded else _exit_when_engine_dies
+            replicas = await Replicas.local(settings.registry_path, settings.owner_pid, on_dead)
         app.state.replicas = replicas
         worker = replicas.any
         app.state.sampling_defaults = generation_defaults(serve.generation_config, worker.info.model_dir)
@@ -233,10 +234,6 @@ def _template_text(value: str | None) -> str | None:
     if value is not None and "{" not in value and Path(value).is_file():
         return Path(value).read_text()
     return value
-
-
-def _forget() -> None:
-    pass  # one model's core among several: its requests fail, and the next one starts it again
 
 
 def _exit_when_engine_dies() -> None:

@@ -2,7 +2,9 @@
 
 The launcher has no frontend of its own: with N = 1 uvicorn runs the app in this process, with
 N > 1 in N worker processes sharing the port; either way each attaches through the registry (one
-code path). Ready means the core lists N attached frontends.
+code path). Ready means the core lists N attached frontends. Several models: the launcher owns a
+model pool instead (model_pool.py), which starts each model's core when a worker first asks for
+it; ready means the workers answer.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def serve_models(config: EngineConfig, settings: ServeSettings, sources: list[Mo
                      models_max=settings.models_max, idle_unload_s=settings.idle_unload_s,
                      load_timeout=settings.model_load_timeout)
     failure: list[str] = []
+    signal.signal(signal.SIGTERM, _exit)  # while preloading: stop the pool's cores on the way out
     try:
         for name in settings.preload:
             try:
@@ -160,6 +163,10 @@ def _model_name(settings: ServeSettings, config: EngineConfig) -> str:
     if config.model_path is None:
         return "SmolLM2-135M-Instruct"
     return os.path.basename(os.path.normpath(config.model_path))
+
+
+def _exit(*_: object) -> None:
+    raise SystemExit(0)
 
 
 def _announce_models(settings: ServeSettings, names: list[str], timeout: float, failure: list[str]) -> None:
