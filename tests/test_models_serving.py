@@ -21,6 +21,8 @@ from unison.server.model_pool import check_name, find_models
 
 SMOL = default_gguf_path()
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+KV_EVENTS = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+             "replay_endpoint": "tcp://127.0.0.1:*"}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,10 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, models_dir):
-    # --enable-lora: for the decoders; the embedding model's core starts without it
+    # --enable-lora: for the decoders; the embedding model's core starts without it. KV events:
+    # each core publishes on ports of its own.
     with models_server(tmp_path_factory, "--models-dir", str(models_dir), "--models-max", "2",
-                       "--enable-lora", workers=2) as s:
+                       "--enable-lora", "--kv-events-config", json.dumps(KV_EVENTS), workers=2) as s:
         yield s
 
 
@@ -167,6 +170,36 @@ def test_load_unload_metrics_and_server_info_per_model(server):
     assert rows["smol"]["server_info"]["core_pid"] == rows["smol"]["core_pid"]
     tags = httpx.get(f"{server.url}/api/tags").json()["models"]
     assert [t["name"] for t in tags] == ["broken", "gemma", "minilm", "smol"]
+    r = httpx.post(f"{server.url}/flush_cache?model=smol")
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def test_kv_events_and_structured_output_per_model(server):
+    import zmq
+
+    for name in ("smol", "gemma"):
+        assert server.post("/v1/completions", {**PROMPT, "model": name}).status_code == 200
+    infos = {m["name"]: m["server_info"] for m in httpx.get(f"{server.url}/get_server_info").json()["models"]
+             if m["name"] in ("smol", "gemma")}
+    endpoints = {name: info["kv_events"]["endpoint"] for name, info in infos.items()}
+    assert endpoints["smol"] != endpoints["gemma"]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoints["smol"])
+        wait_until(lambda: server.post("/v1/completions", {**PROMPT, "model": "smol", "prompt": "x " * 40})
+                   and sub.poll(200), 10, "smol's core to publish KV events")
+    finally:
+        sub.close(0)
+        ctx.term()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    r = server.post("/v1/chat/completions", {
+        "model": "smol", "messages": [{"role": "user", "content": "Name a city in France as JSON."}],
+        "max_tokens": 40, "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "city", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert "city" in json.loads(r.json()["choices"][0]["message"]["content"])
 
 
 def test_lora_adapters_per_model(server, tmp_path):
@@ -183,6 +216,23 @@ def test_lora_adapters_per_model(server, tmp_path):
     assert server.models()["pirate"]["parent"] == "smol"
     r = server.post("/load_lora_adapter", {"model": "nope", "lora_name": "x", "lora_path": str(adapter)})
     assert_openai_error(r, 404, "'nope' does not exist")
+
+
+def test_a_load_past_its_timeout_stops_the_core_and_can_be_tried_again():
+    from unison.config import EngineConfig
+    from unison.server.model_pool import ModelPool, ModelSource
+
+    config = EngineConfig.from_kwargs(num_threads=1)
+    pool = ModelPool(config, [ModelSource("smol", str(SMOL))], frontends=1, models_max=1,
+                     idle_unload_s=None, load_timeout=0.2)
+    try:
+        with pytest.raises(RuntimeError, match=r"did not load within 0.2 s \(--model-load-timeout\)"):
+            pool.load_now("smol")
+        assert pool.slots["smol"].state == "unloaded"  # a timeout may pass: not marked failed
+        pool.load_timeout = 120
+        assert pool.load_now("smol").state == "loaded"
+    finally:
+        pool.close()
 
 
 def test_preload_and_idle_unload(tmp_path_factory):

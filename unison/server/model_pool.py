@@ -296,7 +296,7 @@ class ModelPool:
             core.wait_published(self.load_timeout)
             task = registry.read(path).info.task
         except TimeoutError:
-            status, message = 504, f"model {name!r} did not load within {self.load_timeout:.0f} s " \
+            status, message = 504, f"model {name!r} did not load within {self.load_timeout:g} s " \
                                    "(--model-load-timeout)"
         except Exception as e:
             status, message = 500, f"model {name!r} failed to load: {e}"
