@@ -89,8 +89,11 @@ def find_models(models_dir: str | None, named: list[str]) -> list[ModelSource]:
 def file_signature(path: str) -> tuple[tuple[str, int, int], ...]:
     """What changes when a model's files do: (name, size, mtime) of the file, or of a folder's files."""
     p = Path(path).expanduser()
-    files = sorted(p.iterdir()) if p.is_dir() else [p]
-    return tuple((f.name, (s := f.stat()).st_size, s.st_mtime_ns) for f in files if f.is_file())
+    try:
+        files = sorted(p.iterdir()) if p.is_dir() else [p]
+        return tuple((f.name, (s := f.stat()).st_size, s.st_mtime_ns) for f in files if f.is_file())
+    except OSError:  # gone (a load then says so)
+        return ()
 
 
 def guess_task(path: str) -> str:
@@ -188,13 +191,19 @@ class ModelPool:
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            if self.sock.poll(int(TICK_S * 1000)):
-                while self.sock.poll(0):
-                    identity, frame = self.sock.recv_multipart()
-                    self._handle(identity, frame)
-            while not self.calls.empty():
-                self.calls.get()()
-            self._watch()
+            try:
+                self._turn()
+            except Exception:  # a bug here must not stop every model's loads: log it, go on
+                log.exception("model pool")
+
+    def _turn(self) -> None:
+        if self.sock.poll(int(TICK_S * 1000)):
+            while self.sock.poll(0):
+                identity, frame = self.sock.recv_multipart()
+                self._handle(identity, frame)
+        while not self.calls.empty():
+            self.calls.get()()
+        self._watch()
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -254,8 +263,8 @@ class ModelPool:
             idle = [s for s in self.slots.values() if s.state == "loaded" and not s.live_holders()]
             if not idle:
                 return reply(None, 503, f"model {name!r} is not loaded, and --models-max {self.models_max} "
-                                        "models are loaded or loading, each with requests in flight: "
-                                        "try again later")
+                                        "models are loaded or loading, none idle (each has requests in "
+                                        "flight): try again later")
             victim = min(idle, key=lambda s: s.last_used)
             log.warning("unloading model %r (least recently used) to load %r", victim.source.name, name)
             self._stop_in_background(self._take_core(victim))
