@@ -174,7 +174,7 @@ def test_load_unload_metrics_and_server_info_per_model(server):
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
-def test_kv_events_and_structured_output_per_model(server):
+def test_kv_events_prefix_cache_and_structured_output_per_model(server):
     import zmq
 
     for name in ("smol", "gemma"):
@@ -193,6 +193,8 @@ def test_kv_events_and_structured_output_per_model(server):
     finally:
         sub.close(0)
         ctx.term()
+    again = server.post("/v1/completions", {**PROMPT, "model": "smol", "prompt": "x " * 40}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # smol's prefix cache
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     r = server.post("/v1/chat/completions", {
         "model": "smol", "messages": [{"role": "user", "content": "Name a city in France as JSON."}],
