@@ -32,7 +32,7 @@ def test_vllm_spellings_parse_to_ours():
     (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
     (["serve", "a/model", "--model", "b/model"], "the model is given twice"),
     (["serve", "--models-max", "0"], "--models-max must be >= 1"),
-    (["serve", "--preload", "a"], "--preload names models of --models-dir"),
+    (["serve", "--preload", "a", "--models-max", "2"], "--models-max, --preload: for several models"),
     (["serve", "--model", "a=/no/such.gguf"], "model 'a': path '/no/such.gguf' does not exist"),
     (["serve", "--model", f"a={default_gguf_path()}", "b/model"], "each is given as --model NAME=PATH"),
     (["serve", "--model", f"a={default_gguf_path()}", "--served-model-name", "x"], "--served-model-name"),

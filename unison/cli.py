@@ -13,6 +13,7 @@ from unison.config import HELP, EngineConfig
 from unison.server.settings import ServeSettings, add_serve_options
 
 _SERVE_OWN = {"model_path", "tokenizer_worker_num"}  # spelled out by each command
+MODELS_OPTIONS = ("models_max", "idle_unload_s", "preload", "model_load_timeout")  # serve's, several models
 # vLLM's spellings beside ours (SGLang's are ours), so either ecosystem's command lines run.
 ALIASES = {"model_path": ["--model"], "context_length": ["--max-model-len"], "lora_paths": ["--lora-modules"],
            "max_loras_per_batch": ["--max-loras"], "max_loaded_loras": ["--max-cpu-loras"]}
@@ -76,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from unison.server.launch import serve, serve_models
+    from unison.server.launch import serve
 
     settings = ServeSettings.from_args(args)
     settings.check()
@@ -87,17 +88,19 @@ def _serve(args: argparse.Namespace) -> int:
     paths = [*(args.model_path or []), *([args.model] if args.model is not None else [])]
     named = [p for p in paths if _is_named(p)]
     if named or settings.models_dir is not None:
-        return _serve_models(args, settings, paths, named, serve_models)
-    if settings.preload:
-        raise ValueError("--preload names models of --models-dir or --model NAME=PATH")
+        return _serve_models(args, settings, paths, named)
+    if given := [f"--{f.replace('_', '-')}" for f in MODELS_OPTIONS
+                 if getattr(settings, f) != getattr(ServeSettings(), f)]:
+        raise ValueError(f"{', '.join(given)}: for several models (--models-dir or --model NAME=PATH)")
     if len(set(paths)) > 1:
         raise ValueError(f"the model is given twice: {paths}; several models are given as --model NAME=PATH")
     args.model_path = paths[0] if paths else None
     return serve(_serve_config(args), settings)
 
 
-def _serve_models(args: argparse.Namespace, settings: ServeSettings, paths: list[str], named: list[str],
-                  serve_models: typing.Callable[..., int]) -> int:
+def _serve_models(args: argparse.Namespace, settings: ServeSettings, paths: list[str],
+                  named: list[str]) -> int:
+    from unison.server.launch import serve_models
     from unison.server.model_pool import find_models
 
     if plain := [p for p in paths if p not in named]:
