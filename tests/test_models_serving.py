@@ -216,6 +216,7 @@ def test_lora_adapters_per_model(server, tmp_path):
     assert tuned.status_code == 200 and tuned.json()["model"] == "pirate", tuned.text
     assert tuned.json()["choices"][0]["text"] != base["choices"][0]["text"]
     assert server.models()["pirate"]["parent"] == "smol"
+    assert httpx.get(f"{server.url}/v1/models/pirate").json()["parent"] == "smol"
     r = server.post("/load_lora_adapter", {"model": "nope", "lora_name": "x", "lora_path": str(adapter)})
     assert_openai_error(r, 404, "'nope' does not exist")
 

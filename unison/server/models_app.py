@@ -263,7 +263,13 @@ class ModelsRouter:
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str):
-            name = self._resolve(model)
+            try:
+                name = self._resolve(model)
+            except HTTPError:
+                for base, info in (await self._loaded_infos()).items():
+                    if adapter := next((a for a in info.lora_adapters if a.name == model), None):
+                        return _adapter_card(base, adapter)
+                raise
             return _card(next(r for r in await self._pool().rows() if r.name == name))
 
         @app.post("/models/load")
