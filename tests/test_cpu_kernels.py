@@ -114,6 +114,8 @@ def dequantize_q8(c: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("seqs,heads,kv_heads,head_dim,block_size,window,rows", [
     (64, 9, 3, 64, 16, None, 1),  # SmolLM2-135M's decode shapes
     (3, 8, 8, 128, 4, None, 1),
+    (4, 16, 2, 64, 16, 50, 1),  # eight query heads a key head (two passes of four); a window
+    (1, 32, 8, 64, 16, None, 1),  # the 1B shape's single decode
     (2, 4, 1, 256, 16, 40, 37),  # Gemma 3's head_dim; prefill tiles across a sliding window
     (5, 4, 2, 32, 16, 7, 20),
 ])
@@ -126,17 +128,39 @@ def test_int8_cache_is_q8_0_and_attention_reads_it_in_place(seqs, heads, kv_head
     g = torch.Generator().manual_seed(seqs + head_dim)
     q, kc, vc, tables, row_seq, row_len = _case(seqs, heads, kv_heads, head_dim, block_size, torch.float32,
                                                 rows, g)
-    rows_kv = torch.cat([kc[:-1].flatten(0, 1).flatten(1), vc[:-1].flatten(0, 1).flatten(1)], 1)
-    width = kv_heads * head_dim
-    kc8 = torch.zeros(*kc.shape[:3], head_dim // 32 * 34, dtype=torch.int8)
-    vc8 = torch.zeros_like(kc8)
-    kernels.store_kv(rows_kv[:, :width], rows_kv[:, width:], kc8, vc8, torch.arange(len(rows_kv)), head_dim)
+    kc8, vc8 = _int8_caches(kc, vc, head_dim)
     assert torch.equal(kc8[:-1], q8(hadamard(kc[:-1]))) and torch.equal(vc8[:-1], q8(hadamard(vc[:-1])))
     kc8[-1], vc8[-1] = 127, 127  # the unused tail's block: huge values, were it ever read
     got = kernels.paged_attention(q, kc8, vc8, tables, row_seq, row_len, window, threads)
     rotated = reference(hadamard(q), dequantize_q8(kc8), dequantize_q8(vc8), tables, row_seq, row_len, window)
     want = hadamard(rotated)  # the rotation is its own inverse
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _int8_caches(kc, vc, head_dim):
+    """kc, vc stored as the int8 cache holds them (store_kv's q8 blocks)."""
+    width = kc.shape[2] * head_dim
+    rows_kv = torch.cat([kc[:-1].flatten(0, 1).flatten(1), vc[:-1].flatten(0, 1).flatten(1)], 1)
+    kc8 = torch.zeros(*kc.shape[:3], head_dim // 32 * 34, dtype=torch.int8)
+    vc8 = torch.zeros_like(kc8)
+    kernels.store_kv(rows_kv[:, :width], rows_kv[:, width:], kc8, vc8, torch.arange(len(rows_kv)), head_dim)
+    return kc8, vc8
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 64, None), (16, 2, 64, 30),
+                                                            (16, 2, 128, None), (4, 4, 128, 20)])
+def test_int8_decode_rows_have_the_bits_of_prefill_rows(heads, kv_heads, head_dim, window):
+    """A row alone (a decode step: the int8 cache's one-row path) gets the bits it gets inside a
+    tile of several rows (prefill: the general path), so a token's output does not depend on how
+    it was batched or whether it was recomputed after a preemption."""
+    g = torch.Generator().manual_seed(head_dim + heads)
+    q, kc, vc, tables, row_seq, row_len = _case(3, heads, kv_heads, head_dim, 16, torch.float32, 4, g)
+    kc8, vc8 = _int8_caches(kc, vc, head_dim)
+    together = kernels.paged_attention(q, kc8, vc8, tables, row_seq, row_len, window, 1)
+    for r in range(len(q)):
+        alone = kernels.paged_attention(q[r:r + 1].contiguous(), kc8, vc8, tables, row_seq[r:r + 1],
+                                        row_len[r:r + 1], window, 2)
+        assert torch.equal(alone[0], together[r]), r
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

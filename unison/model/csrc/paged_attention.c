@@ -280,6 +280,117 @@ static inline void dequant_e5m2(float *restrict dst, const uint8_t *restrict src
 #define KV_HEAD(h, d) ((h) * (d))
 #define KV_ROW(heads, d) ((heads) * (d))
 #include "paged_attention_body.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Decode over an int8 cache: one query row, heads [h0, h1), head_dim 16 * nc. Each key and value
+// row is converted in registers once for all the query heads that read it, their dot products are
+// reduced four at a time, and the output stays in registers across the values. Every result has
+// the bits of attend_tile's general path (the same products and sums, in the same order), which
+// prefill's rows take: a token's output does not depend on how it was batched.
+static inline __m512 q8_load16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+// Lane 4 h: the sum of a[h]'s lanes, added as _mm512_reduce_add_ps adds them (256-bit halves,
+// then 128-bit halves, then lanes 0+2 and 1+3, then those two).
+static inline __m512 reduce_add4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0xEE), _mm512_shuffle_f32x4(a0, a1, 0x44));
+    const __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0xEE), _mm512_shuffle_f32x4(a2, a3, 0x44));
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0xDD), _mm512_shuffle_f32x4(t0, t1, 0x88));
+    const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+    return _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+}
+
+// A head's row (nc chunks of 16) as float, in registers.
+static inline __attribute__((always_inline)) void q8_row16(__m512 *x, const int8_t *row, const int64_t nc) {
+    for (int64_t c = 0; c < nc; c++)
+        x[c] = _mm512_mul_ps(_mm512_set1_ps(q8_scale(row + c / 2 * Q8_BLOCK)),
+                             q8_load16(row + c / 2 * Q8_BLOCK + c % 2 * 16));
+}
+
+// scores[(h - h0) * span + pos - lo] = q_h . key_pos * scale, four heads of a key head at a time.
+static inline __attribute__((always_inline)) void decode_scores_i8(
+        const float *q, const int8_t *k_cache, const int64_t *table, int64_t len, int64_t lo,
+        int64_t h0, int64_t h1, int64_t group, int64_t row, const int64_t nc, int64_t block_size,
+        float scale, float *scores) {
+    const int64_t d = 16 * nc, span = len - lo;
+    for (int64_t kh = h0 / group; kh * group < h1; kh++) {
+        const int64_t ha = kh * group > h0 ? kh * group : h0;
+        const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
+        for (int64_t pos = lo; pos < len; pos++) {
+            const int64_t b = pos / block_size;
+            if (pos % block_size == 0 && (b + 1) * block_size < len)
+                prefetch_row(k_cache + table[b + 1] * block_size * row, block_size * row);
+            __m512 key[8];
+            q8_row16(key, k_cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(d), nc);
+            for (int64_t h = ha; h < hb; h += 4) {
+                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                                 _mm512_setzero_ps()};
+                const int64_t n = hb - h < 4 ? hb - h : 4;
+                for (int64_t j = 0; j < n; j++)
+                    for (int64_t c = 0; c < nc; c++)
+                        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (h + j) * d + 16 * c), key[c], acc[j]);
+                float sums[16];
+                _mm512_storeu_ps(sums, reduce_add4(acc[0], acc[1], acc[2], acc[3]));
+                for (int64_t j = 0; j < n; j++) scores[(h + j - h0) * span + pos - lo] = sums[4 * j] * scale;
+            }
+        }
+    }
+}
+
+// out_h = sum over pos of scores_h[pos] * value_pos, the sums in registers (16 of them at most).
+static inline __attribute__((always_inline)) void decode_values_i8(
+        const int8_t *v_cache, const int64_t *table, int64_t len, int64_t lo, float *out, int64_t h0,
+        int64_t h1, int64_t group, int64_t row, const int64_t nc, int64_t block_size, const float *scores) {
+    const int64_t d = 16 * nc, span = len - lo, per = 16 / nc;  // heads summed per pass over the values
+    for (int64_t kh = h0 / group; kh * group < h1; kh++) {
+        const int64_t ha = kh * group > h0 ? kh * group : h0;
+        const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
+        for (int64_t h = ha; h < hb; h += per) {
+            const int64_t n = hb - h < per ? hb - h : per;
+            __m512 acc[16];
+            for (int64_t a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
+            for (int64_t pos = lo; pos < len; pos++) {
+                const int64_t b = pos / block_size;
+                if (pos % block_size == 0 && (b + 1) * block_size < len)
+                    prefetch_row(v_cache + table[b + 1] * block_size * row, block_size * row);
+                __m512 value[8];
+                q8_row16(value, v_cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(d), nc);
+                for (int64_t j = 0; j < n; j++) {
+                    const __m512 s = _mm512_set1_ps(scores[(h + j - h0) * span + pos - lo]);
+                    for (int64_t c = 0; c < nc; c++) acc[j * nc + c] = _mm512_fmadd_ps(s, value[c], acc[j * nc + c]);
+                }
+            }
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t c = 0; c < nc; c++) _mm512_storeu_ps(out + (h + j) * d + 16 * c, acc[j * nc + c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void decode_i8(
+        const float *q, const int8_t *k_cache, const int8_t *v_cache, const int64_t *table, int64_t len,
+        int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group, int64_t kv_heads, const int64_t nc,
+        int64_t block_size, float scale, float *scores) {
+    const int64_t row = kv_heads * Q8_HEAD(16 * nc), span = len - lo;
+    decode_scores_i8(q, k_cache, table, len, lo, h0, h1, group, row, nc, block_size, scale, scores);
+    for (int64_t h = 0; h < h1 - h0; h++) softmax(scores + h * span, span);
+    decode_values_i8(v_cache, table, len, lo, out, h0, h1, group, row, nc, block_size, scores);
+}
+
+// attend_tile's one-row case where the decode path above serves it: 1 when it did.
+static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, const int64_t *table,
+                          int64_t len, int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group,
+                          int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *scores) {
+    if (head_dim == 64)
+        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 4, block_size, scale, scores);
+    else if (head_dim == 128)
+        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 8, block_size, scale, scores);
+    else
+        return 0;
+    return 1;
+}
+#define KV_DECODE(...) decode_i8_tile(__VA_ARGS__)
+#endif
+
 #define KV_T int8_t
 #define KV_DEQUANT(dst, src, n) dequant_i8(dst, src, n)
 #define KV_NAME(name) name##_i8

@@ -5,7 +5,8 @@
 // includer defines KV_NAME(dot) and KV_NAME(axpy) itself. KV_DEQUANT(dst, src, n): the includer's
 // conversion of a head's n values to float; with it, each K and V row is converted once for all
 // the query heads and rows that read it (dot_wide / axpy_wide then do the arithmetic), instead of
-// once per head: an 8-bit type's conversion costs more than its arithmetic.
+// once per head: an 8-bit type's conversion costs more than its arithmetic. KV_DECODE(...): the
+// includer's own path for a tile of one row, returning 1 where it served it.
 
 #ifndef KV_OWN_DOT  // (int8 brings its own: a scale per block of 32)
 static inline float KV_NAME(dot)(const float *restrict a, const KV_T *restrict b, int64_t n) {
@@ -46,6 +47,11 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     const int64_t end = len0 + nrows - 1;  // the last row's length: positions [lo, end)
     const int64_t lo = window > 0 && len0 > window ? len0 - window : 0, span = end - lo;
     const int64_t last = (end - 1) / block_size;
+#ifdef KV_DECODE  // the includer's path for one row (a decode step), when it has one for head_dim
+    if (nrows == 1 && KV_DECODE(q, k_cache, v_cache, table, len0, lo, out, h0, h1, group, kv_heads,
+                                head_dim, block_size, scale, scores))
+        return;
+#endif
     for (int64_t b = lo / block_size; b * block_size < end; b++) {
         const KV_T *block = k_cache + table[b] * block_size * row;
         const KV_T *next = b < last ? k_cache + table[b + 1] * block_size * row : NULL;
@@ -201,3 +207,4 @@ static int KV_NAME(paged_attention)(
 #undef KV_ROW
 #undef KV_OWN_DOT
 #undef KV_DEQUANT
+#undef KV_DECODE
