@@ -90,8 +90,10 @@ def test_concurrent_requests_share_one_load(server):
 
 
 @contextlib.contextmanager
-def streaming(server: ModelsServer, model: str):
-    """A long generation of `model` in flight while the block runs (closed after it)."""
+def streaming(server: ModelsServer, model: str, hold: bool = False):
+    """A long generation of `model` in flight while the block runs (closed after it). `hold`: paused
+    in place once started (continued at the end), so that it stays in flight however long the
+    block takes on a busy machine."""
     with httpx.Client(timeout=120) as client, client.stream(
             "POST", f"{server.url}/v1/completions",
             json={"model": model, "prompt": "Once upon a time", "max_tokens": 5000, "ignore_eos": True,
@@ -99,13 +101,20 @@ def streaming(server: ModelsServer, model: str):
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
-        yield lines
+        if hold:
+            paused = server.post("/pause_generation", {"model": model, "mode": "in_place"})
+            assert paused.status_code == 200, paused.text
+        try:
+            yield lines
+        finally:
+            if hold:
+                server.post("/continue_generation", {"model": model})
 
 
 def test_lru_unloading_never_stops_a_core_with_requests_in_flight(server):
     # smol and minilm are loaded (the test above); smol is the least recently used once minilm serves.
     smol_pid = server.models()["smol"]["core_pid"]
-    with streaming(server, "smol"):
+    with streaming(server, "smol", hold=True):
         assert server.post("/v1/embeddings", {"model": "minilm", "input": "x"}).status_code == 200
         # At --models-max 2 gemma needs a core's room: smol's is busy, so minilm's is stopped.
         assert server.post("/v1/completions", {**PROMPT, "model": "gemma"}).status_code == 200
@@ -113,7 +122,7 @@ def test_lru_unloading_never_stops_a_core_with_requests_in_flight(server):
         assert (models["smol"]["state"], models["minilm"]["state"], models["gemma"]["state"]) == \
             ("loaded", "unloaded", "loaded")
         assert models["smol"]["core_pid"] == smol_pid
-        with streaming(server, "gemma"):
+        with streaming(server, "gemma", hold=True):
             # Both cores serve requests: a third model cannot load, and says why.
             r = server.post("/v1/embeddings", {"model": "minilm", "input": "x"})
             assert_openai_error(r, 503, "--models-max 2", "in flight")
