@@ -354,8 +354,11 @@ def _adapter_card(model: str, adapter: LoraAdapterInfo) -> dict:
 
 def _ollama_card(row: pp.ModelRow) -> dict:
     """A model as Ollama's /api/tags lists it: its digest names its file and size."""
-    size = os.path.getsize(row.path) if os.path.isfile(row.path) else 0
-    mtime = os.path.getmtime(row.path)
+    try:
+        size = os.path.getsize(row.path) if os.path.isfile(row.path) else 0
+        mtime = os.path.getmtime(row.path)
+    except OSError:  # the file went away since the server started: listed, and failing to load
+        size, mtime = 0, 0.0
     digest = hashlib.sha256(f"{row.path}:{size}:{mtime}".encode()).hexdigest()
     return {"name": row.name, "model": row.name, "size": size, "digest": digest,
             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(mtime))}

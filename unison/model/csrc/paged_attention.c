@@ -307,6 +307,17 @@ static inline __attribute__((always_inline)) void q8_row16(__m512 *x, const int8
                              q8_load16(row + c / 2 * Q8_BLOCK + c % 2 * 16));
 }
 
+// Key head kh's row of position pos in registers; at a block's first row, the next block is
+// prefetched.
+static inline __attribute__((always_inline)) void q8_row_at(
+        __m512 *x, const int8_t *cache, const int64_t *table, int64_t pos, int64_t len, int64_t kh,
+        int64_t row, const int64_t nc, int64_t block_size) {
+    const int64_t b = pos / block_size;
+    if (pos % block_size == 0 && (b + 1) * block_size < len)
+        prefetch_row(cache + table[b + 1] * block_size * row, block_size * row);
+    q8_row16(x, cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(16 * nc), nc);
+}
+
 // scores[(h - h0) * span + pos - lo] = q_h . key_pos * scale, four heads of a key head at a time.
 static inline __attribute__((always_inline)) void decode_scores_i8(
         const float *q, const int8_t *k_cache, const int64_t *table, int64_t len, int64_t lo,
@@ -317,11 +328,8 @@ static inline __attribute__((always_inline)) void decode_scores_i8(
         const int64_t ha = kh * group > h0 ? kh * group : h0;
         const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
         for (int64_t pos = lo; pos < len; pos++) {
-            const int64_t b = pos / block_size;
-            if (pos % block_size == 0 && (b + 1) * block_size < len)
-                prefetch_row(k_cache + table[b + 1] * block_size * row, block_size * row);
             __m512 key[8];
-            q8_row16(key, k_cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(d), nc);
+            q8_row_at(key, k_cache, table, pos, len, kh, row, nc, block_size);
             for (int64_t h = ha; h < hb; h += 4) {
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                                  _mm512_setzero_ps()};
@@ -350,18 +358,17 @@ static inline __attribute__((always_inline)) void decode_values_i8(
             __m512 acc[16];
             for (int64_t a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
             for (int64_t pos = lo; pos < len; pos++) {
-                const int64_t b = pos / block_size;
-                if (pos % block_size == 0 && (b + 1) * block_size < len)
-                    prefetch_row(v_cache + table[b + 1] * block_size * row, block_size * row);
                 __m512 value[8];
-                q8_row16(value, v_cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(d), nc);
+                q8_row_at(value, v_cache, table, pos, len, kh, row, nc, block_size);
                 for (int64_t j = 0; j < n; j++) {
                     const __m512 s = _mm512_set1_ps(scores[(h + j - h0) * span + pos - lo]);
-                    for (int64_t c = 0; c < nc; c++) acc[j * nc + c] = _mm512_fmadd_ps(s, value[c], acc[j * nc + c]);
+                    for (int64_t c = 0; c < nc; c++)
+                        acc[j * nc + c] = _mm512_fmadd_ps(s, value[c], acc[j * nc + c]);
                 }
             }
             for (int64_t j = 0; j < n; j++)
-                for (int64_t c = 0; c < nc; c++) _mm512_storeu_ps(out + (h + j) * d + 16 * c, acc[j * nc + c]);
+                for (int64_t c = 0; c < nc; c++)
+                    _mm512_storeu_ps(out + (h + j) * d + 16 * c, acc[j * nc + c]);
         }
     }
 }
@@ -379,7 +386,8 @@ static inline __attribute__((always_inline)) void decode_i8(
 // attend_tile's one-row case where the decode path above serves it: 1 when it did.
 static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, const int64_t *table,
                           int64_t len, int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group,
-                          int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *scores) {
+                          int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          float *scores) {
     if (head_dim == 64)
         decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 4, block_size, scale, scores);
     else if (head_dim == 128)
