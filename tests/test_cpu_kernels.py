@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unison.model import cpu_kernels
+from unison.model import cpu_kernels, key_rounding
 from unison.model.decoder import TorchOps
 
 kernels = cpu_kernels.load()
@@ -135,6 +135,58 @@ def test_int8_cache_is_q8_0_and_attention_reads_it_in_place(seqs, heads, kv_head
     rotated = reference(hadamard(q), dequantize_q8(kc8), dequantize_q8(vc8), tables, row_seq, row_len, window)
     want = hadamard(rotated)  # the rotation is its own inverse
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_int8_keys_rounded_by_a_weight_keep_their_scales_and_lower_its_error(head_dim):
+    """With key_rounding.py's weight W, store_kv's keys (shape_key_q8) keep nearest rounding's
+    scales, stay within one step of each value, and have a weighted error e^T W e no larger than
+    nearest's, smaller on most rows; values are untouched. W = identity: nearest is best, and
+    kept to the bit."""
+    g = torch.Generator().manual_seed(head_dim)
+    kv_heads, n = 2, 200
+    k, v = torch.randn(n, kv_heads * head_dim, generator=g), torch.randn(n, kv_heads * head_dim, generator=g)
+    directions = torch.randn(kv_heads, head_dim, 4, generator=g)  # queries mostly along a few directions
+    w = (directions @ directions.transpose(1, 2) + 0.1 * torch.eye(head_dim)).contiguous()
+
+    def stored(weight):
+        kc = torch.zeros(n, 1, kv_heads, head_dim // 32 * 34, dtype=torch.int8)
+        vc = torch.zeros_like(kc)
+        kernels.store_kv(k, v, kc, vc, torch.arange(n), head_dim, weight)
+        return kc.view(n, kv_heads, -1), vc
+
+    (nearest, v_nearest), (shaped, v_shaped) = stored(None), stored(w)
+    assert torch.equal(v_shaped, v_nearest)
+    blocks, nearest_blocks = shaped.view(n, kv_heads, -1, 34), nearest.view(n, kv_heads, -1, 34)
+    assert torch.equal(blocks[..., 32:], nearest_blocks[..., 32:])  # the scales
+    assert (blocks[..., :32].int() - nearest_blocks[..., :32].int()).abs().max() == 1
+    rotated = hadamard(k.view(n, kv_heads, head_dim))
+    step = blocks[..., 32:].contiguous().view(torch.float16).float().repeat_interleave(32, -1).flatten(-2)
+    error = dequantize_q8(shaped) - rotated
+    assert (error.abs() <= step * (1 + 1e-6)).all()
+
+    def cost(e):
+        return torch.einsum("nhi,hij,nhj->nh", e.double(), w.double(), e.double())
+
+    before, after = cost(dequantize_q8(nearest) - rotated), cost(error)
+    assert (after <= before * (1 + 1e-6)).all() and (after < before).float().mean() > 0.9
+    assert after.sum() < 0.2 * before.sum()
+    identity = torch.eye(head_dim).expand(kv_heads, -1, -1).contiguous()
+    assert torch.equal(stored(identity)[0], nearest)
+
+
+def test_key_weight_is_the_query_moment_in_the_caches_rotation():
+    """key_rounding.py's W per layer and kv head: E[q q^T] over the head's queries, rotated by
+    the matrix the kernel's butterflies apply (so W weighs the errors of keys as stored)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(10, 6, 64, generator=g)
+    moments = key_rounding.QueryMoments(2, 2, 64)
+    assert moments.wrap(lambda layer, q, k, v: q)(1, q, q, q) is q
+    rotated = hadamard(q.view(10, 2, 3, 64))
+    torch.testing.assert_close(moments.weight()[1], torch.einsum("nhgi,nhgj->hij", rotated, rotated) / 30)
+    assert not moments.weight()[0].any()
+    x = torch.randn(5, 96, generator=g)  # head_dim 96: blocks of 32
+    torch.testing.assert_close(x @ key_rounding.hadamard(96).float(), hadamard(x))
 
 
 def _int8_caches(kc, vc, head_dim):

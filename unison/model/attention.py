@@ -102,6 +102,9 @@ class PagedAttention:
         self.kernel: cpu_kernels.CpuKernels | None = None
         self._group = c.num_attention_heads // c.num_key_value_heads
         self._step: StepMeta | None = None
+        # int8: how keys are rounded, [layers, kv_heads, head_dim, head_dim] (key_rounding.py; the
+        # runner measures it at load); None: to nearest.
+        self.key_weight: Tensor | None = None
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
         # page faults that make decode attention 3x slower on CPU.
         self._gather_bufs = [torch.empty(0, dtype=kv_dtype, device=device) for _ in range(2)]
@@ -259,7 +262,8 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [blocks, block_size, kv_heads, d]
         if step.paged is not None:
             assert self.kernel is not None  # paged metadata is built only for the C kernels
-            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d)
+            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d,
+                                 None if self.key_weight is None else self.key_weight[layer])
             p = step.paged
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,

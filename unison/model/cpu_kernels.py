@@ -121,7 +121,7 @@ class CpuKernels:
         lib.add_rms_norm.restype = None
         lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.rope.restype = None
-        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
+        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _PTR]
         lib.store_kv.restype = None
         lib.act_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
         lib.act_mul.restype = None
@@ -241,13 +241,15 @@ class CpuKernels:
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, head_dim: int) -> None:
+                 slots: torch.Tensor, head_dim: int, key_weight: torch.Tensor | None = None) -> None:
         """Cache rows `slots` (of [slots, kv_heads * head_dim]) = the rows of k and v, which share
-        a row stride (both live in the fused QKV output). int8 rows go in rotated (fused_ops.c)."""
+        a row stride (both live in the fused QKV output). int8 rows go in rotated (fused_ops.c),
+        keys rounded by `key_weight` ([kv_heads, head_dim, head_dim], key_rounding.py) if given."""
         assert k.stride() == v.stride() and k.stride(-1) == 1 and slots.dtype == torch.int64
         width = k.shape[1]
         self.lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slots.data_ptr(), k.shape[0], width, head_dim, KV_DTYPES[k_cache.dtype])
+                          slots.data_ptr(), k.shape[0], width, head_dim, KV_DTYPES[k_cache.dtype],
+                          _ptr(key_weight))
 
     def act16(self, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' view of x [m, k]: its int16 values per 32-block [m, kp] and their scales
@@ -351,7 +353,8 @@ class DLayerC(ctypes.Structure):
     _fields_ = [("qkv", QLinearC), ("o_proj", QLinearC), ("gate_up", QLinearC), ("down", QLinearC),
                 ("input_norm", _PTR), ("post_attention_norm", _PTR), ("pre_mlp_norm", _PTR),
                 ("post_mlp_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("rope", _I64), ("window", _I64),
-                ("k_cache", _PTR), ("v_cache", _PTR), ("moe", ctypes.POINTER(MoeLayerC))]
+                ("k_cache", _PTR), ("v_cache", _PTR), ("key_weight", _PTR),
+                ("moe", ctypes.POINTER(MoeLayerC))]
 
 
 class DModelC(ctypes.Structure):
@@ -384,7 +387,8 @@ class CompiledDecoder:
     """A quantized decoder.DecoderModel and its KV cache as csrc/decoder.c takes them: a step's
     forward in one call (the model's Python forward calls the same kernels one by one)."""
 
-    def __init__(self, kernels: CpuKernels, model, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def __init__(self, kernels: CpuKernels, model, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 key_weight: torch.Tensor | None) -> None:
         cfg, self.kernels, self.model = model.cfg, kernels, model
         self.vocab = cfg.vocab_size
         layers = (DLayerC * len(model.layers))()
@@ -398,6 +402,7 @@ class CompiledDecoder:
                 setattr(c, name, _ptr(getattr(layer, name)))
             c.rope, c.window = layer.rope, cfg.layer_window[i] or 0
             c.k_cache, c.v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
+            c.key_weight = _ptr(None if key_weight is None else key_weight[i])
         head, embed = model.lm_head, model.embed.quant
         mlp = cfg.moe.intermediate_size if cfg.moe else cfg.intermediate_size  # sizes the dense buffers
         self.c = DModelC(
@@ -406,7 +411,7 @@ class CompiledDecoder:
             cfg.attention_scale, model.embed_scale or 0.0, ACTIVATIONS[cfg.family.activation],
             QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.record, embed.kp,
             embed.packed.data_ptr(), model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)
-        self._keep = (layers, k_cache, v_cache)
+        self._keep = (layers, k_cache, v_cache, key_weight)
         self._workspace = torch.empty(0, dtype=torch.uint8)
 
     def forward(self, ids: torch.Tensor, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from unison.config import KV_CACHE_DTYPES
 
-from . import cpu_kernels
+from . import cpu_kernels, key_rounding
 from .attention import PagedAttention, kv_head_bytes
 from .decoder import DecoderModel, dummy_model
 from .encoder_config import DecoderPooling, DecoderReranker
@@ -125,12 +125,33 @@ class ModelRunner:
         if self.kv_dtype in cpu_kernels.C_ONLY_KV_DTYPES and kernel is None:
             raise ValueError(f"kv_cache_dtype={str(self.kv_dtype).removeprefix('torch.')!r} is read by the C "
                              "attention kernel only, which this model does not run on; use float16")
+        attention.key_weight = None  # measured with keys rounded to nearest, as on a first load
+        if self.kv_dtype == torch.int8 and self.task == "generate":
+            attention.key_weight = self._measure_key_weight()
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
-                                                      attention.v_cache)
+                                                      attention.v_cache, attention.key_weight)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"
                           else None)  # pooling's rows come from the Python forward (the same kernels)
+
+    @torch.inference_mode()
+    def _measure_key_weight(self) -> Tensor | None:
+        """The int8 cache's key rounding weight (key_rounding.py), from one forward over its
+        fixed text, its keys rounded to nearest; the blocks it writes are free afterwards."""
+        ids = key_rounding.text_ids(self.model_dir)
+        if ids is None:
+            log.info("int8 KV: no tokenizer.json, so keys round to nearest")
+            return None
+        ids = ids[: self.num_blocks * self.block_size]
+        cfg = self.config
+        moments = key_rounding.QueryMoments(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        batch = [BatchItem(ids, 0, list(range(-(-len(ids) // self.block_size))), len(ids))]
+        tokens, pos, logits_rows = self._prepare(batch)
+        with self.attention.step(batch, pos):
+            self.model.forward(tokens, torch.from_numpy(pos).to(self.device),
+                               moments.wrap(self.attention.forward), logits_rows, None)
+        return moments.weight()
 
     @property
     def _kernel(self) -> cpu_kernels.CpuKernels | None:

@@ -29,7 +29,8 @@ void add_rms_norm(float *h, const float *delta, const float *weight, float *out,
 void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows,
           int64_t heads, int64_t head_dim, int num_threads);
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
-              const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype);
+              const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype,
+              const float *key_weight);
 void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
 void norm_groups(float *x, int64_t row_stride, int64_t rows, int64_t groups, int64_t dim,
                  const float *weight, float eps);
@@ -53,6 +54,7 @@ typedef struct {
     const float *input_norm, *post_attention_norm, *pre_mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
     int64_t rope, window;  // window 0: attends to everything
     void *k_cache, *v_cache;  // this layer's [blocks, block_size, kv_heads, head_dim]
+    const float *key_weight;  // int8 keys' rounding weight [kv_heads, head_dim, head_dim]; NULL: nearest
     const MoeLayer *moe;  // a mixture of experts instead of gate_up and down; NULL: dense
 } DLayer;
 
@@ -164,7 +166,8 @@ int decoder_forward(const DModel *m, const DStep *s) {
             norm_groups(qkv + q, qkv_w, n, 1, kv, L->k_norm, m->eps);
         }
         rope(qkv, qkv_w, s->cos[L->rope], s->sin[L->rope], n, m->heads + m->kv_heads, d, t);
-        store_kv(qkv + q, qkv + q + kv, qkv_w, L->k_cache, L->v_cache, s->slots, n, kv, d, m->kv_dtype);
+        store_kv(qkv + q, qkv + q + kv, qkv_w, L->k_cache, L->v_cache, s->slots, n, kv, d, m->kv_dtype,
+                 L->key_weight);
         for (int64_t r = 0; r < n; r++) memcpy(qbuf + r * q, qkv + r * qkv_w, sizeof(float) * q);
         if (paged_attention(qbuf, L->k_cache, L->v_cache, s->tables, s->table_stride, s->row_seq, s->row_len,
                             attn, n, m->heads, m->kv_heads, d, m->block_size, L->window,

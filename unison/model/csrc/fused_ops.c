@@ -91,6 +91,12 @@ static void store_q8(int8_t *dst, const float *x, int64_t n) {
     }
 }
 
+static inline float q8_scale_of(const int8_t *block) {
+    _Float16 scale;
+    memcpy(&scale, block + 32, sizeof scale);
+    return (float)scale;
+}
+
 // float -> fp8 (vLLM's fp8_e4m3 and fp8_e5m2, torch's float8_e4m3fn and float8_e5m2), rounding
 // to nearest even as torch does; past the largest finite value (448, 57344) they saturate, as
 // vLLM's cache writes do, rather than become NaN (e4m3fn has no infinity).
@@ -143,6 +149,44 @@ void hadamard_rotate(float *x, int64_t count, int64_t d) {
     }
 }
 
+// int8 keys: the error that matters is a query's dot with it, q . (k' - k), and queries are far
+// from isotropic (one mean direction holds half a head's query energy). So after rounding to
+// nearest, a key moves a few of its values to their other neighbour (each still within one
+// step) where that lowers e^T W e, e the key's error and W = E[q q^T] over its head's queries,
+// rotated as the key is (ModelRunner measures W once at load: attention.KeyRounding). Greedy,
+// one value a pass, KEY_PASSES passes: the score error's rms fell by a third, and the first-step
+// logprob distance to float16's with it (BENCHMARKS.md). The cache's layout and its reader are
+// unchanged: these are q8 blocks like any other, only better chosen.
+#define KEY_PASSES 4
+
+static void shape_key_q8(int8_t *dst, const float *x, int64_t d, const float *restrict w) {
+    float err[d], step[d], we[d];  // the error, each value's step (its block's scale), W e
+    for (int64_t j = 0; j < d; j++) {
+        step[j] = q8_scale_of(dst + j / 32 * 34);
+        err[j] = (float)dst[j / 32 * 34 + j % 32] * step[j] - x[j];
+        we[j] = 0.0f;
+    }
+    for (int64_t j = 0; j < d; j++)  // W is symmetric: its row j is its column j
+        for (int64_t i = 0; i < d; i++) we[i] += w[j * d + i] * err[j];
+    for (int pass = 0; pass < KEY_PASSES; pass++) {
+        int64_t best = -1;
+        float best_change = 0.0f;
+        for (int64_t j = 0; j < d; j++) {
+            const int8_t q = dst[j / 32 * 34 + j % 32];
+            const int up = err[j] <= 0.0f;  // rounded down (or exact): the other neighbour is above
+            if (up ? q == 127 : q == -127) continue;
+            const float move = up ? step[j] : -step[j];
+            const float change = 2.0f * move * we[j] + move * move * w[j * d + j];
+            if (change < best_change) best_change = change, best = j;
+        }
+        if (best < 0) break;
+        const float move = err[best] <= 0.0f ? step[best] : -step[best];
+        dst[best / 32 * 34 + best % 32] += move > 0.0f ? 1 : -1;
+        err[best] += move;
+        for (int64_t i = 0; i < d; i++) we[i] += move * w[best * d + i];
+    }
+}
+
 static void store_row(void *cache, int64_t slot, const float *x, int64_t width, int dtype) {
     if (dtype == 4 || dtype == 5) {
         uint8_t *dst = (uint8_t *)cache + slot * width;
@@ -162,9 +206,11 @@ static void store_row(void *cache, int64_t slot, const float *x, int64_t width, 
 
 // k_cache / v_cache rows [slots[r]] = rows r of k and v (width floats each: heads of head_dim),
 // converted to the cache's element type (dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8
-// blocks of 32, rotated, 4 fp8 e4m3, 5 fp8 e5m2).
+// blocks of 32, rotated, 4 fp8 e4m3, 5 fp8 e5m2). key_weight: int8's [heads, head_dim, head_dim]
+// W of shape_key_q8, or NULL (keys rounded to nearest).
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
-              const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype) {
+              const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype,
+              const float *key_weight) {
     float rotated[dtype == 3 ? width : 1];
     for (int64_t r = 0; r < rows; r++) {
         const float *rows_kv[2] = {k + r * row_stride, v + r * row_stride};
@@ -177,6 +223,10 @@ void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache,
                 x = rotated;
             }
             store_row(caches[i], slots[r], x, width, dtype);
+            if (dtype == 3 && i == 0 && key_weight != NULL)
+                for (int64_t h = 0; h < width / head_dim; h++)
+                    shape_key_q8((int8_t *)k_cache + slots[r] * (width / 32 * 34) + h * (head_dim / 32 * 34),
+                                 x + h * head_dim, head_dim, key_weight + h * head_dim * head_dim);
         }
     }
 }
