@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from unison.bench import serve
-from unison.bench.datasets import WORDS, estimate_tokens, random_requests, sharegpt_requests
+from unison.bench.datasets import WORDS, estimate_tokens, grounded_chats, random_requests, sharegpt_requests
 from unison.bench.serve import RequestResult, summarize
 
 # ---- summarize ------------------------------------------------------------------------------
@@ -94,6 +94,21 @@ def test_random_requests():
     assert [(r.prompt_len, r.output_len) for r in fixed] == [(64, 8)] * 3
     with pytest.raises(ValueError):
         random_requests(1, 10, 10, range_ratio=1.0)
+
+
+def test_grounded_chats():
+    """`bench long --quality --prompt-set chat`'s prompts: grounded tasks in one message, at
+    least `tokens` long as the encoder counts them, seeded by their index."""
+    def encode(text):
+        return [len(w) for w in text.split()]
+
+    def render(text):
+        return [-1] + encode(text) + [-2]  # a chat template's markers around the message
+
+    prompts = grounded_chats(encode, render, 3, 300)
+    assert prompts == grounded_chats(encode, render, 3, 300) and len(set(map(tuple, prompts))) == 3
+    assert all(p[0] == -1 and p[-1] == -2 and 300 <= len(p) - 2 < 600 for p in prompts)
+    assert grounded_chats(encode, render, 4, 300)[:3] == prompts
 
 
 def test_sharegpt_loader(tmp_path):

@@ -1,8 +1,9 @@
 """8-bit KV caches. kv_cache_dtype="int8": llama.cpp's q8_0 blocks (32 values and a float16
-scale), of Hadamard-rotated rows. On long prompts it stays close to a float16 cache, it holds
-nearly twice the tokens in the same memory, and a request's output is the same alone or batched,
-as with every cache type. "fp8_e4m3": vLLM's, a byte a value and no scale: twice the tokens,
-further from float16 (BENCHMARKS.md has both measured)."""
+scale), of Hadamard-rotated rows, keys rounded against the queries (key_rounding.py). On long
+prompts it stays close to a float16 cache, it holds nearly twice the tokens in the same memory,
+and a request's output is the same alone or batched, as with every cache type. "fp8_e4m3":
+vLLM's, a byte a value and no scale: twice the tokens, further from float16 (BENCHMARKS.md has
+both measured)."""
 
 from __future__ import annotations
 

@@ -142,6 +142,20 @@ def grounded_prompt(kind: str, rng: random.Random) -> str:
     raise ValueError(f"grounded prompt kind must be one of {GROUNDED_KINDS}, got {kind!r}")
 
 
+def grounded_chats(encode: Callable[[str], list[int]], render: Callable[[str], list[int]], n: int,
+                   tokens: int) -> list[list[int]]:
+    """n prompts of `tokens` tokens or a little more: grounded tasks one after another in one
+    message, each task's kind picked by the text's length so far (`encode` counts its tokens;
+    `render`: the message's ids in the model's chat template), seeded by the prompt's index."""
+    prompts = []
+    for i in range(n):
+        rng, text = random.Random(100 + i), ""
+        while (count := len(encode(text))) < tokens:
+            text += grounded_prompt(GROUNDED_KINDS[count % len(GROUNDED_KINDS)], rng) + "\n\n"
+        prompts.append(render(text))
+    return prompts
+
+
 def grounded_requests(n: int, output_len: int, seed: int = 0,
                       kinds: tuple[str, ...] = GROUNDED_KINDS) -> list[SampleRequest]:
     """n input-grounded requests, the kinds in turn (seeded documents)."""

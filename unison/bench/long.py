@@ -7,16 +7,17 @@ llama-server (optional) on the same GGUF, one request: cold, from its prompt cac
 q8_0 KV.
 
     unison bench long [--model-path GGUF] [--prompt-len 8000] [--llama-server PATH]
-    unison bench long --quality [--prompts 16] [--prompt-len 1000]
+    unison bench long --quality [--prompts 16] [--prompt-len 1000] [--prompt-set quiz|chat]
 
 Both engines are servers, measured by one client over llama-server's own `/completion` route
 (Unison serves it too), greedy with ignore_eos: TTFT is the time to the first streamed token,
 decode speed the tokens after it over the time after it. Each server runs alone.
 
 `--quality` measures instead how close each 8-bit cache stays to float16's, offline: quiz
-transcripts (datasets.quiz_prompts, the tests' kind), greedy, 16 new tokens; per cache type, the
-prompts whose tokens are float16's, and the first step's top-5 logprob distance (over the tokens
-both top 5s hold: median and max).
+transcripts (datasets.quiz_prompts, the tests' kind) or, with `--prompt-set chat`, input-grounded
+tasks in one user message of the model's chat template (datasets.grounded_chats); greedy, 16 new
+tokens; per cache type, the prompts whose tokens are float16's, and the first step's top-5
+logprob distance (over the tokens both top 5s hold: median and max).
 """
 
 from __future__ import annotations
@@ -165,16 +166,15 @@ def report(results: dict[str, dict[str, Timing]], batch_size: int) -> str:
 
 def quality(args: argparse.Namespace) -> int:
     from unison import Engine
-    from unison.bench.datasets import quiz_prompts
-
     params = {"temperature": 0, "max_new_tokens": 16}
     outs: dict[str, list[Json]] = {}
     for dtype in ("float16", "int8", "fp8_e4m3", "fp8_e5m2"):
         with Engine(model_path=args.model_path, kv_cache_dtype=dtype, num_threads=args.threads) as engine:
-            prompts = quiz_prompts(engine.tokenizer.encode, args.prompts, args.prompt_len)
+            prompts = quality_prompts(engine.tokenizer, args)
             outs[dtype] = cast(list[Json], engine.generate(input_ids=prompts, sampling_params=params,
                                                            return_logprob=True, top_logprobs_num=5))
-    print(f"{args.prompts} quiz prompts of {args.prompt_len}+ tokens, 16 greedy tokens, against float16 KV")
+    print(f"{args.prompts} {args.prompt_set} prompts of {args.prompt_len}+ tokens, 16 greedy tokens, "
+          "against float16 KV")
     for dtype, got in list(outs.items())[1:]:
         same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(outs["float16"], got))
         gaps = [abs(lp - top5(b)[t]) for a, b in zip(outs["float16"], got) for t, lp in top5(a).items()
@@ -182,6 +182,18 @@ def quality(args: argparse.Namespace) -> int:
         print(f"{dtype:<10} greedy equal {same}/{len(got)}; first-step top-5 logprobs: median "
               f"{statistics.median(gaps):.4f}, max {max(gaps):.4f}")
     return 0
+
+
+def quality_prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:  # a transformers tokenizer
+    from unison.bench.datasets import grounded_chats, quiz_prompts
+
+    if args.prompt_set == "quiz":
+        return quiz_prompts(tokenizer.encode, args.prompts, args.prompt_len)
+
+    def render(text: str) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                              add_generation_prompt=True, tokenize=False))
+    return grounded_chats(tokenizer.encode, render, args.prompts, args.prompt_len)
 
 
 def top5(out: Json) -> dict[int, float]:
@@ -219,4 +231,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quality", action="store_true", help="each 8-bit cache's distance to float16's instead")
     p.add_argument("--prompts", type=int, default=16, help="--quality's prompts")
+    p.add_argument("--prompt-set", choices=("quiz", "chat"), default="quiz",
+                   help="--quality's prompts: quiz transcripts, or grounded tasks in the chat template")
     p.set_defaults(func=main)
