@@ -4,9 +4,10 @@ What a key's rounding error e costs is the score error q . e of each query that 
 queries are far from isotropic (one mean direction carries about half of a head's query energy
 on SmolLM2). So csrc/fused_ops.c (shape_key_q8) rounds each key to keep e^T W e small, with
 W = E[q q^T] over the queries of the key's head, in the rotated coordinates the cache stores
-keys in. W comes from one forward over a fixed text (key_rounding.txt), so it depends on the
-weights alone: every run of a model rounds alike (the disk tier's blocks stay valid across
-restarts), and a key's rounding reads its own row and W only (batch invariance holds)."""
+keys in. W comes from one forward over a fixed text (key_rounding.txt) when the engine loads, so
+it depends on the weights alone: every run of a model rounds alike, and a key's rounding reads its
+own row and W only (batch invariance holds). A weight update keeps W: it only chooses which way
+a value rounds, never how far."""
 
 from __future__ import annotations
 

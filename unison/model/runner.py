@@ -101,7 +101,7 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %.2f GiB", num_blocks, block_size,
                  str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / (1 << 30))
         self.loras: dict[int, Adapter] = {}  # the LoRA adapters the forward can run, by id
-        self._bind_model()
+        self._bind_model(measure_keys=True)
 
     def _load(self, model_path: str | Path | None, model_dir: Path,
               config: ModelConfig) -> tuple[str, DecoderModel]:
@@ -114,7 +114,10 @@ class ModelRunner:
         return quantization, DecoderModel(config, weights, self.device, self.dtype, quantization, from_gguf,
                                           linear_dtype=self.linear_dtype)
 
-    def _bind_model(self) -> None:
+    def _bind_model(self, measure_keys: bool = False) -> None:
+        """`measure_keys`: at load only. A weight update keeps the int8 keys' rounding weight
+        (key_rounding.py): any weight rounds within a step, and the measuring forward would write
+        over blocks that a prefix cache kept across the update may hold."""
         ops, attention = self.model.ops, self.attention
         kernel = ops if isinstance(ops, cpu_kernels.CpuKernels) else None
         attention.config, self._kernel = self.config, kernel  # a reload may change the attention scale
@@ -125,8 +128,7 @@ class ModelRunner:
         if self.kv_dtype in cpu_kernels.C_ONLY_KV_DTYPES and kernel is None:
             raise ValueError(f"kv_cache_dtype={str(self.kv_dtype).removeprefix('torch.')!r} is read by the C "
                              "attention kernel only, which this model does not run on; use float16")
-        attention.key_weight = None  # measured with keys rounded to nearest, as on a first load
-        if self.kv_dtype == torch.int8 and self.task == "generate":
+        if measure_keys and self.kv_dtype == torch.int8 and self.task == "generate":
             attention.key_weight = self._measure_key_weight()
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.

@@ -153,9 +153,9 @@ void hadamard_rotate(float *x, int64_t count, int64_t d) {
 // from isotropic (one mean direction holds half a head's query energy). So after rounding to
 // nearest, a key moves a few of its values to their other neighbour (each still within one
 // step) where that lowers e^T W e, e the key's error and W = E[q q^T] over its head's queries,
-// rotated as the key is (the runner measures W once at load: unison/model/key_rounding.py). Greedy,
-// one value a pass, KEY_PASSES passes: the score error's rms fell by a third, and the first-step
-// logprob distance to float16's with it (BENCHMARKS.md). The cache's layout and its reader are
+// rotated as the key is (measured once at load: unison/model/key_rounding.py). Greedy, one value
+// a pass, KEY_PASSES passes: the score error's rms fell by a third, and the first-step logprob
+// distance to float16's with it (BENCHMARKS.md). The cache's layout and its reader are
 // unchanged: these are q8 blocks like any other, only better chosen.
 #define KEY_PASSES 4
 
