@@ -42,8 +42,9 @@ def test_close_to_float16_on_long_prompts(engines):
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(want, got))
     assert same >= 7, f"greedy equal on {same} of 8"
     diffs = distances(want, got)
-    # Keys rounded by key_rounding.py's weight: 0.0075 and 0.052 here (0.02 and 0.08 held before)
-    assert statistics.median(diffs) < 0.015 and max(diffs) < 0.07, (statistics.median(diffs), max(diffs))
+    # Keys rounded by key_rounding.py's weight: 0.0053 and 0.045 here; rounded to nearest, 0.0089
+    # and 0.050 (the median bound fails it)
+    assert statistics.median(diffs) < 0.008 and max(diffs) < 0.06, (statistics.median(diffs), max(diffs))
     # fp8 with no scale keeps 3 bits of mantissa: further off (0.08 median at 1,000 tokens), yet
     # a cache read wrong would be off by whole nats.
     diffs = distances(want, rough)

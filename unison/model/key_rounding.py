@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 TEXT = Path(__file__).with_name("key_rounding.txt")
-MAX_TOKENS = 384  # enough for W's directions; a 1B model prefills them in a few seconds
+MAX_TOKENS = 768  # the whole text (639 tokens on SmolLM2); 384 measured a noisier W (BENCHMARKS.md)
 
 
 def text_ids(model_dir: Path) -> list[int] | None:
