@@ -34,12 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import httpx
 
 from unison.bench import Json
 from unison.bench.local_server import serving
+
+if TYPE_CHECKING:
+    from unison.frontend.tokenizer import Tokenizer
 
 UNISON = [sys.executable, "-m", "unison.cli"]
 
@@ -184,15 +187,15 @@ def quality(args: argparse.Namespace) -> int:
     return 0
 
 
-def quality_prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:  # a transformers tokenizer
+def quality_prompts(tokenizer: Tokenizer, args: argparse.Namespace) -> list[list[int]]:
     from unison.bench.datasets import grounded_chats, quiz_prompts
 
     if args.prompt_set == "quiz":
         return quiz_prompts(tokenizer.encode, args.prompts, args.prompt_len)
 
-    def render(text: str) -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                              add_generation_prompt=True, tokenize=False))
+    def render(text: str) -> list[int]:  # with the generation prompt; the template writes any BOS
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        return tokenizer.encode(prompt, add_special_tokens=False)
     return grounded_chats(tokenizer.encode, render, args.prompts, args.prompt_len)
 
 

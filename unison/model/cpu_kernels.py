@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c",
                                     "lora.c", "moe.c")]
-HEADERS = [CSRC / "paged_attention_body.h", CSRC / "simd_math.h", CSRC / "lora.h", CSRC / "moe.h"]
+HEADERS = [CSRC / "paged_attention_body.h", CSRC / "q8.h", CSRC / "simd_math.h", CSRC / "lora.h",
+           CSRC / "moe.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 @functools.cache  # built and loaded once, on first use

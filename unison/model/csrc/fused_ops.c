@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "q8.h"
 #include "simd_math.h"
 
 #define PARALLEL_ROWS 64  // fewer rows than this run on the calling thread
@@ -75,10 +76,10 @@ static inline uint16_t bf16_of_f32(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// int8: llama.cpp's q8_0 blocks (paged_attention.c's Q8_BLOCK): each 32 values over their
+// int8: llama.cpp's q8_0 blocks (q8.h): each 32 values over their
 // largest magnitude, rounded to nearest even, then the float16 scale that brings them back.
 static void store_q8(int8_t *dst, const float *x, int64_t n) {
-    for (int64_t g = 0; g < n; g += 32, x += 32, dst += 34) {
+    for (int64_t g = 0; g < n; g += 32, x += 32, dst += Q8_BLOCK) {
         float amax = 0.0f;
         for (int64_t i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
         const _Float16 scale = (_Float16)(amax / 127.0f);
@@ -89,12 +90,6 @@ static void store_q8(int8_t *dst, const float *x, int64_t n) {
         }
         memcpy(dst + 32, &scale, sizeof scale);
     }
-}
-
-static inline float q8_scale_of(const int8_t *block) {
-    _Float16 scale;
-    memcpy(&scale, block + 32, sizeof scale);
-    return (float)scale;
 }
 
 // float -> fp8 (vLLM's fp8_e4m3 and fp8_e5m2, torch's float8_e4m3fn and float8_e5m2), rounding
@@ -162,8 +157,8 @@ void hadamard_rotate(float *x, int64_t count, int64_t d) {
 static void shape_key_q8(int8_t *dst, const float *x, int64_t d, const float *restrict w) {
     float err[d], step[d], we[d];  // the error, each value's step (its block's scale), W e
     for (int64_t j = 0; j < d; j++) {
-        step[j] = q8_scale_of(dst + j / 32 * 34);
-        err[j] = (float)dst[j / 32 * 34 + j % 32] * step[j] - x[j];
+        step[j] = q8_scale(dst + j / 32 * Q8_BLOCK);
+        err[j] = (float)dst[q8_at(j)] * step[j] - x[j];
         we[j] = 0.0f;
     }
     for (int64_t j = 0; j < d; j++)  // W is symmetric: its row j is its column j
@@ -172,7 +167,7 @@ static void shape_key_q8(int8_t *dst, const float *x, int64_t d, const float *re
         int64_t best = -1;
         float best_change = 0.0f;
         for (int64_t j = 0; j < d; j++) {
-            const int8_t q = dst[j / 32 * 34 + j % 32];
+            const int8_t q = dst[q8_at(j)];
             const int up = err[j] <= 0.0f;  // rounded down (or exact): the other neighbour is above
             if (up ? q == 127 : q == -127) continue;
             const float move = up ? step[j] : -step[j];
@@ -181,7 +176,7 @@ static void shape_key_q8(int8_t *dst, const float *x, int64_t d, const float *re
         }
         if (best < 0) break;
         const float move = err[best] <= 0.0f ? step[best] : -step[best];
-        dst[best / 32 * 34 + best % 32] += move > 0.0f ? 1 : -1;
+        dst[q8_at(best)] += move > 0.0f ? 1 : -1;
         err[best] += move;
         for (int64_t i = 0; i < d; i++) we[i] += move * w[best * d + i];
     }
@@ -192,7 +187,7 @@ static void store_row(void *cache, int64_t slot, const float *x, int64_t width, 
         uint8_t *dst = (uint8_t *)cache + slot * width;
         for (int64_t i = 0; i < width; i++) dst[i] = dtype == 4 ? e4m3_of_f32(x[i]) : e5m2_of_f32(x[i]);
     } else if (dtype == 3) {  // heads one after another (head_dim a multiple of 32): width / 32 blocks
-        store_q8((int8_t *)cache + slot * (width / 32 * 34), x, width);
+        store_q8((int8_t *)cache + slot * Q8_HEAD(width), x, width);
     } else if (dtype == 1) {
         _Float16 *dst = (_Float16 *)cache + slot * width;
         for (int64_t i = 0; i < width; i++) dst[i] = (_Float16)x[i];  // nearest even, as torch
@@ -225,7 +220,7 @@ void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache,
             store_row(caches[i], slots[r], x, width, dtype);
             if (dtype == 3 && i == 0 && key_weight != NULL)
                 for (int64_t h = 0; h < width / head_dim; h++)
-                    shape_key_q8((int8_t *)k_cache + slots[r] * (width / 32 * 34) + h * (head_dim / 32 * 34),
+                    shape_key_q8((int8_t *)k_cache + slots[r] * Q8_HEAD(width) + h * Q8_HEAD(head_dim),
                                  x + h * head_dim, head_dim, key_weight + h * head_dim * head_dim);
         }
     }

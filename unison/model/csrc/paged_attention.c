@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "q8.h"
 #include "simd_math.h"
 
 #ifdef UNISON_AVX2
@@ -74,19 +75,7 @@ static inline float f32_of_bf16(uint16_t h) {
 
 #define TILE_Q 16  // query rows of one request that share each K/V row read
 
-// int8 (kv_cache_dtype="int8"): llama.cpp's q8_0 blocks. Each head's row of a token is head_dim / 32
-// blocks of 32 int8 values and their float16 scale (value = int8 * scale), 34 bytes a block,
-// written by store_kv (fused_ops.c) from the row times a Hadamard matrix.
-#define Q8_BLOCK 34
-#define Q8_HEAD(d) ((d) / 32 * Q8_BLOCK)
-
-void hadamard_rotate(float *x, int64_t count, int64_t d);  // fused_ops.c
-
-static inline float q8_scale(const int8_t *block) {
-    _Float16 s;
-    memcpy(&s, block + 32, sizeof s);
-    return (float)s;
-}
+void hadamard_rotate(float *x, int64_t count, int64_t d);  // fused_ops.c: int8 rows are stored rotated
 
 #ifdef ATTN_AVX2
 static inline __m256 q8_load8(const int8_t *p) {
