@@ -137,7 +137,7 @@ def test_int8_cache_is_q8_0_and_attention_reads_it_in_place(seqs, heads, kv_head
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_int8_keys_rounded_by_a_weight_keep_their_scales_and_lower_its_error(head_dim):
     """With key_rounding.py's weight W, store_kv's keys (shape_key_q8) keep nearest rounding's
     scales, stay within one step of each value, and have a weighted error e^T W e no larger than
@@ -146,7 +146,8 @@ def test_int8_keys_rounded_by_a_weight_keep_their_scales_and_lower_its_error(hea
     g = torch.Generator().manual_seed(head_dim)
     kv_heads, n = 2, 200
     k, v = torch.randn(n, kv_heads * head_dim, generator=g), torch.randn(n, kv_heads * head_dim, generator=g)
-    directions = torch.randn(kv_heads, head_dim, 4, generator=g)  # queries mostly along a few directions
+    # queries mostly along a few directions, as many as the kernel makes passes (one per 16 values)
+    directions = torch.randn(kv_heads, head_dim, head_dim // 16, generator=g)
     w = (directions @ directions.transpose(1, 2) + 0.1 * torch.eye(head_dim)).contiguous()
 
     def stored(weight):
@@ -170,7 +171,7 @@ def test_int8_keys_rounded_by_a_weight_keep_their_scales_and_lower_its_error(hea
 
     before, after = cost(dequantize_q8(nearest) - rotated), cost(error)
     assert (after <= before * (1 + 1e-6)).all() and (after < before).float().mean() > 0.9
-    assert after.sum() < 0.2 * before.sum()
+    assert after.sum() < 0.1 * before.sum()  # four passes at any head_dim: 0.27 at 256
     identity = torch.eye(head_dim).expand(kv_heads, -1, -1).contiguous()
     assert torch.equal(stored(identity)[0], nearest)
 

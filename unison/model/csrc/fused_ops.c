@@ -149,10 +149,12 @@ void hadamard_rotate(float *x, int64_t count, int64_t d) {
 // nearest, a key moves a few of its values to their other neighbour (each still within one
 // step) where that lowers e^T W e, e the key's error and W = E[q q^T] over its head's queries,
 // rotated as the key is (measured once at load: unison/model/key_rounding.py). Greedy, one value
-// a pass, KEY_PASSES passes: the score error's rms fell by a third, and the first-step logprob
-// distance to float16's with it (BENCHMARKS.md). The cache's layout and its reader are
-// unchanged: these are q8 blocks like any other, only better chosen.
-#define KEY_PASSES 4
+// a pass, a pass for each KEY_VALUES_PER_PASS values of the head: the score error's rms fell by a
+// third, and the first-step logprob distance to float16's with it (BENCHMARKS.md). Four passes
+// for any head_dim left Gemma 3's heads of 256 at 0.55 of nearest's e^T W e; a pass per 16
+// values, 0.45 (64: still four). The cache's layout and its reader are unchanged: these are q8
+// blocks like any other, only better chosen.
+#define KEY_VALUES_PER_PASS 16
 
 static void shape_key_q8(int8_t *dst, const float *x, int64_t d, const float *restrict w) {
     float err[d], step[d], we[d];  // the error, each value's step (its block's scale), W e
@@ -163,7 +165,7 @@ static void shape_key_q8(int8_t *dst, const float *x, int64_t d, const float *re
     }
     for (int64_t j = 0; j < d; j++)  // W is symmetric: its row j is its column j
         for (int64_t i = 0; i < d; i++) we[i] += w[j * d + i] * err[j];
-    for (int pass = 0; pass < KEY_PASSES; pass++) {
+    for (int64_t pass = 0; pass < d / KEY_VALUES_PER_PASS; pass++) {
         int64_t best = -1;
         float best_change = 0.0f;
         for (int64_t j = 0; j < d; j++) {
