@@ -76,8 +76,8 @@ static inline uint16_t bf16_of_f32(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// int8: llama.cpp's q8_0 blocks (q8.h): each 32 values over their
-// largest magnitude, rounded to nearest even, then the float16 scale that brings them back.
+// int8: llama.cpp's q8_0 blocks (q8.h): each 32 values over their largest magnitude, rounded to
+// nearest even, then the float16 scale that brings them back.
 static void store_q8(int8_t *dst, const float *x, int64_t n) {
     for (int64_t g = 0; g < n; g += 32, x += 32, dst += Q8_BLOCK) {
         float amax = 0.0f;
