@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_free: Callable[[int], None] | None = None) -> None:
         self.num_blocks = num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.refs = [0] * num_blocks  # owners per block (a later prefix cache shares blocks)
+        self.on_free = on_free  # (block): told when a block goes back to the free list
 
     @property
     def num_free(self) -> int:
@@ -42,6 +43,8 @@ class BlockPool:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free.append(b)
+                if self.on_free is not None:
+                    self.on_free(b)
 
     def check_integrity(self, tables: Iterable[list[int]]) -> None:
         """Every block is free or owned, never both, never leaked, refs equal to owners."""

@@ -44,10 +44,13 @@ class EngineCore:
         model_limit = self.runner.context_length
         self.context_length = min(config.context_length or model_limit, model_limit)
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
-        self.pool = BlockPool(self.runner.num_blocks)
+        encoder = isinstance(self.runner, EncoderRunner)  # it keeps no KV: nothing to cache or chunk
+        # An int8 cache reads a request's own block as float16 from rows the request computed
+        # (model/recent_rows.py): a freed block's copy goes, and a partial-block hit is not copied.
+        recent = None if encoder else cast(ModelRunner, self.runner).attention.recent
+        self.pool = BlockPool(self.runner.num_blocks, on_free=None if recent is None else recent.drop)
         # The radix cache's changes as KV events, when they are published (core/kv_publisher.py)
         self.kv_events = EventLog(config.block_size) if config.kv_events is not None else None
-        encoder = isinstance(self.runner, EncoderRunner)  # it keeps no KV: nothing to cache or chunk
         # The prefix cache's disk tier (kv_cache_dir), or None
         self.disk = open_disk_cache(config, self.runner, self.kv_events) if config.kv_cache_dir else None
         observers = [o for o in (self.kv_events, self.disk) if o is not None]
@@ -58,7 +61,7 @@ class EngineCore:
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
             max_adapters=config.max_loras_per_batch, whole_prompts=encoder, disk=self.disk,
-            copy_block=None if encoder else cast(ModelRunner, self.runner).attention.copy_block,
+            copy_block=None if encoder or recent else cast(ModelRunner, self.runner).attention.copy_block,
         )
         # An encoder never reaches it: make_runner refuses enable_lora for one.
         self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,

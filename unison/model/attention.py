@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 from .families import ModelConfig
+from .recent_rows import RecentRows, RecentStep
 
 # Attention work (query rows x context tokens, summed) up to which a step's attention runs on one
 # thread: a parallel region over so little work costs more than it saves, and when the other
@@ -38,6 +39,7 @@ class Item(Protocol):
     token_ids: list[int]  # the new tokens (only their number matters here)
     start_pos: int  # tokens of the request already in the cache
     block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
+    logits_start: int  # index into token_ids from which logits are taken
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class PagedMeta:
     tables: Tensor  # [items, width] int64 block tables
     row_seq: Tensor  # [N] int64: each row's item
     row_len: Tensor  # [N] int64: each row's position + 1
+    recent: RecentStep | None = None  # an int8 cache's recent rows (recent_rows.py)
 
 
 @dataclass(slots=True)
@@ -105,6 +108,9 @@ class PagedAttention:
         # int8: how keys are rounded, [layers, kv_heads, head_dim, head_dim] (key_rounding.py; the
         # runner measures it at load); None: to nearest.
         self.key_weight: Tensor | None = None
+        # int8: the rows of each query's own block, read as float16 (recent_rows.py).
+        self.recent = (RecentRows(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim)
+                       if kv_dtype == torch.int8 else None)
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
         # page faults that make decode attention 3x slower on CPU.
         self._gather_bufs = [torch.empty(0, dtype=kv_dtype, device=device) for _ in range(2)]
@@ -179,7 +185,8 @@ class PagedAttention:
             nb = -(-end // bs)
             tables[i, :nb] = item.block_table[:nb]
         row_seq = np.repeat(np.arange(len(batch), dtype=np.int64), [len(it.token_ids) for it in batch])
-        return PagedMeta(torch.from_numpy(tables), torch.from_numpy(row_seq), torch.from_numpy(positions + 1))
+        return PagedMeta(torch.from_numpy(tables), torch.from_numpy(row_seq), torch.from_numpy(positions + 1),
+                         None if self.recent is None else self.recent.step(batch))
 
     def _torch_meta(self, batch: Sequence[Item], window: int | None) -> _TorchAttn:
         decode, prefills, row = [], [], 0
@@ -262,13 +269,14 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [blocks, block_size, kv_heads, d]
         if step.paged is not None:
             assert self.kernel is not None  # paged metadata is built only for the C kernels
-            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d,
-                                 None if self.key_weight is None else self.key_weight[layer])
             p = step.paged
+            recent = None if p.recent is None or self.recent is None else self.recent.layer(p.recent, layer)
+            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d,
+                                 None if self.key_weight is None else self.key_weight[layer], recent)
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
                                                self.config.layer_window[layer], threads,
-                                               self.config.attention_scale).view(n, heads * d)
+                                               self.config.attention_scale, recent).view(n, heads * d)
         assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))

@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -107,6 +108,32 @@ KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 
 C_ONLY_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # torch's attention reads none
 
 
+@dataclass(slots=True)
+class Recent:
+    """An int8 cache's recent rows for one layer's store and attention (csrc/q8.h): the keys and
+    values of a query's own block are read as float16. `rows_k` / `rows_v` [rows, kv_heads * d]
+    take the step's rows; `twins_k` / `twins_v` [twins, block_size, kv_heads, d] the blocks that
+    requests continue mid-way, row `twin_slots[r]` taking row r (-1: none); per request,
+    `first_row` is its first row in the step and `twin` the twin of that row's block (-1: none)."""
+
+    rows_k: torch.Tensor
+    rows_v: torch.Tensor
+    twins_k: torch.Tensor
+    twins_v: torch.Tensor
+    twin_slots: torch.Tensor
+    first_row: torch.Tensor
+    twin: torch.Tensor
+
+    def c(self) -> RecentRowsC:
+        return RecentRowsC(self.rows_k.data_ptr(), self.rows_v.data_ptr(), self.twins_k.data_ptr(),
+                           self.twins_v.data_ptr(), self.first_row.data_ptr(), self.twin.data_ptr())
+
+
+class RecentRowsC(ctypes.Structure):
+    _fields_ = [("k", _PTR), ("v", _PTR), ("k_twins", _PTR), ("v_twins", _PTR), ("first_row", _PTR),
+                ("twin", _PTR)]
+
+
 class CpuKernels:
     """Typed entry points. Tensors are float32 (int64 for indices; the KV cache float32, float16
     or bfloat16) on CPU, and their rows are contiguous; callers guarantee both (the model and
@@ -116,13 +143,14 @@ class CpuKernels:
         self.lib = lib
         self._scratch = torch.empty(0, dtype=torch.uint8)  # quantized activations, reused
         lib.paged_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                                        _I64, _I64, _I64, _F32, _INT, _INT]
+                                        _I64, _I64, _I64, _F32, _INT, _INT, _PTR]
         lib.paged_attention.restype = _INT
         lib.add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         lib.add_rms_norm.restype = None
         lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.rope.restype = None
-        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _PTR]
+        lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR,
+                                 _PTR, _PTR, _PTR]
         lib.store_kv.restype = None
         lib.act_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
         lib.act_mul.restype = None
@@ -190,9 +218,10 @@ class CpuKernels:
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
-                        window: int | None, num_threads: int, scale: float | None = None) -> torch.Tensor:
+                        window: int | None, num_threads: int, scale: float | None = None,
+                        recent: Recent | None = None) -> torch.Tensor:
         """out [rows, heads, d]: row r = softmax(q_r K^T * scale) V over the first row_len[r] tokens
-        (the last `window` of them) of request row_seq[r].
+        (the last `window` of them) of request row_seq[r]; an int8 cache's recent rows from `recent`.
 
         q [rows, heads, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] (one layer,
         any of KV_DTYPES); block_tables [requests, width], row_seq and row_len [rows] int64.
@@ -202,11 +231,12 @@ class CpuKernels:
         assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_tables.is_contiguous() and block_tables.dtype == row_len.dtype == torch.int64
         out = torch.empty_like(q)
+        rows_c = None if recent is None else recent.c()
         rc = self.lib.paged_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows, heads,
             kv_heads, d, block_size, window or 0, d ** -0.5 if scale is None else scale, num_threads,
-            KV_DTYPES[k_cache.dtype])
+            KV_DTYPES[k_cache.dtype], None if rows_c is None else ctypes.addressof(rows_c))
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory")
         return out
@@ -242,15 +272,20 @@ class CpuKernels:
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, head_dim: int, key_weight: torch.Tensor | None = None) -> None:
+                 slots: torch.Tensor, head_dim: int, key_weight: torch.Tensor | None = None,
+                 recent: Recent | None = None) -> None:
         """Cache rows `slots` (of [slots, kv_heads * head_dim]) = the rows of k and v, which share
         a row stride (both live in the fused QKV output). int8 rows go in rotated (fused_ops.c),
-        keys rounded by `key_weight` ([kv_heads, head_dim, head_dim], key_rounding.py) if given."""
+        keys rounded by `key_weight` ([kv_heads, head_dim, head_dim], key_rounding.py) if given,
+        and into `recent`'s rows and twins as float16."""
         assert k.stride() == v.stride() and k.stride(-1) == 1 and slots.dtype == torch.int64
         width = k.shape[1]
+        r = recent
         self.lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), k.shape[0], width, head_dim, KV_DTYPES[k_cache.dtype],
-                          _ptr(key_weight))
+                          _ptr(key_weight), *((r.rows_k.data_ptr(), r.rows_v.data_ptr(), r.twins_k.data_ptr(),
+                                               r.twins_v.data_ptr(), r.twin_slots.data_ptr())
+                                              if r is not None else (None,) * 5))
 
     def act16(self, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' view of x [m, k]: its int16 values per 32-block [m, kp] and their scales
@@ -371,7 +406,8 @@ class DStepC(ctypes.Structure):
                 ("slots", _PTR), ("tables", _PTR), ("row_seq", _PTR), ("row_len", _PTR),
                 ("table_stride", _I64), ("logit_rows", _I64), ("logit_index", _PTR), ("workspace", _PTR),
                 ("logits", _PTR), ("num_threads", _INT), ("attention_threads", _INT), ("lora_row", _PTR),
-                ("lora", _PTR)]
+                ("lora", _PTR), ("recent_k", _PTR), ("recent_v", _PTR), ("twin_k", _PTR), ("twin_v", _PTR),
+                ("twin_layer", _I64), ("twin_slots", _PTR), ("first_row", _PTR), ("twin", _PTR)]
 
 
 def _qlinear(plan: QuantPlan, bias: torch.Tensor | None) -> QLinearC:
@@ -417,8 +453,10 @@ class CompiledDecoder:
 
     def forward(self, ids: torch.Tensor, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
                 slots: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
-                logits_rows: torch.Tensor | None, serial: bool, lora=None) -> torch.Tensor:
-        """`lora`: the step's lora.LoraStep, when a row runs with an adapter."""
+                logits_rows: torch.Tensor | None, serial: bool, lora=None,
+                recent: Recent | None = None) -> torch.Tensor:
+        """`lora`: the step's lora.LoraStep, when a row runs with an adapter; `recent`: an int8
+        cache's recent rows, its twins every layer's ([layers, twins, ...])."""
         n = ids.numel()
         need = self.kernels.lib.decoder_workspace_bytes(ctypes.byref(self.c), n)
         if self._workspace.numel() < need:  # grown, never shrunk: one forward runs at a time
@@ -432,6 +470,12 @@ class CompiledDecoder:
                       row_seq.data_ptr(), row_len.data_ptr(), tables.shape[1], rows, _ptr(logits_rows),
                       self._workspace.data_ptr(), logits.data_ptr(), threads, 1 if serial else threads,
                       *((lora.row_index.data_ptr(), ctypes.addressof(lora.tables)) if lora else (None, None)))
+        if recent is not None:
+            step.recent_k, step.recent_v = recent.rows_k.data_ptr(), recent.rows_v.data_ptr()
+            step.twin_k, step.twin_v = recent.twins_k.data_ptr(), recent.twins_v.data_ptr()
+            step.twin_layer = recent.twins_k[0].numel()
+            step.twin_slots, step.first_row = recent.twin_slots.data_ptr(), recent.first_row.data_ptr()
+            step.twin = recent.twin.data_ptr()
         if self.kernels.lib.decoder_forward(ctypes.byref(self.c), ctypes.byref(step)) != 0:
             raise MemoryError("decoder forward: out of memory for the attention scores")
         return logits[: rows * self.vocab].view(rows, self.vocab)

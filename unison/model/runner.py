@@ -300,8 +300,10 @@ class ModelRunner:
             p = step.paged
             assert p is not None  # the compiled forward runs on the C kernels' metadata
             cos_sin = [r.cos_sin(positions, torch.float32) for r in self.config.ropes]
+            rows = self.attention.recent
+            recent = None if rows is None or p.recent is None else rows.layer(p.recent, None)
             return self._compiled.forward(ids, cos_sin, step.slots, p.tables, p.row_seq, p.row_len,
-                                          logits_rows, step.serial, lora)
+                                          logits_rows, step.serial, lora, recent)
 
     def _lora_step(self, batch: list[BatchItem]) -> LoraStep | None:
         if all(item.adapter == 0 for item in batch):

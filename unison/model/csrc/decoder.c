@@ -14,6 +14,7 @@
 
 #include "lora.h"
 #include "moe.h"
+#include "q8.h"
 
 // ---- the kernels this calls (the other files of this shared object) ---------------------------
 
@@ -30,7 +31,8 @@ void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int6
           int64_t heads, int64_t head_dim, int num_threads);
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
               const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype,
-              const float *key_weight);
+              const float *key_weight, void *recent_k, void *recent_v, void *twin_k, void *twin_v,
+              const int64_t *twin_slots);
 void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
 void norm_groups(float *x, int64_t row_stride, int64_t rows, int64_t groups, int64_t dim,
                  const float *weight, float eps);
@@ -38,7 +40,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                    float scale, int num_threads, int dtype);
+                    float scale, int num_threads, int dtype, const RecentRows *recent);
 
 // ---- the model as data (mirrored by ctypes Structures in cpu_kernels.py) -----------------------
 
@@ -82,6 +84,11 @@ typedef struct {
     int num_threads, attention_threads;
     const int64_t *lora_row;  // each row's index into `lora` (< 0: the base model); NULL: no adapters
     const LoraLinear *const *lora;  // the step's adapters' tables of linears, [layers * 4] each
+    // int8 caches' recent rows (q8.h); recent_k NULL: none. The twins are every layer's,
+    // [layers, twins, block_size, kv_heads, head_dim]; recent_k / recent_v one layer's, reused.
+    _Float16 *recent_k, *recent_v, *twin_k, *twin_v;
+    int64_t twin_layer;  // elements from one layer's twins to the next's
+    const int64_t *twin_slots, *first_row, *twin;  // [rows], [requests], [requests]
 } DStep;
 
 // The step's buffers, carved from one workspace. Widths have room for a linear's padding
@@ -166,12 +173,16 @@ int decoder_forward(const DModel *m, const DStep *s) {
             norm_groups(qkv + q, qkv_w, n, 1, kv, L->k_norm, m->eps);
         }
         rope(qkv, qkv_w, s->cos[L->rope], s->sin[L->rope], n, m->heads + m->kv_heads, d, t);
+        _Float16 *twin_k = s->recent_k ? s->twin_k + li * s->twin_layer : NULL;
+        _Float16 *twin_v = s->recent_k ? s->twin_v + li * s->twin_layer : NULL;
         store_kv(qkv + q, qkv + q + kv, qkv_w, L->k_cache, L->v_cache, s->slots, n, kv, d, m->kv_dtype,
-                 L->key_weight);
+                 L->key_weight, s->recent_k, s->recent_v, twin_k, twin_v, s->twin_slots);
+        const RecentRows recent = {s->recent_k, s->recent_v, twin_k, twin_v, s->first_row, s->twin};
         for (int64_t r = 0; r < n; r++) memcpy(qbuf + r * q, qkv + r * qkv_w, sizeof(float) * q);
         if (paged_attention(qbuf, L->k_cache, L->v_cache, s->tables, s->table_stride, s->row_seq, s->row_len,
                             attn, n, m->heads, m->kv_heads, d, m->block_size, L->window,
-                            m->attention_scale, s->attention_threads, m->kv_dtype) != 0)
+                            m->attention_scale, s->attention_threads, m->kv_dtype,
+                            s->recent_k ? &recent : NULL) != 0)
             return -1;
         linear(&L->o_proj, attn, n, delta, &b, t);
         if (s->lora_row) lora_apply(attn, q, q, delta, H, n, s->lora_row, s->lora, 4 * li + 1, t);

@@ -204,14 +204,17 @@ static void store_row(void *cache, int64_t slot, const float *x, int64_t width, 
 // k_cache / v_cache rows [slots[r]] = rows r of k and v (width floats each: heads of head_dim),
 // converted to the cache's element type (dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8
 // blocks of 32, rotated, 4 fp8 e4m3, 5 fp8 e5m2). key_weight: int8's [heads, head_dim, head_dim]
-// W of shape_key_q8, or NULL (keys rounded to nearest).
+// W of shape_key_q8, or NULL (keys rounded to nearest). int8's recent rows (q8.h), rotated, as
+// float16: row r goes to row r of recent_k / recent_v ([rows, width]; NULL: none) and to row
+// twin_slots[r] of twin_k / twin_v where that is >= 0.
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
               const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype,
-              const float *key_weight) {
+              const float *key_weight, void *recent_k, void *recent_v, void *twin_k, void *twin_v,
+              const int64_t *twin_slots) {
     float rotated[dtype == 3 ? width : 1];
     for (int64_t r = 0; r < rows; r++) {
         const float *rows_kv[2] = {k + r * row_stride, v + r * row_stride};
-        void *caches[2] = {k_cache, v_cache};
+        void *caches[2] = {k_cache, v_cache}, *recent[2] = {recent_k, recent_v}, *twins[2] = {twin_k, twin_v};
         for (int i = 0; i < 2; i++) {
             const float *x = rows_kv[i];
             if (dtype == 3) {
@@ -220,6 +223,8 @@ void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache,
                 x = rotated;
             }
             store_row(caches[i], slots[r], x, width, dtype);
+            if (recent[i] != NULL) store_row(recent[i], r, x, width, 1);
+            if (recent[i] != NULL && twin_slots[r] >= 0) store_row(twins[i], twin_slots[r], x, width, 1);
             if (dtype == 3 && i == 0 && key_weight != NULL)
                 for (int64_t h = 0; h < width / head_dim; h++)
                     shape_key_q8((int8_t *)k_cache + slots[r] * Q8_HEAD(width) + h * Q8_HEAD(head_dim),

@@ -296,6 +296,11 @@ static inline __attribute__((always_inline)) void q8_row16(__m512 *x, const int8
                              q8_load16(row + c / 2 * Q8_BLOCK + c % 2 * 16));
 }
 
+// A head's float16 row (a recent one, q8.h) as float, in registers.
+static inline __attribute__((always_inline)) void f16_row16(__m512 *x, const _Float16 *row, const int64_t nc) {
+    for (int64_t c = 0; c < nc; c++) x[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 16 * c)));
+}
+
 // Key head kh's row of position pos in registers; at a block's first row, the next block is
 // prefetched.
 static inline __attribute__((always_inline)) void q8_row_at(
@@ -307,18 +312,30 @@ static inline __attribute__((always_inline)) void q8_row_at(
     q8_row16(x, cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(16 * nc), nc);
 }
 
+// A row of the query's own block from `recent` where it holds it, else from the q8 cache.
+static inline __attribute__((always_inline)) void decode_row(
+        __m512 *x, const int8_t *cache, const int64_t *table, int64_t pos, int64_t len, int64_t kh,
+        int64_t row, const int64_t nc, int64_t block_size, const Recent *recent, int value, int64_t kv_heads) {
+    const _Float16 *own = recent && pos / block_size == (len - 1) / block_size
+        ? recent_row(recent, value, pos, kh, kv_heads, 16 * nc, block_size) : NULL;
+    if (own)
+        f16_row16(x, own, nc);
+    else
+        q8_row_at(x, cache, table, pos, len, kh, row, nc, block_size);
+}
+
 // scores[(h - h0) * span + pos - lo] = q_h . key_pos * scale, four heads of a key head at a time.
 static inline __attribute__((always_inline)) void decode_scores_i8(
         const float *q, const int8_t *k_cache, const int64_t *table, int64_t len, int64_t lo,
         int64_t h0, int64_t h1, int64_t group, int64_t row, const int64_t nc, int64_t block_size,
-        float scale, float *scores) {
+        float scale, const Recent *recent, int64_t kv_heads, float *scores) {
     const int64_t d = 16 * nc, span = len - lo;
     for (int64_t kh = h0 / group; kh * group < h1; kh++) {
         const int64_t ha = kh * group > h0 ? kh * group : h0;
         const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
         for (int64_t pos = lo; pos < len; pos++) {
             __m512 key[8];
-            q8_row_at(key, k_cache, table, pos, len, kh, row, nc, block_size);
+            decode_row(key, k_cache, table, pos, len, kh, row, nc, block_size, recent, 0, kv_heads);
             for (int64_t h = ha; h < hb; h += 4) {
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                                  _mm512_setzero_ps()};
@@ -337,7 +354,8 @@ static inline __attribute__((always_inline)) void decode_scores_i8(
 // out_h = sum over pos of scores_h[pos] * value_pos, the sums in registers (16 of them at most).
 static inline __attribute__((always_inline)) void decode_values_i8(
         const int8_t *v_cache, const int64_t *table, int64_t len, int64_t lo, float *out, int64_t h0,
-        int64_t h1, int64_t group, int64_t row, const int64_t nc, int64_t block_size, const float *scores) {
+        int64_t h1, int64_t group, int64_t row, const int64_t nc, int64_t block_size, const Recent *recent,
+        int64_t kv_heads, const float *scores) {
     const int64_t d = 16 * nc, span = len - lo, per = 16 / nc;  // heads summed per pass over the values
     for (int64_t kh = h0 / group; kh * group < h1; kh++) {
         const int64_t ha = kh * group > h0 ? kh * group : h0;
@@ -348,7 +366,7 @@ static inline __attribute__((always_inline)) void decode_values_i8(
             for (int64_t a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
             for (int64_t pos = lo; pos < len; pos++) {
                 __m512 value[8];
-                q8_row_at(value, v_cache, table, pos, len, kh, row, nc, block_size);
+                decode_row(value, v_cache, table, pos, len, kh, row, nc, block_size, recent, 1, kv_heads);
                 for (int64_t j = 0; j < n; j++) {
                     const __m512 s = _mm512_set1_ps(scores[(h + j - h0) * span + pos - lo]);
                     for (int64_t c = 0; c < nc; c++)
@@ -365,22 +383,23 @@ static inline __attribute__((always_inline)) void decode_values_i8(
 static inline __attribute__((always_inline)) void decode_i8(
         const float *q, const int8_t *k_cache, const int8_t *v_cache, const int64_t *table, int64_t len,
         int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group, int64_t kv_heads, const int64_t nc,
-        int64_t block_size, float scale, float *scores) {
+        int64_t block_size, float scale, const Recent *recent, float *scores) {
     const int64_t row = kv_heads * Q8_HEAD(16 * nc), span = len - lo;
-    decode_scores_i8(q, k_cache, table, len, lo, h0, h1, group, row, nc, block_size, scale, scores);
+    decode_scores_i8(q, k_cache, table, len, lo, h0, h1, group, row, nc, block_size, scale, recent, kv_heads,
+                     scores);
     for (int64_t h = 0; h < h1 - h0; h++) softmax(scores + h * span, span);
-    decode_values_i8(v_cache, table, len, lo, out, h0, h1, group, row, nc, block_size, scores);
+    decode_values_i8(v_cache, table, len, lo, out, h0, h1, group, row, nc, block_size, recent, kv_heads, scores);
 }
 
 // attend_tile's one-row case where the decode path above serves it: 1 when it did.
 static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, const int64_t *table,
                           int64_t len, int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group,
                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          float *scores) {
+                          const Recent *recent, float *scores) {
     if (head_dim == 64)
-        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 4, block_size, scale, scores);
+        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 4, block_size, scale, recent, scores);
     else if (head_dim == 128)
-        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 8, block_size, scale, scores);
+        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 8, block_size, scale, recent, scores);
     else
         return 0;
     return 1;
@@ -397,26 +416,26 @@ static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, cons
 #include "paged_attention_body.h"
 
 // dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8 blocks, 4 fp8 e4m3, 5 fp8 e5m2 (the
-// cache's element type).
+// cache's element type). recent: int8's recent rows (q8.h), or NULL.
 // Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                    float scale, int num_threads, int dtype) {
+                    float scale, int num_threads, int dtype, const RecentRows *recent) {
     switch (dtype) {
     case 1:
         return paged_attention_f16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads);
+                                   num_threads, NULL);
     case 4:
         return paged_attention_e4m3(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads);
+                                    num_threads, NULL);
     case 5:
         return paged_attention_e5m2(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads);
+                                    num_threads, NULL);
     case 3: {  // keys and values are stored rotated (fused_ops.c's hadamard_rotate): so are the queries
         float *rotated = malloc(sizeof(float) * rows * num_heads * head_dim);
         if (rotated == NULL) return -1;
@@ -424,7 +443,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
         hadamard_rotate(rotated, rows * num_heads, head_dim);
         const int rc = paged_attention_i8(rotated, k_cache, v_cache, block_tables, table_stride, row_seq,
                                           row_len, out, rows, num_heads, kv_heads, head_dim, block_size,
-                                          window, scale, num_threads);
+                                          window, scale, num_threads, recent);
         free(rotated);
         hadamard_rotate(out, rows * num_heads, head_dim);  // the values' rotation, undone
         return rc;
@@ -432,10 +451,10 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
     case 2:
         return paged_attention_bf16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads);
+                                    num_threads, NULL);
     default:
         return paged_attention_f32(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads);
+                                   num_threads, NULL);
     }
 }
