@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from unison.model import cpu_kernels, key_rounding
 from unison.model.decoder import TorchOps
+from unison.model.recent_rows import RecentRows
+from unison.model.runner import BatchItem
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the runner uses torch's path")
@@ -214,6 +216,76 @@ def test_int8_decode_rows_have_the_bits_of_prefill_rows(heads, kv_heads, head_di
         alone = kernels.paged_attention(q[r:r + 1].contiguous(), kc8, vc8, tables, row_seq[r:r + 1],
                                         row_len[r:r + 1], window, 2)
         assert torch.equal(alone[0], together[r]), r
+
+
+def _recent_run(k, v, q, table, block_size, steps, threads=1):
+    """One request through the int8 cache with its recent rows (recent_rows.py), step by step:
+    `steps` as (start, rows, logits_start); a step starting before the last one's end recomputes
+    rejected draft rows. The outputs of the rows no later step recomputes, in position order."""
+    n, width = k.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    recent = RecentRows(1, block_size, width // head_dim, head_dim)
+    kc = torch.zeros(max(table) + 1, block_size, width // head_dim, head_dim // 32 * 34, dtype=torch.int8)
+    vc = torch.zeros_like(kc)
+    out = torch.empty(n, heads, head_dim)
+    for start, rows, logits_start in steps:
+        end = start + rows
+        step = recent.step([BatchItem([0] * rows, start, table, logits_start)])
+        layer = recent.layer(step, 0)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(start, end)])
+        kernels.store_kv(k[start:end], v[start:end], kc, vc, slots, head_dim, None, layer)
+        out[start:end] = kernels.paged_attention(
+            q[start:end].contiguous(), kc, vc, torch.tensor([table]), torch.zeros(rows, dtype=torch.int64),
+            torch.arange(start + 1, end + 1), None, threads, None, layer)
+    return out, kc, vc, recent
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
+def test_int8_recent_rows_are_read_exact_and_alike_however_a_request_is_split(heads, kv_heads, head_dim):
+    """With recent rows, a query reads its own block's keys and values as float16 (of the rotated
+    rows) and older ones from the q8 blocks. A request prefilled whole, in chunks that end
+    mid-block, decoded row by row, or through drafts partly rejected gets the same bits."""
+    g = torch.Generator().manual_seed(head_dim)
+    bs, n, width = 16, 75, kv_heads * head_dim
+    kv = torch.randn(n, 2 * width, generator=g)
+    k, v = kv[:, :width], kv[:, width:]  # one row stride, as in the fused QKV output
+    q = torch.randn(n, heads, head_dim, generator=g)
+    table = torch.randperm(12, generator=g)[:5].tolist()
+    whole, kc, vc, _ = _recent_run(k, v, q, table, bs, [(0, n, n - 1)], threads=2)
+    # the reference: rotated space, own block float16, the rest dequantized q8
+    group, rq = heads // kv_heads, hadamard(q)
+    own = hadamard(k.reshape(n, kv_heads, head_dim)).half().float()
+    own_v = hadamard(v.reshape(n, kv_heads, head_dim)).half().float()
+    old = dequantize_q8(kc[table].flatten(0, 1))[:n]
+    old_v = dequantize_q8(vc[table].flatten(0, 1))[:n]
+    for p in range(n):
+        mine = torch.arange(p + 1) // bs == p // bs
+        keys = torch.where(mine[:, None, None], own[: p + 1], old[: p + 1]).repeat_interleave(group, 1)
+        values = torch.where(mine[:, None, None], own_v[: p + 1], old_v[: p + 1]).repeat_interleave(group, 1)
+        want = F.scaled_dot_product_attention(rq[p][:, None], keys.transpose(0, 1), values.transpose(0, 1))
+        torch.testing.assert_close(whole[p], hadamard(want[:, 0]), rtol=1e-5, atol=1e-5)
+    chunks = [(0, 20, 20), (20, 17, 16)] + [(p, 1, 0) for p in range(37, 50)] + [(50, 25, 24)]
+    drafts = [(0, 37, 36), (37, 5, 0), (39, 6, 0), (44, 4, 0), (47, 1, 0), (48, 8, 0), (50, 25, 24)]
+    for steps in (chunks, drafts):
+        assert torch.equal(_recent_run(k, v, q, table, bs, steps)[0], whole)
+
+
+def test_recent_rows_keep_a_twin_or_two_a_request():
+    """Twins hold the blocks a request continues mid-way: those its start passed are released, a
+    freed block's goes, and the pool does not grow over a long decode."""
+    recent, table, bs = RecentRows(2, 16, 1, 64), list(range(40, 80)), 16
+    recent.step([BatchItem([0] * 100, 0, table, 99)])  # ends mid-block 6: its twin is kept
+    assert list(recent.twin_of) == [46]
+    for p in range(100, 605):
+        step = recent.step([BatchItem([0], p, table, 0)])
+        assert step.twin.tolist() == [-1 if p % bs == 0 else recent.twin_of[table[p // bs]]]
+        assert len(recent.twin_of) <= 1
+    recent.step([BatchItem([0] * 5, 605, table, 0)])  # a draft crossing into the next block
+    assert sorted(recent.twin_of) == [77, 78]
+    recent.drop(78)  # two rows kept: the block past them is trimmed
+    recent.step([BatchItem([0], 607, table, 0)])
+    assert list(recent.twin_of) == [77] and recent.twins_k.shape[1] == 8
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

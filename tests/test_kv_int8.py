@@ -41,14 +41,29 @@ def test_close_to_float16_on_long_prompts(engines):
                                    top_logprobs_num=5) for e, n in ((f16, 8), (i8, 8), (fp8, 4)))
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(want, got))
     assert same >= 7, f"greedy equal on {same} of 8"
-    diffs = distances(want, got)
-    # Keys rounded by key_rounding.py's weight: 0.0053 and 0.045 here; rounded to nearest, 0.0089
-    # and 0.050 (the median bound fails it)
-    assert statistics.median(diffs) < 0.008 and max(diffs) < 0.06, (statistics.median(diffs), max(diffs))
+    # The rms over every step up to the first greedy difference (about 600 values) is steadier than
+    # the first step's 40. With a query's own block read as float16 (recent_rows.py): 0.0105, and
+    # 0.033 the first step's largest; without, 0.0161 and 0.045 (the rms bound fails it).
+    steady, first = every_step(want, got), distances(want, got)
+    assert math.sqrt(statistics.fmean(d * d for d in steady)) < 0.013 and max(first) < 0.05, \
+        (math.sqrt(statistics.fmean(d * d for d in steady)), max(first))
     # fp8 with no scale keeps 3 bits of mantissa: further off (0.08 median at 1,000 tokens), yet
     # a cache read wrong would be off by whole nats.
     diffs = distances(want, rough)
     assert statistics.median(diffs) < 0.25 and max(diffs) < 1.5, (statistics.median(diffs), max(diffs))
+
+
+def every_step(want: list[dict], got: list[dict]) -> list[float]:
+    """The top-5 logprob differences of every step while the greedy tokens agree."""
+    diffs = []
+    for a, b in zip(want, got):
+        for step, (mine, theirs) in enumerate(zip(a["meta_info"]["output_top_logprobs"],
+                                                   b["meta_info"]["output_top_logprobs"])):
+            if a["output_ids"][:step] != b["output_ids"][:step]:
+                break
+            other = {tid: lp for lp, tid, _ in theirs}
+            diffs += [abs(lp - other[tid]) for lp, tid, _ in mine if tid in other]
+    return diffs
 
 
 def distances(want: list[dict], got: list[dict]) -> list[float]:
@@ -65,6 +80,20 @@ def test_alone_equals_batched(engines, which):
     batched = engine.generate(input_ids=prompts, sampling_params=params)
     assert [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts] == \
         [o["output_ids"] for o in batched]
+
+
+def test_a_prefix_cache_hit_gives_what_a_cold_start_gives(engines):
+    """The recent rows a query reads as float16 are its own block's, computed by its own request
+    even after a hit: the cached prompt and a cold one give the same tokens and logprobs."""
+    engine = engines[1]
+    prompt = quiz_prompts(engine.tokenizer.encode, 1, 200)[0] + [17] * 9  # ends mid-block
+    params = {"temperature": 0, "max_new_tokens": 8}
+    engine.flush_cache()
+    cold, hit = (engine.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
+                 for _ in range(2))
+    assert hit["meta_info"]["cached_tokens"] > 0
+    assert hit["output_ids"] == cold["output_ids"]
+    assert hit["meta_info"]["output_token_logprobs"] == cold["meta_info"]["output_token_logprobs"]
 
 
 def test_nearly_twice_the_tokens_in_the_same_memory(engines):
