@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 from .families import ModelConfig
+from .key_rounding import KeyRounding
 
 # Attention work (query rows x context tokens, summed) up to which a step's attention runs on one
 # thread: a parallel region over so little work costs more than it saves, and when the other
@@ -102,9 +103,9 @@ class PagedAttention:
         self.kernel: cpu_kernels.CpuKernels | None = None
         self._group = c.num_attention_heads // c.num_key_value_heads
         self._step: StepMeta | None = None
-        # int8: how keys are rounded, [layers, kv_heads, head_dim, head_dim] (key_rounding.py; the
-        # runner measures it at load); None: to nearest.
-        self.key_weight: Tensor | None = None
+        # int8: how keys are stored (key_rounding.py; the runner measures it at load); None: as
+        # they are, rounded to nearest.
+        self.key_rounding: KeyRounding | None = None
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
         # page faults that make decode attention 3x slower on CPU.
         self._gather_bufs = [torch.empty(0, dtype=kv_dtype, device=device) for _ in range(2)]
@@ -262,13 +263,14 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [blocks, block_size, kv_heads, d]
         if step.paged is not None:
             assert self.kernel is not None  # paged metadata is built only for the C kernels
-            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d,
-                                 None if self.key_weight is None else self.key_weight[layer])
+            weight, mean = (None, None) if self.key_rounding is None else (
+                self.key_rounding.weight[layer], self.key_rounding.mean[layer])
+            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d, weight, mean)
             p = step.paged
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
                                                self.config.layer_window[layer], threads,
-                                               self.config.attention_scale).view(n, heads * d)
+                                               self.config.attention_scale, mean).view(n, heads * d)
         assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))

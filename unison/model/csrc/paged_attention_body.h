@@ -5,8 +5,14 @@
 // includer defines KV_NAME(dot) and KV_NAME(axpy) itself. KV_DEQUANT(dst, src, n): the includer's
 // conversion of a head's n values to float; with it, each K and V row is converted once for all
 // the query heads and rows that read it (dot_wide / axpy_wide then do the arithmetic), instead of
-// once per head: an 8-bit type's conversion costs more than its arithmetic. KV_DECODE(...): the
-// includer's own path for a tile of one row, returning 1 where it served it.
+// once per head: an 8-bit type's conversion costs more than its arithmetic. KV_DEQUANT_KEY(dst,
+// src, n, mean): the same for a key of the head whose mean is `mean` (int8: blocks stored less
+// it); KV_DEQUANT's by default. KV_DECODE(...): the includer's own path for a tile of one row,
+// returning 1 where it served it.
+
+#if defined(KV_DEQUANT) && !defined(KV_DEQUANT_KEY)
+#define KV_DEQUANT_KEY(dst, src, n, mean) KV_DEQUANT(dst, src, n)
+#endif
 
 #ifndef KV_OWN_DOT  // (int8 brings its own: a scale per block of 32)
 static inline float KV_NAME(dot)(const float *restrict a, const KV_T *restrict b, int64_t n) {
@@ -42,14 +48,15 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
         const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
         int64_t len0, int64_t nrows, int64_t window, float *out, int64_t num_heads, int64_t h0,
         int64_t h1, int64_t group, int64_t kv_heads, const int64_t head_dim, int64_t block_size,
-        float scale, float *scores) {
+        float scale, const float *key_mean, float *scores) {
+    (void)key_mean;  // read by KV_DEQUANT_KEY and KV_DECODE, where the type has a use for it
     const int64_t row = KV_ROW(kv_heads, head_dim), nh = h1 - h0, qstride = num_heads * head_dim;
     const int64_t end = len0 + nrows - 1;  // the last row's length: positions [lo, end)
     const int64_t lo = window > 0 && len0 > window ? len0 - window : 0, span = end - lo;
     const int64_t last = (end - 1) / block_size;
 #ifdef KV_DECODE  // the includer's path for one row (a decode step), when it has one for head_dim
     if (nrows == 1 && KV_DECODE(q, k_cache, v_cache, table, len0, lo, out, h0, h1, group, kv_heads,
-                                head_dim, block_size, scale, scores))
+                                head_dim, block_size, scale, key_mean, scores))
         return;
 #endif
     for (int64_t b = lo / block_size; b * block_size < end; b++) {
@@ -63,7 +70,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
 #ifdef KV_DEQUANT
             for (int64_t kh = h0 / group; kh * group < h1; kh++) {
                 float key[head_dim];
-                KV_DEQUANT(key, block + t * row + KV_HEAD(kh, head_dim), head_dim);
+                KV_DEQUANT_KEY(key, block + t * row + KV_HEAD(kh, head_dim), head_dim,
+                               key_mean != NULL ? key_mean + kh * head_dim : NULL);
                 const int64_t ha = kh * group > h0 ? kh * group : h0;
                 const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
                 for (int64_t i = pos < len0 ? 0 : pos - len0 + 1; i < nrows; i++) {
@@ -132,10 +140,11 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
                                     const int64_t *table, int64_t len0, int64_t nrows,            \
                                     int64_t window, float *out, int64_t num_heads, int64_t h0,    \
                                     int64_t h1, int64_t group, int64_t kv_heads, int64_t head_dim, \
-                                    int64_t block_size, float scale, float *scores) {             \
+                                    int64_t block_size, float scale, const float *key_mean,       \
+                                    float *scores) {                                              \
         (void)head_dim;                                                                           \
         KV_NAME(attend_tile)(q, k, v, table, len0, nrows, window, out, num_heads, h0, h1, group,  \
-                             kv_heads, D, block_size, scale, scores);                             \
+                             kv_heads, D, block_size, scale, key_mean, scores);                   \
     }
 ATTEND(64)
 ATTEND(128)
@@ -147,10 +156,10 @@ static int KV_NAME(paged_attention)(
         const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *block_tables,
         int64_t table_stride, const int64_t *row_seq, const int64_t *row_len, float *out,
         int64_t rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-        int64_t window, float scale, int num_threads) {
+        int64_t window, float scale, int num_threads, const float *key_mean) {
     void (*attend)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,
                    int64_t, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   float, float *) =
+                   float, const float *, float *) =
         head_dim == 64 ? KV_NAME(attend_64) : head_dim == 128 ? KV_NAME(attend_128)
         : head_dim == 256 ? KV_NAME(attend_256) : KV_NAME(attend_head_dim);
     const int64_t group = num_heads / kv_heads;
@@ -191,7 +200,7 @@ static int KV_NAME(paged_attention)(
             const int64_t off = r0 * num_heads * head_dim;
             attend(q + off, k_cache, v_cache, block_tables + row_seq[r0] * table_stride, len0, nrows,
                    window, out + off, num_heads, h0, h1, group, kv_heads, head_dim, block_size, scale,
-                   scores);
+                   key_mean, scores);
         }
         free(scores);
     }
@@ -207,4 +216,5 @@ static int KV_NAME(paged_attention)(
 #undef KV_ROW
 #undef KV_OWN_DOT
 #undef KV_DEQUANT
+#undef KV_DEQUANT_KEY
 #undef KV_DECODE
