@@ -178,27 +178,73 @@ def test_int8_keys_rounded_by_a_weight_keep_their_scales_and_lower_its_error(hea
     assert torch.equal(stored(identity)[0], nearest)
 
 
-def test_key_weight_is_the_query_moment_in_the_caches_rotation():
-    """key_rounding.py's W per layer and kv head: E[q q^T] over the head's queries, rotated by
-    the matrix the kernel's butterflies apply (so W weighs the errors of keys as stored)."""
+def test_key_rounding_is_the_query_moment_and_the_key_mean_in_the_caches_rotation():
+    """key_rounding.py per layer and kv head: W = E[q q^T] over the head's queries and the mean
+    of its keys, both rotated by the matrix the kernel's butterflies apply (so they weigh and
+    shift the keys as stored)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(10, 6, 64, generator=g)
-    moments = key_rounding.QueryMoments(2, 2, 64)
-    assert moments.wrap(lambda layer, q, k, v: q)(1, q, q, q) is q
+    q, k = torch.randn(10, 6, 64, generator=g), torch.randn(10, 2, 64, generator=g)
+    moments = key_rounding.Moments(2, 2, 64)
+    assert moments.wrap(lambda layer, q, k, v: q)(1, q, k, k) is q
     rotated = hadamard(q.view(10, 2, 3, 64))
-    torch.testing.assert_close(moments.weight()[1], torch.einsum("nhgi,nhgj->hij", rotated, rotated) / 30)
-    assert not moments.weight()[0].any()
+    weight, mean = moments.rounding()
+    torch.testing.assert_close(weight[1], torch.einsum("nhgi,nhgj->hij", rotated, rotated) / 30)
+    torch.testing.assert_close(mean[1], hadamard(k).mean(0))
+    assert not weight[0].any() and not mean[0].any()
     x = torch.randn(5, 96, generator=g)  # head_dim 96: blocks of 32
     torch.testing.assert_close(x @ key_rounding.hadamard(96).float(), hadamard(x))
 
 
-def _int8_caches(kc, vc, head_dim):
-    """kc, vc stored as the int8 cache holds them (store_kv's q8 blocks)."""
+def _shared_keys(kc, kv_heads, head_dim, g):
+    """Keys that share a large direction, as real keys do, but for each request's first token
+    (an attention sink: far from the others' mean). Returns the mean as store_kv takes it."""
+    shared = 4 * torch.randn(kv_heads, head_dim, generator=g)
+    kc[:-1] += shared
+    kc[:-1, 0] -= 2 * shared  # every block's first row: table order puts some first tokens there
+    return hadamard(shared).contiguous()  # rotated, as keys are stored
+
+
+def _scales(c):
+    return c.view(*c.shape[:3], -1, 34)[..., 32:].contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_int8_key_blocks_are_stored_less_the_mean_where_that_is_finer(head_dim):
+    """store_kv stores a key's block less its head's mean (rotated) where that needs the smaller
+    scale, and marks it by the scale's sign bit; the sink-like rows keep theirs whole. Values are
+    as they were. Attention adds the mean back to the marked blocks: nearer float32's than over
+    keys stored whole (0.63x here: the sink-like rows keep their coarse step), and far off if the
+    reader is not given the mean."""
+    g = torch.Generator().manual_seed(head_dim)
+    seqs, heads, kv_heads = 4, 4, 2
+    q, kc, vc, tables, row_seq, row_len = _case(seqs, heads, kv_heads, head_dim, 16, torch.float32, 3, g)
+    mean = _shared_keys(kc, kv_heads, head_dim, g)
+    whole_k, whole_v = _int8_caches(kc, vc, head_dim)
+    less_k, less_v = _int8_caches(kc, vc, head_dim, key_mean=mean)
+    assert torch.equal(less_v, whole_v) and (_scales(whole_k[:-1]) >= 0).all()
+    marked = _scales(less_k[:-1]) < 0
+    assert marked[:, 1:].all() and not marked[:, 0].any()  # the sink-like rows: whole
+    step = _scales(less_k[:-1]).abs().view(torch.float16).float().repeat_interleave(32, -1).flatten(-2)
+    stored = dequantize_q8(less_k[:-1]) + marked.repeat_interleave(32, -1).flatten(-2) * mean
+    assert ((stored - hadamard(kc[:-1])).abs() <= step * 0.5 + 1e-5).all()
+    less_k[-1], less_v[-1] = 127, 127  # the unused tail's block, never read
+    # exact keys, the cache's own values: what differs below is the keys' storing alone
+    want = hadamard(reference(hadamard(q), hadamard(kc), dequantize_q8(less_v), tables, row_seq, row_len,
+                              None))
+    error = {name: (kernels.paged_attention(q, k8, less_v, tables, row_seq, row_len, None, 1,
+                                            key_mean=m) - want).abs().mean()
+             for name, k8, m in (("whole", whole_k, None), ("less", less_k, mean), ("unread", less_k, None))}
+    assert error["less"] < 0.75 * error["whole"] and error["unread"] > 10 * error["whole"], error
+
+
+def _int8_caches(kc, vc, head_dim, key_mean=None):
+    """kc, vc stored as the int8 cache holds them (store_kv's q8 blocks), keys less `key_mean`."""
     width = kc.shape[2] * head_dim
     rows_kv = torch.cat([kc[:-1].flatten(0, 1).flatten(1), vc[:-1].flatten(0, 1).flatten(1)], 1)
     kc8 = torch.zeros(*kc.shape[:3], head_dim // 32 * 34, dtype=torch.int8)
     vc8 = torch.zeros_like(kc8)
-    kernels.store_kv(rows_kv[:, :width], rows_kv[:, width:], kc8, vc8, torch.arange(len(rows_kv)), head_dim)
+    kernels.store_kv(rows_kv[:, :width], rows_kv[:, width:], kc8, vc8, torch.arange(len(rows_kv)), head_dim,
+                     None, key_mean)
     return kc8, vc8
 
 
@@ -210,11 +256,12 @@ def test_int8_decode_rows_have_the_bits_of_prefill_rows(heads, kv_heads, head_di
     it was batched or whether it was recomputed after a preemption."""
     g = torch.Generator().manual_seed(head_dim + heads)
     q, kc, vc, tables, row_seq, row_len = _case(3, heads, kv_heads, head_dim, 16, torch.float32, 4, g)
-    kc8, vc8 = _int8_caches(kc, vc, head_dim)
-    together = kernels.paged_attention(q, kc8, vc8, tables, row_seq, row_len, window, 1)
+    mean = _shared_keys(kc, kv_heads, head_dim, g)  # blocks stored whole and less the mean, both
+    kc8, vc8 = _int8_caches(kc, vc, head_dim, key_mean=mean)
+    together = kernels.paged_attention(q, kc8, vc8, tables, row_seq, row_len, window, 1, key_mean=mean)
     for r in range(len(q)):
         alone = kernels.paged_attention(q[r:r + 1].contiguous(), kc8, vc8, tables, row_seq[r:r + 1],
-                                        row_len[r:r + 1], window, 2)
+                                        row_len[r:r + 1], window, 2, key_mean=mean)
         assert torch.equal(alone[0], together[r]), r
 
 
@@ -234,10 +281,10 @@ def _recent_run(k, v, q, table, block_size, steps, threads=1):
         layer = recent.layer(step, 0)
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size
                               for p in range(start, end)])
-        kernels.store_kv(k[start:end], v[start:end], kc, vc, slots, head_dim, None, layer)
+        kernels.store_kv(k[start:end], v[start:end], kc, vc, slots, head_dim, recent=layer)
         out[start:end] = kernels.paged_attention(
             q[start:end].contiguous(), kc, vc, torch.tensor([table]), torch.zeros(rows, dtype=torch.int64),
-            torch.arange(start + 1, end + 1), None, threads, None, layer)
+            torch.arange(start + 1, end + 1), None, threads, recent=layer)
     return out, kc, vc, recent
 
 

@@ -86,8 +86,11 @@ def open_disk_cache(config: EngineConfig, runner: ModelRunner | EncoderRunner,
 
 def weights_key(runner: ModelRunner, model_path: str) -> bytes:
     """The fingerprint of the KV this runner computes with the weights at `model_path`."""
-    k = runner.attention.k_cache
-    layout = (str(k.dtype), list(k[:, 0].shape), runner.quantization, str(runner.dtype))
+    k, rounding = runner.attention.k_cache, runner.attention.key_rounding
+    layout = (str(k.dtype), list(k[:, 0].shape), runner.quantization, str(runner.dtype),
+              # int8 keys are stored less a mean measured at load, which every key a query reads
+              # must share: files of another mean are another cache's
+              None if rounding is None else hashlib.sha256(rounding.mean.numpy().tobytes()).hexdigest())
     return fingerprint(model_path, layout)
 
 

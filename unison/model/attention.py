@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 from .families import ModelConfig
+from .key_rounding import KeyRounding
 from .recent_rows import RecentRows, RecentStep
 
 # Attention work (query rows x context tokens, summed) up to which a step's attention runs on one
@@ -105,9 +106,9 @@ class PagedAttention:
         self.kernel: cpu_kernels.CpuKernels | None = None
         self._group = c.num_attention_heads // c.num_key_value_heads
         self._step: StepMeta | None = None
-        # int8: how keys are rounded, [layers, kv_heads, head_dim, head_dim] (key_rounding.py; the
-        # runner measures it at load); None: to nearest.
-        self.key_weight: Tensor | None = None
+        # int8: how keys are stored (key_rounding.py; the runner measures it at load); None: as
+        # they are, rounded to nearest.
+        self.key_rounding: KeyRounding | None = None
         # int8: the rows of each query's own block, read as float16 (recent_rows.py).
         self.recent = (RecentRows(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim)
                        if kv_dtype == torch.int8 else None)
@@ -269,14 +270,15 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [blocks, block_size, kv_heads, d]
         if step.paged is not None:
             assert self.kernel is not None  # paged metadata is built only for the C kernels
+            weight, mean = (None, None) if self.key_rounding is None else (
+                self.key_rounding.weight[layer], self.key_rounding.mean[layer])
             p = step.paged
             recent = None if p.recent is None or self.recent is None else self.recent.layer(p.recent, layer)
-            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d,
-                                 None if self.key_weight is None else self.key_weight[layer], recent)
+            self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d, weight, mean, recent)
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
                                                self.config.layer_window[layer], threads,
-                                               self.config.attention_scale, recent).view(n, heads * d)
+                                               self.config.attention_scale, mean, recent).view(n, heads * d)
         assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from unison.model.key_rounding import KeyRounding
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -143,14 +145,14 @@ class CpuKernels:
         self.lib = lib
         self._scratch = torch.empty(0, dtype=torch.uint8)  # quantized activations, reused
         lib.paged_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                                        _I64, _I64, _I64, _F32, _INT, _INT, _PTR]
+                                        _I64, _I64, _I64, _F32, _INT, _INT, _PTR, _PTR]
         lib.paged_attention.restype = _INT
         lib.add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         lib.add_rms_norm.restype = None
         lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.rope.restype = None
         lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR,
-                                 _PTR, _PTR, _PTR]
+                                 _PTR, _PTR, _PTR, _PTR]
         lib.store_kv.restype = None
         lib.act_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
         lib.act_mul.restype = None
@@ -219,12 +221,13 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
                         window: int | None, num_threads: int, scale: float | None = None,
-                        recent: Recent | None = None) -> torch.Tensor:
+                        key_mean: torch.Tensor | None = None, recent: Recent | None = None) -> torch.Tensor:
         """out [rows, heads, d]: row r = softmax(q_r K^T * scale) V over the first row_len[r] tokens
         (the last `window` of them) of request row_seq[r]; an int8 cache's recent rows from `recent`.
 
         q [rows, heads, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] (one layer,
         any of KV_DTYPES); block_tables [requests, width], row_seq and row_len [rows] int64.
+        key_mean: the layer's KeyRounding mean [kv_heads, d] that store_kv took (int8).
         """
         rows, heads, d = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
@@ -236,7 +239,7 @@ class CpuKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows, heads,
             kv_heads, d, block_size, window or 0, d ** -0.5 if scale is None else scale, num_threads,
-            KV_DTYPES[k_cache.dtype], None if rows_c is None else ctypes.addressof(rows_c))
+            KV_DTYPES[k_cache.dtype], _ptr(key_mean), None if rows_c is None else ctypes.addressof(rows_c))
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory")
         return out
@@ -273,19 +276,21 @@ class CpuKernels:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, head_dim: int, key_weight: torch.Tensor | None = None,
-                 recent: Recent | None = None) -> None:
+                 key_mean: torch.Tensor | None = None, recent: Recent | None = None) -> None:
         """Cache rows `slots` (of [slots, kv_heads * head_dim]) = the rows of k and v, which share
         a row stride (both live in the fused QKV output). int8 rows go in rotated (fused_ops.c),
-        keys rounded by `key_weight` ([kv_heads, head_dim, head_dim], key_rounding.py) if given,
-        and into `recent`'s rows and twins as float16."""
+        keys less `key_mean` ([kv_heads, head_dim]) and rounded by `key_weight` ([kv_heads,
+        head_dim, head_dim]) where given: one layer's KeyRounding (key_rounding.py); and into
+        `recent`'s rows and twins as float16."""
         assert k.stride() == v.stride() and k.stride(-1) == 1 and slots.dtype == torch.int64
         width = k.shape[1]
         r = recent
         self.lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), k.shape[0], width, head_dim, KV_DTYPES[k_cache.dtype],
-                          _ptr(key_weight), *((r.rows_k.data_ptr(), r.rows_v.data_ptr(), r.twins_k.data_ptr(),
-                                               r.twins_v.data_ptr(), r.twin_slots.data_ptr())
-                                              if r is not None else (None,) * 5))
+                          _ptr(key_weight), _ptr(key_mean),
+                          *((r.rows_k.data_ptr(), r.rows_v.data_ptr(), r.twins_k.data_ptr(),
+                             r.twins_v.data_ptr(), r.twin_slots.data_ptr())
+                            if r is not None else (None,) * 5))
 
     def act16(self, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' view of x [m, k]: its int16 values per 32-block [m, kp] and their scales
@@ -389,7 +394,7 @@ class DLayerC(ctypes.Structure):
     _fields_ = [("qkv", QLinearC), ("o_proj", QLinearC), ("gate_up", QLinearC), ("down", QLinearC),
                 ("input_norm", _PTR), ("post_attention_norm", _PTR), ("pre_mlp_norm", _PTR),
                 ("post_mlp_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("rope", _I64), ("window", _I64),
-                ("k_cache", _PTR), ("v_cache", _PTR), ("key_weight", _PTR),
+                ("k_cache", _PTR), ("v_cache", _PTR), ("key_weight", _PTR), ("key_mean", _PTR),
                 ("moe", ctypes.POINTER(MoeLayerC))]
 
 
@@ -425,7 +430,7 @@ class CompiledDecoder:
     forward in one call (the model's Python forward calls the same kernels one by one)."""
 
     def __init__(self, kernels: CpuKernels, model, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 key_weight: torch.Tensor | None) -> None:
+                 key_rounding: KeyRounding | None) -> None:
         cfg, self.kernels, self.model = model.cfg, kernels, model
         self.vocab = cfg.vocab_size
         layers = (DLayerC * len(model.layers))()
@@ -439,7 +444,8 @@ class CompiledDecoder:
                 setattr(c, name, _ptr(getattr(layer, name)))
             c.rope, c.window = layer.rope, cfg.layer_window[i] or 0
             c.k_cache, c.v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
-            c.key_weight = _ptr(None if key_weight is None else key_weight[i])
+            if key_rounding is not None:
+                c.key_weight, c.key_mean = _ptr(key_rounding.weight[i]), _ptr(key_rounding.mean[i])
         head, embed = model.lm_head, model.embed.quant
         mlp = cfg.moe.intermediate_size if cfg.moe else cfg.intermediate_size  # sizes the dense buffers
         self.c = DModelC(
@@ -448,7 +454,7 @@ class CompiledDecoder:
             cfg.attention_scale, model.embed_scale or 0.0, ACTIVATIONS[cfg.family.activation],
             QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.record, embed.kp,
             embed.packed.data_ptr(), model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)
-        self._keep = (layers, k_cache, v_cache, key_weight)
+        self._keep = (layers, k_cache, v_cache, key_rounding)
         self._workspace = torch.empty(0, dtype=torch.uint8)
 
     def forward(self, ids: torch.Tensor, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],

@@ -1,19 +1,26 @@
-"""How the int8 KV cache rounds keys: a weight W per layer and kv head, measured once at load.
+"""How the int8 KV cache stores keys: per layer and kv head, a mean and a weight W, measured once
+at load over a fixed text (key_rounding.txt).
 
-What a key's rounding error e costs is the score error q . e of each query that reads it, and
-queries are far from isotropic (one mean direction carries about half of a head's query energy
-on SmolLM2). So csrc/fused_ops.c (shape_key_q8) rounds each key to keep e^T W e small, with
-W = E[q q^T] over the queries of the key's head, in the rotated coordinates the cache stores
-keys in. W comes from one forward over a fixed text (key_rounding.txt) when the engine loads, so
-it depends on the weights alone: every run of a model rounds alike, and a key's rounding reads its
-own row and W only (batch invariance holds). A weight update keeps W: it only chooses which way
-a value rounds, never how far."""
+- The mean: about half a key's energy lies along a direction all keys of its head share, and it
+  sets the q8 blocks' scales. Every score of a query shifts by q . mean alike, which softmax
+  ignores, so csrc/fused_ops.c (store_kv) stores each key minus the mean: a finer step for the same
+  bytes.
+- W: what a key's rounding error e costs is the score error q . e of each query that reads it, and
+  queries are far from isotropic (one mean direction carries about half of a head's query energy
+  on SmolLM2). So shape_key_q8 rounds each key to keep e^T W e small, with W = E[q q^T] over the
+  queries of the key's head.
+
+Both are in the rotated coordinates the cache stores keys in, and depend on the weights alone:
+every run of a model stores alike, and a key's storing reads its own row, the mean and W only
+(batch invariance holds). A weight update keeps them: the keys cached so far were stored less
+this mean, and W only chooses which way a value rounds, never how far."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,25 +50,36 @@ def hadamard(d: int) -> Tensor:
     return torch.block_diag(*[h / math.sqrt(r)] * (d // r))
 
 
-class QueryMoments:
-    """Sums q q^T per layer and kv head over the queries a forward attends with (an attention
-    function's wrapper), then gives W: [layers, kv_heads, head_dim, head_dim] float32."""
+class KeyRounding(NamedTuple):
+    """What store_kv takes for int8 keys, rotated: `mean` [layers, kv_heads, head_dim] is
+    subtracted, then `weight` [layers, kv_heads, head_dim, head_dim] (W) rounds. float32."""
+
+    weight: Tensor
+    mean: Tensor
+
+
+class Moments:
+    """Sums q q^T and k per layer and kv head over the queries and keys a forward attends with (an
+    attention function's wrapper), then gives the KeyRounding."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int) -> None:
         self.kv_heads, self.rotation = kv_heads, hadamard(head_dim)
-        # float64: W must not depend on how the sum was split over threads
-        self.sums = torch.zeros(layers, kv_heads, head_dim, head_dim, dtype=torch.float64)
-        self.count = 0
+        # float64: the result must not depend on how the sums were split over threads
+        self.query_sums = torch.zeros(layers, kv_heads, head_dim, head_dim, dtype=torch.float64)
+        self.key_sums = torch.zeros(layers, kv_heads, head_dim, dtype=torch.float64)
+        self.queries = self.keys = 0
 
     def wrap(self, attend: Callable[[int, Tensor, Tensor, Tensor], Tensor]
              ) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
         def measured(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             n, heads, d = q.shape
             rotated = q.double().reshape(n, self.kv_heads, heads // self.kv_heads, d) @ self.rotation
-            self.sums[layer] += torch.einsum("nhgi,nhgj->hij", rotated, rotated)
-            self.count = n * heads // self.kv_heads  # queries per kv head: each layer's alike
+            self.query_sums[layer] += torch.einsum("nhgi,nhgj->hij", rotated, rotated)
+            self.key_sums[layer] += (k.double().reshape(n, self.kv_heads, d) @ self.rotation).sum(0)
+            self.queries, self.keys = n * heads // self.kv_heads, n  # per kv head; each layer's alike
             return attend(layer, q, k, v)
         return measured
 
-    def weight(self) -> Tensor:
-        return (self.sums / max(self.count, 1)).float().contiguous()
+    def rounding(self) -> KeyRounding:
+        return KeyRounding((self.query_sums / max(self.queries, 1)).float().contiguous(),
+                           (self.key_sums / max(self.keys, 1)).float().contiguous())

@@ -115,9 +115,9 @@ class ModelRunner:
                                           linear_dtype=self.linear_dtype)
 
     def _bind_model(self, measure_keys: bool = False) -> None:
-        """`measure_keys`: at load only. A weight update keeps the int8 keys' rounding weight
-        (key_rounding.py): any weight rounds within a step, and the measuring forward would write
-        over blocks that a prefix cache kept across the update may hold."""
+        """`measure_keys`: at load only. A weight update keeps how int8 keys are stored
+        (key_rounding.py): the keys cached so far were stored less its mean, and the measuring
+        forward would write over blocks that a prefix cache kept across the update may hold."""
         ops, attention = self.model.ops, self.attention
         kernel = ops if isinstance(ops, cpu_kernels.CpuKernels) else None
         attention.config, self._kernel = self.config, kernel  # a reload may change the attention scale
@@ -129,31 +129,31 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype={str(self.kv_dtype).removeprefix('torch.')!r} is read by the C "
                              "attention kernel only, which this model does not run on; use float16")
         if measure_keys and self.kv_dtype == torch.int8 and self.task == "generate":
-            attention.key_weight = self._measure_key_weight()
+            attention.key_rounding = self._measure_key_rounding()
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
-                                                      attention.v_cache, attention.key_weight)
+                                                      attention.v_cache, attention.key_rounding)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"
                           else None)  # pooling's rows come from the Python forward (the same kernels)
 
     @torch.inference_mode()
-    def _measure_key_weight(self) -> Tensor | None:
-        """The int8 cache's key rounding weight (key_rounding.py), from one forward over its
-        fixed text, its keys rounded to nearest; the blocks it writes are free afterwards."""
+    def _measure_key_rounding(self) -> key_rounding.KeyRounding | None:
+        """How the int8 cache stores keys (key_rounding.py), from one forward over its fixed text,
+        its keys stored as they are, to nearest; the blocks it writes are free afterwards."""
         ids = key_rounding.text_ids(self.model_dir)
         if ids is None:
-            log.info("int8 KV: no tokenizer.json, so keys round to nearest")
+            log.info("int8 KV: no tokenizer.json, so keys are stored as they are, to nearest")
             return None
         ids = ids[: self.num_blocks * self.block_size]
         cfg = self.config
-        moments = key_rounding.QueryMoments(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        moments = key_rounding.Moments(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
         batch = [BatchItem(ids, 0, list(range(-(-len(ids) // self.block_size))), len(ids))]
         tokens, pos, logits_rows = self._prepare(batch)
         with self.attention.step(batch, pos):
             self.model.forward(tokens, torch.from_numpy(pos).to(self.device),
                                moments.wrap(self.attention.forward), logits_rows, None)
-        return moments.weight()
+        return moments.rounding()
 
     @property
     def _kernel(self) -> cpu_kernels.CpuKernels | None:

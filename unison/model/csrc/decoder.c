@@ -31,8 +31,8 @@ void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int6
           int64_t heads, int64_t head_dim, int num_threads);
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
               const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype,
-              const float *key_weight, void *recent_k, void *recent_v, void *twin_k, void *twin_v,
-              const int64_t *twin_slots);
+              const float *key_weight, const float *key_mean, void *recent_k, void *recent_v, void *twin_k,
+              void *twin_v, const int64_t *twin_slots);
 void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
 void norm_groups(float *x, int64_t row_stride, int64_t rows, int64_t groups, int64_t dim,
                  const float *weight, float eps);
@@ -40,7 +40,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                    float scale, int num_threads, int dtype, const RecentRows *recent);
+                    float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent);
 
 // ---- the model as data (mirrored by ctypes Structures in cpu_kernels.py) -----------------------
 
@@ -56,7 +56,7 @@ typedef struct {
     const float *input_norm, *post_attention_norm, *pre_mlp_norm, *post_mlp_norm, *q_norm, *k_norm;
     int64_t rope, window;  // window 0: attends to everything
     void *k_cache, *v_cache;  // this layer's [blocks, block_size, kv_heads, head_dim]
-    const float *key_weight;  // int8 keys' rounding weight [kv_heads, head_dim, head_dim]; NULL: nearest
+    const float *key_weight, *key_mean;  // int8 keys' rounding (store_kv); NULL: as they are, nearest
     const MoeLayer *moe;  // a mixture of experts instead of gate_up and down; NULL: dense
 } DLayer;
 
@@ -176,12 +176,12 @@ int decoder_forward(const DModel *m, const DStep *s) {
         _Float16 *twin_k = s->recent_k ? s->twin_k + li * s->twin_layer : NULL;
         _Float16 *twin_v = s->recent_k ? s->twin_v + li * s->twin_layer : NULL;
         store_kv(qkv + q, qkv + q + kv, qkv_w, L->k_cache, L->v_cache, s->slots, n, kv, d, m->kv_dtype,
-                 L->key_weight, s->recent_k, s->recent_v, twin_k, twin_v, s->twin_slots);
+                 L->key_weight, L->key_mean, s->recent_k, s->recent_v, twin_k, twin_v, s->twin_slots);
         const RecentRows recent = {s->recent_k, s->recent_v, twin_k, twin_v, s->first_row, s->twin};
         for (int64_t r = 0; r < n; r++) memcpy(qbuf + r * q, qkv + r * qkv_w, sizeof(float) * q);
         if (paged_attention(qbuf, L->k_cache, L->v_cache, s->tables, s->table_stride, s->row_seq, s->row_len,
                             attn, n, m->heads, m->kv_heads, d, m->block_size, L->window,
-                            m->attention_scale, s->attention_threads, m->kv_dtype,
+                            m->attention_scale, s->attention_threads, m->kv_dtype, L->key_mean,
                             s->recent_k ? &recent : NULL) != 0)
             return -1;
         linear(&L->o_proj, attn, n, delta, &b, t);

@@ -201,17 +201,46 @@ static void store_row(void *cache, int64_t slot, const float *x, int64_t width, 
     }
 }
 
+// int8 keys: about half a key's energy lies along a direction every key of its head shares, and
+// it sets the blocks' scales. So each block of 32 is stored less the head's mean where that needs
+// the smaller scale, marked by its scale's sign bit (q8.h), and the reader adds the mean back.
+// Not every block: the first token, which takes a third to two thirds of the attention in later
+// layers, has a key far from the mean; stored less it, its step would grow 3-5x (BENCHMARKS.md).
+static void shift_key_blocks(float *x, const float *mean, int64_t width, uint8_t *shifted) {
+    for (int64_t g = 0; g < width; g += 32) {
+        float whole = 0.0f, less = 0.0f;
+        for (int64_t i = g; i < g + 32; i++) {
+            whole = fmaxf(whole, fabsf(x[i]));
+            less = fmaxf(less, fabsf(x[i] - mean[i]));
+        }
+        shifted[g / 32] = less < whole;
+        if (shifted[g / 32])
+            for (int64_t i = g; i < g + 32; i++) x[i] -= mean[i];
+    }
+}
+
+static void mark_shifted(int8_t *row, const uint8_t *shifted, int64_t blocks) {
+    for (int64_t b = 0; b < blocks; b++) {
+        if (!shifted[b]) continue;
+        const uint16_t bits = q8_scale_bits(row + b * Q8_BLOCK) | Q8_SHIFTED;
+        memcpy(row + b * Q8_BLOCK + 32, &bits, sizeof bits);
+    }
+}
+
 // k_cache / v_cache rows [slots[r]] = rows r of k and v (width floats each: heads of head_dim),
 // converted to the cache's element type (dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8
-// blocks of 32, rotated, 4 fp8 e4m3, 5 fp8 e5m2). key_weight: int8's [heads, head_dim, head_dim]
-// W of shape_key_q8, or NULL (keys rounded to nearest). int8's recent rows (q8.h), rotated, as
-// float16: row r goes to row r of recent_k / recent_v ([rows, width]; NULL: none) and to row
-// twin_slots[r] of twin_k / twin_v where that is >= 0.
+// blocks of 32, rotated, 4 fp8 e4m3, 5 fp8 e5m2). int8 keys, if given (key_rounding.py):
+// key_mean [width] (rotated) for shift_key_blocks, and key_weight [heads, head_dim, head_dim]
+// for shape_key_q8; NULL: keys stored whole, rounded to nearest. int8's recent rows (q8.h),
+// rotated, whole, as float16: row r goes to row r of recent_k / recent_v ([rows, width]; NULL:
+// none) and to row twin_slots[r] of twin_k / twin_v where that is >= 0.
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
               const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype,
-              const float *key_weight, void *recent_k, void *recent_v, void *twin_k, void *twin_v,
-              const int64_t *twin_slots) {
+              const float *key_weight, const float *key_mean, void *recent_k, void *recent_v, void *twin_k,
+              void *twin_v, const int64_t *twin_slots) {
     float rotated[dtype == 3 ? width : 1];
+    uint8_t shifted[dtype == 3 ? width / 32 : 1];
+    const int shift = dtype == 3 && key_mean != NULL;
     for (int64_t r = 0; r < rows; r++) {
         const float *rows_kv[2] = {k + r * row_stride, v + r * row_stride};
         void *caches[2] = {k_cache, v_cache}, *recent[2] = {recent_k, recent_v}, *twins[2] = {twin_k, twin_v};
@@ -220,11 +249,13 @@ void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache,
             if (dtype == 3) {
                 memcpy(rotated, x, sizeof(float) * width);
                 hadamard_rotate(rotated, width / head_dim, head_dim);
+                if (recent[i] != NULL) store_row(recent[i], r, rotated, width, 1);
+                if (recent[i] != NULL && twin_slots[r] >= 0) store_row(twins[i], twin_slots[r], rotated, width, 1);
+                if (i == 0 && shift) shift_key_blocks(rotated, key_mean, width, shifted);
                 x = rotated;
             }
             store_row(caches[i], slots[r], x, width, dtype);
-            if (recent[i] != NULL) store_row(recent[i], r, x, width, 1);
-            if (recent[i] != NULL && twin_slots[r] >= 0) store_row(twins[i], twin_slots[r], x, width, 1);
+            if (i == 0 && shift) mark_shifted((int8_t *)k_cache + slots[r] * Q8_HEAD(width), shifted, width / 32);
             if (dtype == 3 && i == 0 && key_weight != NULL)
                 for (int64_t h = 0; h < width / head_dim; h++)
                     shape_key_q8((int8_t *)k_cache + slots[r] * Q8_HEAD(width) + h * Q8_HEAD(head_dim),

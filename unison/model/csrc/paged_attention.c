@@ -117,19 +117,31 @@ static inline float dot_i8(const float *restrict a, const int8_t *restrict b, in
     return s;
 }
 
-// A head's n values from q8 blocks, as float (KV_DEQUANT).
-static inline void dequant_i8(float *restrict dst, const int8_t *restrict x, int64_t n) {
+// A head's n values from q8 blocks, as float (KV_DEQUANT); keys' marked blocks get `mean` (the
+// head's, rotated) added back, values' never are (mean NULL).
+static inline void dequant_i8(float *restrict dst, const int8_t *restrict x, int64_t n,
+                              const float *restrict mean) {
     for (int64_t g = 0; g < n; g += 32, x += Q8_BLOCK) {
+        const int add = mean != NULL && q8_shifted(x);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         const __m512 s = _mm512_set1_ps(q8_scale(x));
-        for (int64_t j = 0; j < 32; j += 16)
-            _mm512_storeu_ps(dst + g + j, _mm512_mul_ps(
-                s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + j))))));
+        for (int64_t j = 0; j < 32; j += 16) {
+            __m512 y = _mm512_mul_ps(
+                s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + j)))));
+            if (add) y = _mm512_add_ps(y, _mm512_loadu_ps(mean + g + j));  // as q8_row16 adds it
+            _mm512_storeu_ps(dst + g + j, y);
+        }
 #elif defined(ATTN_AVX2)
         const __m256 s = _mm256_set1_ps(q8_scale(x));
-        for (int64_t j = 0; j < 32; j += 8) _mm256_storeu_ps(dst + g + j, _mm256_mul_ps(s, q8_load8(x + j)));
+        for (int64_t j = 0; j < 32; j += 8) {
+            __m256 y = _mm256_mul_ps(s, q8_load8(x + j));
+            if (add) y = _mm256_add_ps(y, _mm256_loadu_ps(mean + g + j));
+            _mm256_storeu_ps(dst + g + j, y);
+        }
 #else
         for (int64_t j = 0; j < 32; j++) dst[g + j] = q8_scale(x) * (float)x[j];
+        if (add)
+            for (int64_t j = 0; j < 32; j++) dst[g + j] += mean[g + j];
 #endif
     }
 }
@@ -289,11 +301,15 @@ static inline __m512 reduce_add4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
 }
 
-// A head's row (nc chunks of 16) as float, in registers.
-static inline __attribute__((always_inline)) void q8_row16(__m512 *x, const int8_t *row, const int64_t nc) {
-    for (int64_t c = 0; c < nc; c++)
-        x[c] = _mm512_mul_ps(_mm512_set1_ps(q8_scale(row + c / 2 * Q8_BLOCK)),
-                             q8_load16(row + c / 2 * Q8_BLOCK + c % 2 * 16));
+// A head's row (nc chunks of 16) as float, in registers; a key's marked blocks get `mean` added
+// back (dequant_i8's arithmetic: the general path's bits).
+static inline __attribute__((always_inline)) void q8_row16(__m512 *x, const int8_t *row, const int64_t nc,
+                                                           const float *mean) {
+    for (int64_t c = 0; c < nc; c++) {
+        const int8_t *block = row + c / 2 * Q8_BLOCK;
+        x[c] = _mm512_mul_ps(_mm512_set1_ps(q8_scale(block)), q8_load16(block + c % 2 * 16));
+        if (mean != NULL && q8_shifted(block)) x[c] = _mm512_add_ps(x[c], _mm512_loadu_ps(mean + 16 * c));
+    }
 }
 
 // A head's float16 row (a recent one, q8.h) as float, in registers.
@@ -305,37 +321,39 @@ static inline __attribute__((always_inline)) void f16_row16(__m512 *x, const _Fl
 // prefetched.
 static inline __attribute__((always_inline)) void q8_row_at(
         __m512 *x, const int8_t *cache, const int64_t *table, int64_t pos, int64_t len, int64_t kh,
-        int64_t row, const int64_t nc, int64_t block_size) {
+        int64_t row, const int64_t nc, int64_t block_size, const float *mean) {
     const int64_t b = pos / block_size;
     if (pos % block_size == 0 && (b + 1) * block_size < len)
         prefetch_row(cache + table[b + 1] * block_size * row, block_size * row);
-    q8_row16(x, cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(16 * nc), nc);
+    q8_row16(x, cache + (table[b] * block_size + pos % block_size) * row + kh * Q8_HEAD(16 * nc), nc, mean);
 }
 
 // A row of the query's own block from `recent` where it holds it, else from the q8 cache.
 static inline __attribute__((always_inline)) void decode_row(
         __m512 *x, const int8_t *cache, const int64_t *table, int64_t pos, int64_t len, int64_t kh,
-        int64_t row, const int64_t nc, int64_t block_size, const Recent *recent, int value, int64_t kv_heads) {
+        int64_t row, const int64_t nc, int64_t block_size, const Recent *recent, int value, int64_t kv_heads,
+        const float *mean) {
     const _Float16 *own = recent && pos / block_size == (len - 1) / block_size
         ? recent_row(recent, value, pos, kh, kv_heads, 16 * nc, block_size) : NULL;
     if (own)
         f16_row16(x, own, nc);
     else
-        q8_row_at(x, cache, table, pos, len, kh, row, nc, block_size);
+        q8_row_at(x, cache, table, pos, len, kh, row, nc, block_size, mean);
 }
 
 // scores[(h - h0) * span + pos - lo] = q_h . key_pos * scale, four heads of a key head at a time.
 static inline __attribute__((always_inline)) void decode_scores_i8(
         const float *q, const int8_t *k_cache, const int64_t *table, int64_t len, int64_t lo,
         int64_t h0, int64_t h1, int64_t group, int64_t row, const int64_t nc, int64_t block_size,
-        float scale, const Recent *recent, int64_t kv_heads, float *scores) {
+        float scale, const float *key_mean, const Recent *recent, int64_t kv_heads, float *scores) {
     const int64_t d = 16 * nc, span = len - lo;
     for (int64_t kh = h0 / group; kh * group < h1; kh++) {
         const int64_t ha = kh * group > h0 ? kh * group : h0;
         const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
+        const float *mean = key_mean != NULL ? key_mean + kh * d : NULL;
         for (int64_t pos = lo; pos < len; pos++) {
             __m512 key[8];
-            decode_row(key, k_cache, table, pos, len, kh, row, nc, block_size, recent, 0, kv_heads);
+            decode_row(key, k_cache, table, pos, len, kh, row, nc, block_size, recent, 0, kv_heads, mean);
             for (int64_t h = ha; h < hb; h += 4) {
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                                  _mm512_setzero_ps()};
@@ -366,7 +384,7 @@ static inline __attribute__((always_inline)) void decode_values_i8(
             for (int64_t a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
             for (int64_t pos = lo; pos < len; pos++) {
                 __m512 value[8];
-                decode_row(value, v_cache, table, pos, len, kh, row, nc, block_size, recent, 1, kv_heads);
+                decode_row(value, v_cache, table, pos, len, kh, row, nc, block_size, recent, 1, kv_heads, NULL);
                 for (int64_t j = 0; j < n; j++) {
                     const __m512 s = _mm512_set1_ps(scores[(h + j - h0) * span + pos - lo]);
                     for (int64_t c = 0; c < nc; c++)
@@ -383,10 +401,10 @@ static inline __attribute__((always_inline)) void decode_values_i8(
 static inline __attribute__((always_inline)) void decode_i8(
         const float *q, const int8_t *k_cache, const int8_t *v_cache, const int64_t *table, int64_t len,
         int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group, int64_t kv_heads, const int64_t nc,
-        int64_t block_size, float scale, const Recent *recent, float *scores) {
+        int64_t block_size, float scale, const float *key_mean, const Recent *recent, float *scores) {
     const int64_t row = kv_heads * Q8_HEAD(16 * nc), span = len - lo;
-    decode_scores_i8(q, k_cache, table, len, lo, h0, h1, group, row, nc, block_size, scale, recent, kv_heads,
-                     scores);
+    decode_scores_i8(q, k_cache, table, len, lo, h0, h1, group, row, nc, block_size, scale, key_mean, recent,
+                     kv_heads, scores);
     for (int64_t h = 0; h < h1 - h0; h++) softmax(scores + h * span, span);
     decode_values_i8(v_cache, table, len, lo, out, h0, h1, group, row, nc, block_size, recent, kv_heads, scores);
 }
@@ -395,11 +413,13 @@ static inline __attribute__((always_inline)) void decode_i8(
 static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, const int64_t *table,
                           int64_t len, int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group,
                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          const Recent *recent, float *scores) {
+                          const float *key_mean, const Recent *recent, float *scores) {
     if (head_dim == 64)
-        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 4, block_size, scale, recent, scores);
+        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 4, block_size, scale, key_mean, recent,
+                  scores);
     else if (head_dim == 128)
-        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 8, block_size, scale, recent, scores);
+        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 8, block_size, scale, key_mean, recent,
+                  scores);
     else
         return 0;
     return 1;
@@ -408,7 +428,8 @@ static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, cons
 #endif
 
 #define KV_T int8_t
-#define KV_DEQUANT(dst, src, n) dequant_i8(dst, src, n)
+#define KV_DEQUANT(dst, src, n) dequant_i8(dst, src, n, NULL)
+#define KV_DEQUANT_KEY(dst, src, n, mean) dequant_i8(dst, src, n, mean)
 #define KV_NAME(name) name##_i8
 #define KV_HEAD(h, d) ((h) * Q8_HEAD(d))
 #define KV_ROW(heads, d) ((heads) * Q8_HEAD(d))
@@ -416,26 +437,27 @@ static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, cons
 #include "paged_attention_body.h"
 
 // dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8 blocks, 4 fp8 e4m3, 5 fp8 e5m2 (the
-// cache's element type). recent: int8's recent rows (q8.h), or NULL.
+// cache's element type). key_mean: int8's [kv_heads, head_dim] (rotated), which the keys' marked
+// blocks were stored less (q8.h); NULL: none were. recent: int8's recent rows (q8.h), or NULL.
 // Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                    float scale, int num_threads, int dtype, const RecentRows *recent) {
+                    float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent) {
     switch (dtype) {
     case 1:
         return paged_attention_f16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads, NULL);
+                                   num_threads, NULL, NULL);
     case 4:
         return paged_attention_e4m3(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL);
+                                    num_threads, NULL, NULL);
     case 5:
         return paged_attention_e5m2(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL);
+                                    num_threads, NULL, NULL);
     case 3: {  // keys and values are stored rotated (fused_ops.c's hadamard_rotate): so are the queries
         float *rotated = malloc(sizeof(float) * rows * num_heads * head_dim);
         if (rotated == NULL) return -1;
@@ -443,7 +465,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
         hadamard_rotate(rotated, rows * num_heads, head_dim);
         const int rc = paged_attention_i8(rotated, k_cache, v_cache, block_tables, table_stride, row_seq,
                                           row_len, out, rows, num_heads, kv_heads, head_dim, block_size,
-                                          window, scale, num_threads, recent);
+                                          window, scale, num_threads, key_mean, recent);
         free(rotated);
         hadamard_rotate(out, rows * num_heads, head_dim);  // the values' rotation, undone
         return rc;
@@ -451,10 +473,10 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
     case 2:
         return paged_attention_bf16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL);
+                                    num_threads, NULL, NULL);
     default:
         return paged_attention_f32(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads, NULL);
+                                   num_threads, NULL, NULL);
     }
 }

@@ -5,9 +5,15 @@
 // includer defines KV_NAME(dot) and KV_NAME(axpy) itself. KV_DEQUANT(dst, src, n): the includer's
 // conversion of a head's n values to float; with it, each K and V row is converted once for all
 // the query heads and rows that read it (dot_wide / axpy_wide then do the arithmetic), instead of
-// once per head: an 8-bit type's conversion costs more than its arithmetic. KV_DECODE(...): the
-// includer's own path for a tile of one row, returning 1 where it served it. A tile's `recent`
-// (q8.h; NULL: none) is read in the KV_DEQUANT path only: the int8 cache's.
+// once per head: an 8-bit type's conversion costs more than its arithmetic. KV_DEQUANT_KEY(dst,
+// src, n, mean): the same for a key of the head whose mean is `mean` (int8: blocks stored less
+// it); KV_DEQUANT's by default. KV_DECODE(...): the includer's own path for a tile of one row,
+// returning 1 where it served it. A tile's `recent` (q8.h; NULL: none) is read in the
+// KV_DEQUANT path only: the int8 cache's.
+
+#if defined(KV_DEQUANT) && !defined(KV_DEQUANT_KEY)
+#define KV_DEQUANT_KEY(dst, src, n, mean) KV_DEQUANT(dst, src, n)
+#endif
 
 #ifndef KV_OWN_DOT  // (int8 brings its own: a scale per block of 32)
 static inline float KV_NAME(dot)(const float *restrict a, const KV_T *restrict b, int64_t n) {
@@ -43,14 +49,15 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
         const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
         int64_t len0, int64_t nrows, int64_t window, float *out, int64_t num_heads, int64_t h0,
         int64_t h1, int64_t group, int64_t kv_heads, const int64_t head_dim, int64_t block_size,
-        float scale, const Recent *recent, float *scores) {
+        float scale, const float *key_mean, const Recent *recent, float *scores) {
+    (void)key_mean;  // read by KV_DEQUANT_KEY and KV_DECODE, where the type has a use for it
     const int64_t row = KV_ROW(kv_heads, head_dim), nh = h1 - h0, qstride = num_heads * head_dim;
     const int64_t end = len0 + nrows - 1;  // the last row's length: positions [lo, end)
     const int64_t lo = window > 0 && len0 > window ? len0 - window : 0, span = end - lo;
     const int64_t last = (end - 1) / block_size;
 #ifdef KV_DECODE  // the includer's path for one row (a decode step), when it has one for head_dim
     if (nrows == 1 && KV_DECODE(q, k_cache, v_cache, table, len0, lo, out, h0, h1, group, kv_heads,
-                                head_dim, block_size, scale, recent, scores))
+                                head_dim, block_size, scale, key_mean, recent, scores))
         return;
 #endif
     for (int64_t b = lo / block_size; b * block_size < end; b++) {
@@ -66,7 +73,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
             const int64_t ea = b * block_size - len0 + 1;
             for (int64_t kh = h0 / group; kh * group < h1; kh++) {
                 float key[head_dim], exact[head_dim];
-                KV_DEQUANT(key, block + t * row + KV_HEAD(kh, head_dim), head_dim);
+                KV_DEQUANT_KEY(key, block + t * row + KV_HEAD(kh, head_dim), head_dim,
+                               key_mean != NULL ? key_mean + kh * head_dim : NULL);
                 const _Float16 *own = recent && ea < nrows && ea + block_size > 0
                     ? recent_row(recent, 0, pos, kh, kv_heads, head_dim, block_size) : NULL;
                 for (int64_t x = 0; own && x < head_dim; x++) exact[x] = (float)own[x];
@@ -144,11 +152,11 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
                                     const int64_t *table, int64_t len0, int64_t nrows,            \
                                     int64_t window, float *out, int64_t num_heads, int64_t h0,    \
                                     int64_t h1, int64_t group, int64_t kv_heads, int64_t head_dim, \
-                                    int64_t block_size, float scale, const Recent *recent,        \
-                                    float *scores) {                                              \
+                                    int64_t block_size, float scale, const float *key_mean,       \
+                                    const Recent *recent, float *scores) {                        \
         (void)head_dim;                                                                           \
         KV_NAME(attend_tile)(q, k, v, table, len0, nrows, window, out, num_heads, h0, h1, group,  \
-                             kv_heads, D, block_size, scale, recent, scores);                     \
+                             kv_heads, D, block_size, scale, key_mean, recent, scores);           \
     }
 ATTEND(64)
 ATTEND(128)
@@ -160,10 +168,10 @@ static int KV_NAME(paged_attention)(
         const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *block_tables,
         int64_t table_stride, const int64_t *row_seq, const int64_t *row_len, float *out,
         int64_t rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-        int64_t window, float scale, int num_threads, const RecentRows *recent) {
+        int64_t window, float scale, int num_threads, const float *key_mean, const RecentRows *recent) {
     void (*attend)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,
                    int64_t, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   float, const Recent *, float *) =
+                   float, const float *, const Recent *, float *) =
         head_dim == 64 ? KV_NAME(attend_64) : head_dim == 128 ? KV_NAME(attend_128)
         : head_dim == 256 ? KV_NAME(attend_256) : KV_NAME(attend_head_dim);
     const int64_t group = num_heads / kv_heads;
@@ -205,7 +213,7 @@ static int KV_NAME(paged_attention)(
             Recent own;
             attend(q + off, k_cache, v_cache, block_tables + row_seq[r0] * table_stride, len0, nrows,
                    window, out + off, num_heads, h0, h1, group, kv_heads, head_dim, block_size, scale,
-                   recent_of(recent, &own, row_seq[r0], row_len, kv_heads * head_dim, block_size),
+                   key_mean, recent_of(recent, &own, row_seq[r0], row_len, kv_heads * head_dim, block_size),
                    scores);
         }
         free(scores);
@@ -222,4 +230,5 @@ static int KV_NAME(paged_attention)(
 #undef KV_ROW
 #undef KV_OWN_DOT
 #undef KV_DEQUANT
+#undef KV_DEQUANT_KEY
 #undef KV_DECODE
