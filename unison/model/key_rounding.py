@@ -2,9 +2,10 @@
 at load over a fixed text (key_rounding.txt).
 
 - The mean: about half a key's energy lies along a direction all keys of its head share, and it
-  sets the q8 blocks' scales. Every score of a query shifts by q . mean alike, which softmax
-  ignores, so csrc/fused_ops.c (store_kv) stores each key minus the mean: a finer step for the same
-  bytes.
+  sets the q8 blocks' scales. So csrc/fused_ops.c (store_kv) stores each block of 32 whole or less
+  the mean, whichever needs the smaller scale, marked in the block (csrc/q8.h), and the reader adds
+  the mean back: a finer step for the same bytes. Not every block: the first token's key, which
+  takes much of the attention, lies far from the mean.
 - W: what a key's rounding error e costs is the score error q . e of each query that reads it, and
   queries are far from isotropic (one mean direction carries about half of a head's query energy
   on SmolLM2). So shape_key_q8 rounds each key to keep e^T W e small, with W = E[q q^T] over the

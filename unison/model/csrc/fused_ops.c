@@ -250,7 +250,8 @@ void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache,
                 memcpy(rotated, x, sizeof(float) * width);
                 hadamard_rotate(rotated, width / head_dim, head_dim);
                 if (recent[i] != NULL) store_row(recent[i], r, rotated, width, 1);
-                if (recent[i] != NULL && twin_slots[r] >= 0) store_row(twins[i], twin_slots[r], rotated, width, 1);
+                if (recent[i] != NULL && twin_slots[r] >= 0)
+                    store_row(twins[i], twin_slots[r], rotated, width, 1);
                 if (i == 0 && shift) shift_key_blocks(rotated, key_mean, width, shifted);
                 x = rotated;
             }

@@ -39,15 +39,17 @@ static inline int64_t q8_at(int64_t j) { return j / 32 * Q8_BLOCK + j % 32; }
 // prefix-cache hit ends at a block boundary), so whether a row is read exact depends on positions
 // only: a prompt whole, in chunks or after a hit still gives bit-identical attention.
 typedef struct {
-    const _Float16 *k, *v;  // the request's rows of this forward, from position `first`: [rows, kv_heads, head_dim]
-    const _Float16 *k_twin, *v_twin;  // its block of `first`, rows before it: [block_size, kv_heads, head_dim]
+    // the request's rows of this forward, from position `first`: [rows, kv_heads, head_dim]
+    const _Float16 *k, *v;
+    // the rows of the block of `first` before it (its twin): [block_size, kv_heads, head_dim]
+    const _Float16 *k_twin, *v_twin;
     int64_t first;
 } Recent;
 
 // Where row pos's head kh is, float16 (value: V, else K); NULL where it is not held (a block's rows
 // before `first` with no twin: the caller reads the q8 row).
-static inline const _Float16 *recent_row(const Recent *r, int value, int64_t pos, int64_t kh, int64_t kv_heads,
-                                         int64_t head_dim, int64_t block_size) {
+static inline const _Float16 *recent_row(const Recent *r, int value, int64_t pos, int64_t kh,
+                                         int64_t kv_heads, int64_t head_dim, int64_t block_size) {
     const int64_t row = kv_heads * head_dim;
     if (pos >= r->first) return (value ? r->v : r->k) + (pos - r->first) * row + kh * head_dim;
     const _Float16 *twin = value ? r->v_twin : r->k_twin;
@@ -64,8 +66,8 @@ typedef struct {
 } RecentRows;
 
 // Request seq's view of `r` in `own`; NULL when r is.
-static inline const Recent *recent_of(const RecentRows *r, Recent *own, int64_t seq, const int64_t *row_len,
-                                      int64_t row, int64_t block_size) {
+static inline const Recent *recent_of(const RecentRows *r, Recent *own, int64_t seq,
+                                      const int64_t *row_len, int64_t row, int64_t block_size) {
     if (r == NULL) return NULL;
     const int64_t first = r->first_row[seq], twin = r->twin[seq];
     own->k = r->k + first * row;
