@@ -40,7 +40,7 @@ class Item(Protocol):
     token_ids: list[int]  # the new tokens (only their number matters here)
     start_pos: int  # tokens of the request already in the cache
     block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
-    logits_start: int  # index into token_ids from which logits are taken
+    logits_start: int  # index into token_ids from which logits are taken (later rows may be rejected drafts)
 
 
 @dataclass(slots=True)

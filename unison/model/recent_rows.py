@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,21 +28,14 @@ from torch import Tensor
 
 from .cpu_kernels import Recent
 
-
-class Item(Protocol):
-    """A batch item as the recent rows read it (runner.BatchItem)."""
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    logits_start: int  # rows from which logits are taken: later rows may be rejected drafts
+if TYPE_CHECKING:
+    from .attention import Item
 
 
 @dataclass(slots=True)
 class RecentStep:
     """A step's recent rows: where each row's twin copy goes, and what each request reads."""
 
-    rows: int
     twin_slots: Tensor  # [rows] int64: twin * block_size + offset, -1: none
     first_row: Tensor  # [requests] int64: the request's first row in the step
     twin: Tensor  # [requests] int64: the twin of that row's block, -1: none (it starts a block)
@@ -90,12 +83,12 @@ class RecentRows:
         if self.rows_k.shape[0] < rows:  # grown, never shrunk: one step runs at a time
             self.rows_k = torch.empty(rows, self.width, dtype=torch.float16)
             self.rows_v = torch.empty(rows, self.width, dtype=torch.float16)
-        return RecentStep(rows, torch.from_numpy(slots), torch.from_numpy(first), torch.from_numpy(reads))
+        return RecentStep(torch.from_numpy(slots), torch.from_numpy(first), torch.from_numpy(reads))
 
     def layer(self, step: RecentStep, layer: int | None) -> Recent:
         """What the kernels take for one layer (None: every layer's twins, for the compiled decoder)."""
         k, v = (self.twins_k, self.twins_v) if layer is None else (self.twins_k[layer], self.twins_v[layer])
-        n = step.rows
+        n = len(step.twin_slots)
         return Recent(self.rows_k[:n], self.rows_v[:n], k, v, step.twin_slots, step.first_row, step.twin)
 
     def _twin(self, block: int) -> int:
