@@ -12,7 +12,6 @@ import mmap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -22,7 +21,7 @@ from torch import Tensor
 from . import cpu_kernels
 from .families import ModelConfig
 from .key_rounding import KeyRounding
-from .recent_rows import RecentRows, RecentStep
+from .recent_rows import Item, RecentRows, RecentStep
 
 # Attention work (query rows x context tokens, summed) up to which a step's attention runs on one
 # thread: a parallel region over so little work costs more than it saves, and when the other
@@ -32,15 +31,6 @@ SERIAL_ATTENTION_WORK = 8192
 # Torch's decode path (no C kernel): a decode group is split so that the K/V it gathers (8 MiB) is
 # still in cache when SDPA reads it: 1.7x faster at 64 requests x 300 tokens than one gather.
 DECODE_CHUNK_BYTES = 8 << 20
-
-
-class Item(Protocol):
-    """A batch item as attention reads it (runner.BatchItem)."""
-
-    token_ids: list[int]  # the new tokens (only their number matters here)
-    start_pos: int  # tokens of the request already in the cache
-    block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
-    logits_start: int  # index into token_ids from which logits are taken (later rows may be rejected drafts)
 
 
 @dataclass(slots=True)

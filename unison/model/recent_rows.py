@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -28,8 +28,14 @@ from torch import Tensor
 
 from .cpu_kernels import Recent
 
-if TYPE_CHECKING:
-    from .attention import Item
+
+class Item(Protocol):
+    """A batch item as the attention and its recent rows read it (runner.BatchItem)."""
+
+    token_ids: list[int]  # the new tokens (only their number matters here)
+    start_pos: int  # tokens of the request already in the cache
+    block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
+    logits_start: int  # index into token_ids from which logits are taken (later rows may be rejected drafts)
 
 
 @dataclass(slots=True)
