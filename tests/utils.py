@@ -140,9 +140,12 @@ def _hf_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int,
     params = inspect.signature(model.forward).parameters
     cache_arg = "cache" if "cache" in params else "past_key_values"
     results = []
+    # A hybrid (linear-attention layers) needs its config to make the cache's recurrent layers.
+    types = getattr(model.config, "layer_types", None) or []
+    hybrid = {"config": model.config} if "linear_attention" in types else {}
     with torch.inference_mode():
         for prompt in prompts_ids:
-            ids, tops, cache = [], [], DynamicCache()
+            ids, tops, cache = [], [], DynamicCache(**hybrid)
             step = torch.tensor([prompt])
             for _ in range(max_new_tokens):
                 logits = model(step, use_cache=True, **{cache_arg: cache}).logits[0, -1].float()
@@ -187,14 +190,17 @@ def greedy(runner, prompts: list[list[int]], new_tokens: int):
     blocks = Blocks(runner)
     tables = [blocks.table(len(p) + new_tokens) for p in prompts]
     outs: list[tuple[list[int], list[dict[int, float]]]] = [([], []) for _ in prompts]
-    batch = [BatchItem(list(p), 0, t, len(p) - 1) for p, t in zip(prompts, tables)]
+    # (state_slot: a hybrid model's linear-attention state, one per request; others ignore it)
+    batch = [BatchItem(list(p), 0, t, len(p) - 1, state_slot=i)
+             for i, (p, t) in enumerate(zip(prompts, tables))]
     for _ in range(new_tokens):
         logits = runner.forward(batch)
         assert logits.shape == (len(prompts), runner.vocab_size) and logits.dtype == torch.float32
         for (ids, tops), top, row in zip(outs, top_logprobs(logits), logits):
             ids.append(int(row.argmax()))
             tops.append(top)
-        batch = [BatchItem([ids[-1]], b.start_pos + len(b.token_ids), b.block_table, 0)
+        batch = [BatchItem([ids[-1]], b.start_pos + len(b.token_ids), b.block_table, 0,
+                           state_slot=b.state_slot)
                  for b, (ids, _) in zip(batch, outs)]
     return outs
 

@@ -86,7 +86,8 @@ def linears_time(model: DecoderModel, shapes: Counter[tuple[int, int]], reps: in
 
         def run() -> None:
             for layer in model.layers:
-                layer.qkv(x), layer.o_proj(a)
+                if layer.qkv is not None and layer.o_proj is not None:  # not a linear-attention layer
+                    layer.qkv(x), layer.o_proj(a)
                 if layer.gate_up is not None and layer.down is not None:  # not a mixture of experts
                     layer.gate_up(x), layer.down(y)
         return _best_of(run, reps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from unison.core.request import Request, check_generate
 from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter, add_drafts, verify
+from unison.core.state_pool import StatePool
 from unison.model.encoder_config import DecoderPooling, DecoderReranker, encoder_task, model_task
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.loader import default_gguf_path
@@ -31,6 +33,7 @@ from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import EngineStats, Generate, ReqOutput
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -54,7 +57,14 @@ class EngineCore:
         # The prefix cache's disk tier (kv_cache_dir), or None
         self.disk = open_disk_cache(config, self.runner, self.kv_events) if config.kv_cache_dir else None
         observers = [o for o in (self.kv_events, self.disk) if o is not None]
-        cache = None if config.disable_radix_cache or encoder else \
+        # A hybrid model's linear-attention states, a slot per running request. Its prefix cache
+        # waits for state snapshots: a hit would resume without the state of the tokens it skips.
+        states = None if encoder else cast(ModelRunner, self.runner).states
+        self.states = None if states is None else StatePool(states.slots)
+        if self.states is not None and not config.disable_radix_cache:
+            log.info("prefix caching is off: %s keeps linear-attention state that cached blocks do not hold",
+                     cast(ModelRunner, self.runner).config.architecture)
+        cache = None if config.disable_radix_cache or encoder or self.states is not None else \
             RadixCache(self.pool, config.block_size, observers)
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
@@ -62,6 +72,7 @@ class EngineCore:
             policy=config.schedule_policy, seed=config.random_seed,
             max_adapters=config.max_loras_per_batch, whole_prompts=encoder, disk=self.disk,
             copy_block=None if encoder or recent else cast(ModelRunner, self.runner).attention.copy_block,
+            states=self.states,
         )
         # An encoder never reaches it: make_runner refuses enable_lora for one.
         self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,
@@ -75,6 +86,10 @@ class EngineCore:
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         spec = config.speculative_config
         assert not isinstance(spec, str)  # EngineConfig parsed it
+        if spec is not None and self.states is not None:
+            raise ValueError("speculative_config: drafts are not run on linear-attention models "
+                             f"({cast(ModelRunner, self.runner).config.architecture}) yet: their state "
+                             "cannot be rolled back past a rejected draft")
         self.drafter = None if spec is None else Drafter(spec)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
         self.model_dir = model_dir
@@ -270,7 +285,8 @@ class EngineCore:
     def _batch_item(self, it: ScheduledItem) -> BatchItem:
         start = it.req.num_computed_tokens
         tokens = it.req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
-        return BatchItem(tokens, start, it.req.block_table, it.logits_start, it.req.adapter)
+        return BatchItem(tokens, start, it.req.block_table, it.logits_start, it.req.adapter,
+                         it.req.state_slot)
 
     def _sample(self, logits: torch.Tensor, sampled: Sampled, now: float) -> None:
         result = self.sampler(logits, [req for _, req, _ in sampled])
@@ -349,7 +365,7 @@ def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRu
         block_size=config.block_size,
         max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
         load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
-        mem_fraction_static=config.mem_fraction_static,
+        mem_fraction_static=config.mem_fraction_static, state_slots=config.max_running_requests,
         pooling=(DecoderReranker.from_dir(path) if config.task == "rerank" else
                  DecoderPooling.from_dir(path) if task == "embed" or pooled else None),
     )

@@ -2,7 +2,9 @@
 
 It allocates from the block pool, starts a request after the longest prefix the radix cache holds
 (in RAM, then in its disk tier when there is one), offers computed blocks back to the cache, and
-evicts cached prefixes when the pool runs dry. The scheduler decides who runs and how far; this
+evicts cached prefixes when the pool runs dry. A hybrid model's request also holds a
+linear-attention state slot (core/state_pool.py), taken and given back with its blocks.
+The scheduler decides who runs and how far; this
 decides the blocks, as vLLM v1 splits its scheduler from its KV cache manager.
 """
 
@@ -14,12 +16,15 @@ from unison.core.block_pool import BlockPool
 from unison.core.disk_cache import DiskCache
 from unison.core.radix_cache import Node, RadixCache
 from unison.core.request import Request
+from unison.core.state_pool import StatePool
 
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, cache: RadixCache | None = None,
-                 disk: DiskCache | None = None, copy_block: Callable[[int, int], None] | None = None) -> None:
+                 disk: DiskCache | None = None, copy_block: Callable[[int, int], None] | None = None,
+                 states: StatePool | None = None) -> None:
         self.pool = pool
+        self.states = states  # a hybrid model's state slots, or None
         self.block_size = block_size
         self.cache = cache  # None: prefix caching is off
         self.disk = disk  # the cache's disk tier (one of its observers), or None
@@ -101,6 +106,11 @@ class KVCacheManager:
             self.cache.evict(need - self.pool.num_free)
         if need > self.pool.num_free:
             return False
+        if self.states is not None and req.state_slot < 0:
+            slot = self.states.allocate()
+            if slot is None:
+                return False
+            req.state_slot = slot
         if need > 0:
             req.block_table.extend(self.pool.allocate(need))
         return True
@@ -139,6 +149,9 @@ class KVCacheManager:
         self.pool.release(req.block_table)
         req.block_table = []
         req.num_computed_tokens = 0
+        if self.states is not None and req.state_slot >= 0:
+            self.states.release(req.state_slot)
+            req.state_slot = -1
 
     def reset_cache(self) -> None:
         """Empty the prefix cache, both tiers."""
@@ -147,8 +160,11 @@ class KVCacheManager:
         if self.disk is not None:
             self.disk.clear()
 
-    def check_integrity(self, tables: list[list[int]]) -> None:
-        """Every block is free or held, as often as the requests' `tables` and the cache hold it."""
+    def check_integrity(self, tables: list[list[int]], slots: list[int] | None = None) -> None:
+        """Every block is free or held, as often as the requests' `tables` and the cache hold it;
+        every state slot free or held by one of the requests (`slots`: theirs)."""
+        if self.states is not None:
+            self.states.check_integrity([s for s in slots or [] if s >= 0])
         if self.cache is not None:
             self.cache.check_integrity()
             tables = [*tables, self.cache.blocks()]

@@ -33,6 +33,7 @@ from unison.core.disk_cache import DiskCache
 from unison.core.kv_cache_manager import KVCacheManager
 from unison.core.radix_cache import RadixCache
 from unison.core.request import Request
+from unison.core.state_pool import StatePool
 
 LORA_PATIENCE = 16  # times a request may be passed over for the adapter limit
 
@@ -49,10 +50,11 @@ class Scheduler:
     def __init__(self, pool: BlockPool, *, block_size: int, max_running: int, token_budget: int,
                  cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None,
                  max_adapters: int = 8, whole_prompts: bool = False, disk: DiskCache | None = None,
-                 copy_block: Callable[[int, int], None] | None = None) -> None:
+                 copy_block: Callable[[int, int], None] | None = None,
+                 states: StatePool | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
-        self.kv = KVCacheManager(pool, block_size, cache, disk, copy_block)
+        self.kv = KVCacheManager(pool, block_size, cache, disk, copy_block, states)
         self.policy = policy
         self.rng = random.Random(seed)  # the random policy's
         self.last_served: dict[bytes, int] = {}  # frontend -> admission tick (fair)
@@ -217,7 +219,7 @@ class Scheduler:
         self.kv.reset_cache()
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity([req.block_table for req in self])
-        held = [req.rid for req in self.waiting if req.block_table]
+        self.kv.check_integrity([req.block_table for req in self], [req.state_slot for req in self])
+        held = [req.rid for req in self.waiting if req.block_table or req.state_slot >= 0]
         if held:
             raise AssertionError(f"waiting requests hold KV blocks: {held}")

@@ -88,7 +88,9 @@ class PagedAttention:
         # int8: each head's row is q8_0 blocks, 32 values and a float16 scale (csrc/paged_attention.c),
         # of the row times a Hadamard matrix (csrc/fused_ops.c); fp8: a byte a value.
         row = kv_head_bytes(c.head_dim, kv_dtype) // kv_dtype.itemsize
-        shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, row)
+        # One entry per layer that keeps KV (a hybrid's full-attention layers; every layer elsewhere)
+        layers = len(c.attention_layers)
+        shape = (layers, num_blocks, block_size, c.num_key_value_heads, row)
         self.k_cache = _zeros(shape, kv_dtype, device)
         self.v_cache = _zeros(shape, kv_dtype, device)
         # The C kernels when the model runs on them (the runner sets them): paged metadata and the
@@ -100,7 +102,7 @@ class PagedAttention:
         # they are, rounded to nearest.
         self.key_rounding: KeyRounding | None = None
         # int8: the rows of each query's own block, read as float16 (recent_rows.py).
-        self.recent = (RecentRows(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim)
+        self.recent = (RecentRows(layers, block_size, c.num_key_value_heads, c.head_dim)
                        if kv_dtype == torch.int8 else None)
         # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer costs
         # page faults that make decode attention 3x slower on CPU.
@@ -245,7 +247,8 @@ class PagedAttention:
     # --- attention, called by the model for each layer ------------------------------------
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Store the step's new K/V of `layer` in the cache, then attend (decoder.Attention)."""
+        """Store the step's new K/V of `layer` (its index among the layers that keep KV) in the
+        cache, then attend (decoder.Attention)."""
         if not self._current.serial:
             return self._attend(layer, q, k, v)
         threads = torch.get_num_threads()
@@ -267,12 +270,12 @@ class PagedAttention:
             self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d, weight, mean, recent)
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
-                                               self.config.layer_window[layer], threads,
+                                               self.config.kv_windows[layer], threads,
                                                self.config.attention_scale, mean, recent).view(n, heads * d)
         assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))
-        meta = step.torch[self.config.layer_window[layer]]
+        meta = step.torch[self.config.kv_windows[layer]]
         if meta.whole:  # the common all-decode step: no scatter needed
             return self._decode(meta.decodes[0], q, kc, vc).view(n, heads * d)
         out = torch.empty_like(q)

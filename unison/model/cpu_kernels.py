@@ -9,6 +9,8 @@ operations (residual add + RMSNorm, rotary embedding, the KV-cache write) in one
 several torch ops, which at decode batch sizes cost more in dispatch than in arithmetic.
 csrc/lora.c adds LoRA adapters' updates to a linear's output, each row with its own adapter.
 csrc/moe.c runs a mixture of experts' MLP: routing, the experts grouped by the rows they got.
+csrc/gated_delta.c runs the Gated DeltaNet layers' convolution and recurrence over each request's
+state (Qwen3-Next, Qwen3.5).
 
 The sources are plain C (no torch headers), so building takes about a second; the shared object
 is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flags and the CPU's
@@ -41,7 +43,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c",
-                                    "lora.c", "moe.c")]
+                                    "lora.c", "moe.c", "gated_delta.c")]
 HEADERS = [CSRC / "paged_attention_body.h", CSRC / "q8.h", CSRC / "simd_math.h", CSRC / "lora.h",
            CSRC / "moe.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
@@ -100,7 +102,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # as act_mul numbers them
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "sigmoid": 2}  # as act_mul and mul_act number them
 # The quantized kernels' instruction-set paths, as quant_linear.c numbers them, slowest first.
 QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 # The KV cache's element types, as the kernels number them.
@@ -108,6 +110,16 @@ QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3, torch.float8_e4m3fn: 4,
              torch.float8_e5m2: 5}
 C_ONLY_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # torch's attention reads none
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaStep:
+    """Which rows of a step are whose, for the linear-attention layers: request i has rows
+    [row_start[i], row_start[i] + row_count[i]) and state slot slots[i] (int64 tensors)."""
+
+    slots: torch.Tensor
+    row_start: torch.Tensor
+    row_count: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -151,6 +163,17 @@ class CpuKernels:
         lib.add_rms_norm.restype = None
         lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
         lib.rope.restype = None
+        lib.rope_partial.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]
+        lib.rope_partial.restype = None
+        lib.gated_delta.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                    _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
+        lib.gated_delta.restype = _INT
+        lib.row_gates.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
+        lib.row_gates.restype = None
+        lib.mul_act.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT]
+        lib.mul_act.restype = None
+        lib.delta_gates.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
+        lib.delta_gates.restype = None
         lib.store_kv.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _PTR,
                                  _PTR, _PTR, _PTR, _PTR]
         lib.store_kv.restype = None
@@ -253,11 +276,55 @@ class CpuKernels:
         return out
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotates, in place, the `heads` heads at the start of each row of x (rows may be strided:
-        q and k inside the fused QKV output). cos, sin: [rows, head_dim / 2] contiguous."""
+        """Rotates, in place, the first cos.shape[1] * 2 dims (all of head_dim, or a part) of the
+        `heads` heads at the start of each row of x (rows may be strided: q and k inside the
+        fused QKV output). cos, sin: [rows, rotated dims / 2] contiguous."""
         assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
-        self.lib.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads,
-                      head_dim, torch.get_num_threads())
+        self.lib.rope_partial(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads,
+                              head_dim, 2 * cos.shape[1], torch.get_num_threads())
+
+    def row_gates(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x . w) per row of x [rows, dim] (rows may be strided), summed in order: [rows]."""
+        assert x.stride(1) == 1 and w.is_contiguous() and x.shape[1] == w.numel()
+        out = torch.empty(x.shape[0])
+        self.lib.row_gates(x.data_ptr(), x.stride(0), w.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
+    def mul_act_(self, x: torch.Tensor, gate: torch.Tensor, activation: str) -> None:
+        """x *= act(gate) in place, x and gate [rows, n] (rows may be strided); act: silu | sigmoid."""
+        assert x.stride(1) == 1 and gate.stride(1) == 1 and x.shape == gate.shape
+        self.lib.mul_act(x.data_ptr(), x.stride(0), gate.data_ptr(), gate.stride(0), x.shape[0], x.shape[1],
+                         ACTIVATIONS[activation], torch.get_num_threads())
+
+    def delta_gates(self, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,
+                    neg_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Gated DeltaNet's (g, beta) [rows, heads] from its a and b projections (same strides)."""
+        assert a.stride() == b.stride() and a.stride(1) == 1
+        g, beta = torch.empty(a.shape), torch.empty(a.shape)
+        self.lib.delta_gates(a.data_ptr(), b.data_ptr(), a.stride(0), a.shape[0], a.shape[1],
+                             dt_bias.data_ptr(), neg_a.data_ptr(), g.data_ptr(), beta.data_ptr())
+        return g, beta
+
+    def gated_delta(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                    conv_state: torch.Tensor, rec_state: torch.Tensor, step: DeltaStep) -> torch.Tensor:
+        """A Gated DeltaNet layer's convolution and recurrence (csrc/gated_delta.c) on x [rows,
+        conv_dim] (q|k|v, rows may be strided), g and beta [rows, value heads] (same strides),
+        over this layer's states conv_state [slots, K-1, conv_dim] and rec_state
+        [slots, value heads, dk, dv], updated in place: [rows, value heads * dv]."""
+        assert x.stride(1) == 1 and g.stride() == beta.stride() and g.stride(1) == 1
+        assert conv_state.is_contiguous() and rec_state.is_contiguous() and conv_weight.is_contiguous()
+        rows, (hv, dk, dv) = x.shape[0], rec_state.shape[1:]
+        hk = (x.shape[1] - hv * dv) // (2 * dk)
+        work = torch.empty(rows, x.shape[1])
+        out = torch.empty(rows, hv * dv)
+        rc = self.lib.gated_delta(x.data_ptr(), x.stride(0), g.data_ptr(), beta.data_ptr(), g.stride(0),
+                                  conv_weight.data_ptr(), conv_weight.shape[1], conv_state.data_ptr(),
+                                  rec_state.data_ptr(), step.slots.data_ptr(), step.row_start.data_ptr(),
+                                  step.row_count.data_ptr(), len(step.slots), hk, hv, dk, dv, work.data_ptr(),
+                                  out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("gated delta kernel: out of memory")
+        return out
 
     def norm_groups_(self, x: torch.Tensor, groups: int, dim: int, weight: torch.Tensor, eps: float) -> None:
         """RMS norm, in place, of `groups` groups of `dim` at the start of each row of x (rows may be

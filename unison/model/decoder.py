@@ -1,8 +1,10 @@
 """The decoder, plain PyTorch plus the C kernels: every family of families.py with one forward.
 
 Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (qk-norm), Gemma 3
-(sandwich norms, GELU, windowed and global layers with their own rope), OLMo 2 (post-norms), and
-the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (a sparse MLP: moe.py).
+(sandwich norms, GELU, windowed and global layers with their own rope), OLMo 2 (post-norms),
+the mixtures of experts Qwen3-MoE, Mixtral, OLMoE and Qwen2-MoE (a sparse MLP, a shared expert:
+moe.py), and the hybrids Qwen3-Next and Qwen3.5, whose Gated DeltaNet layers keep a state per
+request (linear_attention.py) and whose attention layers gate their output.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import torch.nn.functional as F
 
 from . import cpu_kernels, quant
 from .families import ModelConfig
+from .linear_attention import DeltaNet, DeltaStates, fused_order
 from .lora import LoraStep
-from .moe import PROJECTIONS, FloatMoe, QuantMoe
+from .moe import PROJECTIONS, FloatMoe, QuantMoe, SharedExpert
 from .quant import QuantWeight
-from .weights import DictWeights, WeightSource, linear_bits
+from .weights import DictWeights, RenamedWeights, WeightSource, linear_bits
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +165,10 @@ def _kind(linear: Linear | QuantLinear | FloatMoe | QuantMoe) -> str:
 
 @dataclass(slots=True)
 class Layer:
-    qkv: Linear | QuantLinear  # q, k, v projections fused: [(heads + 2 * kv_heads) * head_dim, hidden]
-    o_proj: Linear | QuantLinear
+    # q, k, v projections fused: [(heads + 2 * kv_heads) * head_dim, hidden] (q doubled where the
+    # family gates the output: each head's q, then its gate); None in a linear-attention layer
+    qkv: Linear | QuantLinear | None
+    o_proj: Linear | QuantLinear | None
     gate_up: Linear | QuantLinear | None  # gate and up projections fused: [2 * intermediate, hidden]
     down: Linear | QuantLinear | None  # (None where a mixture of experts is the MLP)
     # The norms a family has (families.Family.norms), None where it has none.
@@ -175,17 +180,37 @@ class Layer:
     k_norm: torch.Tensor | None
     rope: int  # index into the model's ropes
     moe: FloatMoe | QuantMoe | None = None  # the MLP of a mixture-of-experts family
+    shared: SharedExpert | None = None  # ... and its shared expert, where it has one
+    delta: DeltaNet | None = None  # a Gated DeltaNet layer's mixer, in place of attention
 
     @property
     def linears(self) -> dict[str, Linear | QuantLinear | FloatMoe | QuantMoe]:
         """The layer's weight-holding parts by name, in forward order."""
+        mixer: dict[str, Linear | QuantLinear | FloatMoe | QuantMoe]
+        if self.delta is not None:
+            mixer = {"in_proj": self.delta.in_proj, "out_proj": self.delta.out_proj}
+        else:
+            assert self.qkv is not None and self.o_proj is not None  # an attention layer has both
+            mixer = {"qkv": self.qkv, "o_proj": self.o_proj}
         mlp: dict[str, Linear | QuantLinear | FloatMoe | QuantMoe]
         if self.moe is not None:
             mlp = {"experts": self.moe}
+            if self.shared is not None:
+                mlp |= {"shared_gate_up": self.shared.gate_up, "shared_down": self.shared.down}
         else:
             assert self.gate_up is not None and self.down is not None  # a dense MLP has both
             mlp = {"gate_up": self.gate_up, "down": self.down}
-        return {"qkv": self.qkv, "o_proj": self.o_proj, **mlp}
+        return {**mixer, **mlp}
+
+    @property
+    def small_tensors(self) -> list[torch.Tensor]:
+        """The float tensors beside the linears: norms, and a linear layer's own."""
+        own = [self.input_norm, self.post_attention_norm, self.pre_mlp_norm, self.post_mlp_norm,
+               self.q_norm, self.k_norm, None if self.shared is None else self.shared.gate]
+        if self.delta is not None:
+            d = self.delta
+            own += [d.conv_weight, d.dt_bias, d.neg_a, d.norm]
+        return [t for t in own if t is not None]
 
 
 class DecoderModel:
@@ -201,6 +226,8 @@ class DecoderModel:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         # Kept (a checkpoint is memory-mapped, not copied): replacing some tensors rebuilds from it.
         self.source, self.from_gguf = weights, from_gguf
+        if cfg.family.text_prefix != "model.":  # a multimodal checkpoint's text model
+            weights = RenamedWeights(weights, "model.", cfg.family.text_prefix)
         # The C kernels where they apply (CPU, float32); torch ops elsewhere.
         kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
         self.ops: TorchOps | cpu_kernels.CpuKernels = kernels or TorchOps()
@@ -211,6 +238,9 @@ class DecoderModel:
         self.norm = get.norm("model.norm.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = get.head(self.embed) if tied else get.linear(["lm_head.weight"], head=True)
+        # A layer's index in the KV cache (attention layers) or in the state pool (linear ones)
+        self.kv_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        self.linear_index = {layer: i for i, layer in enumerate(cfg.linear_layers)}
         self.layers = [self._layer(get, i) for i in range(cfg.num_hidden_layers)]
         self.weight_shapes = get.shapes  # what replacement weights must match (a reload)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -221,16 +251,20 @@ class DecoderModel:
         a, m = p + "self_attn.", p + "mlp."
         bias = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         norms = {role: get.norm(p + name + ".weight") for role, name in self.cfg.family.norms.items()}
-        optional = {x: get.norm(a + x + ".weight") if get.has(a + x + ".weight") else None
+        linear = i in self.linear_index
+        optional = {x: get.norm(a + x + ".weight") if not linear and get.has(a + x + ".weight") else None
                     for x in ("q_norm", "k_norm")}
         sparse = self.cfg.moe is not None
         return Layer(
-            qkv=get.linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-                           bias if get.has(bias[0]) else None),
-            o_proj=get.linear([a + "o_proj.weight"]),
+            qkv=None if linear else get.linear(
+                [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                bias if get.has(bias[0]) else None),
+            o_proj=None if linear else get.linear([a + "o_proj.weight"]),
+            delta=load_delta_net(get, self.cfg, p + "linear_attn.") if linear else None,
             gate_up=None if sparse else get.linear([m + "gate_proj.weight", m + "up_proj.weight"]),
             down=None if sparse else get.linear([m + "down_proj.weight"]),
             moe=load_moe(get, self.cfg, i) if sparse else None,
+            shared=load_shared_expert(get, self.cfg, i) if sparse else None,
             input_norm=norms.get("input"), post_attention_norm=norms.get("post_attention"),
             pre_mlp_norm=norms.get("pre_mlp"), post_mlp_norm=norms.get("post_mlp"),
             rope=self.cfg.layer_rope[i], **optional,
@@ -238,9 +272,7 @@ class DecoderModel:
 
     def weights_bytes(self) -> int:
         """Bytes of the weights as executed (packed, quantized or not), norms included."""
-        norms = [(layer.input_norm, layer.post_attention_norm, layer.pre_mlp_norm, layer.post_mlp_norm,
-                  layer.q_norm, layer.k_norm) for layer in self.layers]
-        tensors = [self.norm] + [t for group in norms for t in group if t is not None]
+        tensors = [self.norm] + [t for layer in self.layers for t in layer.small_tensors]
         total = sum(t.numel() * t.element_size() for t in tensors) + self.embed.nbytes
         linears = [x for layer in self.layers for x in layer.linears.values()]
         tied = isinstance(self.lm_head, QuantLinear) and self.lm_head.parts[0] is self.embed.quant
@@ -256,10 +288,11 @@ class DecoderModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 logits_rows: torch.Tensor | None, lora: LoraStep | None = None,
-                head: bool = True) -> torch.Tensor:
+                head: bool = True, states: DeltaStates | None = None) -> torch.Tensor:
         """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids` (head=False: the
         final norm's hidden states instead, what a pooled decoder embeds); `lora`: the rows'
-        adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c."""
+        adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c; `states`: the
+        linear-attention layers' per-request states, opened for this step (a hybrid's)."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         rope = [r.cos_sin(positions, self.dtype) for r in cfg.ropes]  # once per step, not per layer
         h = self.embed(input_ids)
@@ -269,14 +302,24 @@ class DecoderModel:
         x = _add_norm(ops, h, None, self.layers[0].input_norm, eps)
         hook = lora.apply if lora is not None else _no_lora
         for i, layer in enumerate(self.layers):
-            attn = attention(i, *self._qkv(layer, x, *rope[layer.rope], hook, 4 * i))
-            delta = layer.o_proj(attn)
-            hook(4 * i + 1, attn, delta)
+            if layer.delta is not None:
+                assert states is not None and cfg.linear is not None  # a hybrid's step opens them
+                delta = layer.delta.forward(x, self.linear_index[i], cfg.linear, states, ops, eps)
+            else:
+                assert layer.o_proj is not None  # an attention layer
+                q, k, v, gate = self._qkv(layer, x, *rope[layer.rope], hook, 4 * i)
+                attn = attention(self.kv_index[i], q, k, v)
+                if gate is not None:
+                    ops.mul_act_(attn, gate, "sigmoid")
+                delta = layer.o_proj(attn)
+                hook(4 * i + 1, attn, delta)
             if layer.post_attention_norm is not None:
                 delta = ops.add_rms_norm(delta, None, layer.post_attention_norm, eps)
             x = _add_norm(ops, h, delta, layer.pre_mlp_norm, eps)
             if layer.moe is not None:  # (LoRA adapters never target the experts: refused at load)
                 delta = layer.moe(x)
+                if layer.shared is not None:
+                    delta.add_(layer.shared(x, ops))
             else:
                 assert layer.gate_up is not None and layer.down is not None  # a dense MLP has both
                 gate_up = layer.gate_up(x)
@@ -293,23 +336,32 @@ class DecoderModel:
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              lora: Callable[[int, torch.Tensor, torch.Tensor], None], linear: int):
-        """q [N, heads, d], k and v [N, kv_heads, d]: projected (`lora` adds the adapters'
-        updates to linear number `linear`), normed where the family norms them, rotated."""
+        """q [N, heads, d], k and v [N, kv_heads, d], and the output gate [N, heads * d] where the
+        family has one (else None): projected (`lora` adds the adapters' updates to linear number
+        `linear`), normed where the family norms them, rotated."""
         cfg, qs, kvs, eps = self.cfg, self.q_size, self.kv_size, self.cfg.rms_norm_eps
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        assert layer.qkv is not None  # an attention layer
         qkv = layer.qkv(x)
         lora(linear, x, qkv)
-        n = qkv.shape[0]
+        n, gate = qkv.shape[0], None
+        if cfg.family.attn_output_gate:  # q_proj gives each head's q, then its gate
+            qg = qkv[:, : 2 * qs].view(n, heads, 2, d)
+            q, gate = qg[:, :, 0].reshape(n, qs), qg[:, :, 1].reshape(n, qs)
+            k, v = qkv[:, 2 * qs: 2 * qs + kvs], qkv[:, 2 * qs + kvs:]
+        else:
+            q, k, v = qkv[:, :qs], qkv[:, qs: qs + kvs], qkv[:, qs + kvs:]
         if layer.q_norm is not None:  # before the rotation: per head (Qwen3, Gemma 3), or over
             per_head = cfg.family.qk_norm == "head"  # the whole q and k projections (OLMo 2)
             assert layer.k_norm is not None  # q and k are normed together
-            self.ops.norm_groups_(qkv[:, :qs], heads if per_head else 1, d if per_head else qs,
-                                  layer.q_norm, eps)
-            self.ops.norm_groups_(qkv[:, qs: qs + kvs], kv_heads if per_head else 1, d if per_head else kvs,
-                                  layer.k_norm, eps)
-        self.ops.rope_(qkv[:, : qs + kvs], heads + kv_heads, d, cos, sin)  # q and k heads side by side
-        return (qkv[:, :qs].view(n, heads, d), qkv[:, qs: qs + kvs].view(n, kv_heads, d),
-                qkv[:, qs + kvs:].view(n, kv_heads, d))
+            self.ops.norm_groups_(q, heads if per_head else 1, d if per_head else qs, layer.q_norm, eps)
+            self.ops.norm_groups_(k, kv_heads if per_head else 1, d if per_head else kvs, layer.k_norm, eps)
+        if gate is None:
+            self.ops.rope_(qkv[:, : qs + kvs], heads + kv_heads, d, cos, sin)  # q and k heads side by side
+        else:
+            self.ops.rope_(q, heads, d, cos, sin)
+            self.ops.rope_(k, kv_heads, d, cos, sin)
+        return q.view(n, heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d), gate
 
 
 def _no_lora(linear: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -339,8 +391,21 @@ class TorchOps:
 
     @staticmethod
     def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        x = x.view(x.shape[0], heads, head_dim)
+        x = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)[..., : 2 * cos.shape[1]]
         x.copy_(apply_rope(x, cos[:, None], sin[:, None]))
+
+    @staticmethod
+    def row_gates(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid((x * w).sum(-1))
+
+    @staticmethod
+    def mul_act_(x: torch.Tensor, gate: torch.Tensor, activation: str) -> None:
+        x.mul_(torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))
+
+    @staticmethod
+    def delta_gates(a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,
+                    neg_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.softplus(a.float() + dt_bias) * neg_a, torch.sigmoid(b.float())
 
     @staticmethod
     def norm_groups_(x: torch.Tensor, groups: int, dim: int, weight: torch.Tensor, eps: float) -> None:
@@ -395,11 +460,13 @@ class _WeightGetter:
     def __call__(self, name: str) -> torch.Tensor:
         return self.weights.float(self._fetched(name)).to(device=self.device, dtype=self.dtype).contiguous()
 
-    def norm(self, name: str) -> torch.Tensor:
-        """A norm's scale. Gemma stores w for a (1 + w) scale: added here, in float32 as
-        transformers does, so the forward always multiplies by the weight."""
+    def norm(self, name: str, plus_one: bool | None = None) -> torch.Tensor:
+        """A norm's scale. Gemma, Qwen3-Next and Qwen3.5 store w for a (1 + w) scale: added here,
+        in float32 as transformers does, so the forward always multiplies by the weight.
+        `plus_one`: whether this norm is stored so, when it differs from the family's others."""
         w = self.weights.float(self._fetched(name)).float()
-        return (1.0 + w if self.norm_plus_one else w).to(device=self.device, dtype=self.dtype).contiguous()
+        one = self.norm_plus_one if plus_one is None else plus_one
+        return (1.0 + w if one else w).to(device=self.device, dtype=self.dtype).contiguous()
 
     def _bits(self, name: str, head: bool = False) -> int | None:
         return linear_bits(self.quantization, self.weights.source_type(name), head=head,
@@ -463,6 +530,49 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
     return QuantMoe(moe, cfg.family.activation, router, **stacked, kernels=get.quant_kernels)
 
 
+def load_shared_expert(get: _WeightGetter, cfg: ModelConfig, layer: int) -> SharedExpert | None:
+    """Layer `layer`'s shared expert, where the family has one."""
+    names = cfg.family.moe
+    if names is None or names.shared is None or names.shared_gate is None:
+        return None
+    p = f"model.layers.{layer}.{names.shared}."
+    gate = get(f"model.layers.{layer}.{names.shared_gate}.weight").float().reshape(-1)
+    if gate.numel() != cfg.hidden_size:
+        raise ValueError(f"model.layers.{layer}.{names.shared_gate}.weight has {gate.numel()} values; "
+                         f"the shared expert's gate needs hidden_size ({cfg.hidden_size})")
+    return SharedExpert(get.linear([p + "gate_proj.weight", p + "up_proj.weight"]),
+                        get.linear([p + "down_proj.weight"]), gate.contiguous(), cfg.family.activation)
+
+
+def load_delta_net(get: _WeightGetter, cfg: ModelConfig, p: str) -> DeltaNet:
+    """A Gated DeltaNet layer's weights under `p` (model.layers.N.linear_attn.), each checked
+    against the config's shape so that a wrong checkpoint is refused naming the tensor."""
+    lin = cfg.linear
+    assert lin is not None  # a hybrid family's config has it
+    hv, hidden = lin.num_v_heads, cfg.hidden_size
+    if cfg.family.linear_attention == "fused":  # Qwen3-Next: [q, k, v, z] and [b, a] per key head
+        names = {"in_proj_qkvz": (lin.conv_dim + lin.value_dim, hidden), "in_proj_ba": (2 * hv, hidden)}
+    else:
+        names = {"in_proj_qkv": (lin.conv_dim, hidden), "in_proj_z": (lin.value_dim, hidden),
+                 "in_proj_b": (hv, hidden), "in_proj_a": (hv, hidden)}
+    expected = {**{f"{n}.weight": shape for n, shape in names.items()},
+                "out_proj.weight": (hidden, lin.value_dim),
+                "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
+                "dt_bias": (hv,), "A_log": (hv,), "norm.weight": (lin.head_v_dim,)}
+    for name, shape in expected.items():
+        if not get.has(p + name):
+            raise ValueError(f"checkpoint is missing weight {p + name!r} (a linear-attention layer)")
+        got = tuple(get.weights.shape(p + name))
+        if got != shape and not (name == "conv1d.weight" and got == (lin.conv_dim, lin.conv_kernel)):
+            raise ValueError(f"weight {p + name!r} is {list(got)}; this config needs {list(shape)}")
+    conv = get(p + "conv1d.weight").reshape(lin.conv_dim, lin.conv_kernel).float().contiguous()
+    return DeltaNet(
+        in_proj=get.linear([p + f"{n}.weight" for n in names]), out_proj=get.linear([p + "out_proj.weight"]),
+        conv_weight=conv, dt_bias=get(p + "dt_bias").float(), neg_a=-get(p + "A_log").float().exp(),
+        norm=get.norm(p + "norm.weight", plus_one=False),
+        order=fused_order(lin) if cfg.family.linear_attention == "fused" else None)
+
+
 def dummy_model(cfg: ModelConfig, device: torch.device,
                 dtype: torch.dtype) -> tuple[ModelConfig, DecoderModel]:
     """A tiny random one-layer model of the same family with the real vocabulary: the forward
@@ -471,10 +581,14 @@ def dummy_model(cfg: ModelConfig, device: torch.device,
 
     from .rope import Rope
 
-    tiny = dataclasses.replace(cfg, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    # (one plain attention layer and a dense MLP, whatever the family's layers are)
+    plain = dataclasses.replace(cfg.family, moe=None, linear_attention=None, attn_output_gate=False,
+                                text_prefix="model.")
+    tiny = dataclasses.replace(cfg, family=plain, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                tie_word_embeddings=True, ropes=[Rope(32)], layer_rope=[0],
-                               layer_window=[None], attention_scale=32 ** -0.5)
+                               layer_window=[None], attention_scale=32 ** -0.5, moe=None,
+                               layer_types=["full_attention"], linear=None, rotary_dim=0)
     g = torch.Generator().manual_seed(0)
     a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
     shapes = {"model.embed_tokens.weight": (tiny.vocab_size, 64), "model.norm.weight": (64,),

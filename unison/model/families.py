@@ -13,6 +13,13 @@ outputs are summed with the router's weights (moe.py). The family says where its
 the router and the experts (`MoeNames`); the config says how many and how they combine
 (`MoeConfig`).
 
+Some MoE families (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) add a shared expert: a dense gated MLP
+that every token runs, scaled by a sigmoid gate of its own and added to the routed experts' sum.
+
+Hybrid families (Qwen3-Next, Qwen3.5) make most layers Gated DeltaNet linear attention
+(linear_attention.py): a fixed-size state per request instead of KV. `layer_types` says which
+layer is which; their full-attention layers gate their output and rotate part of each head.
+
 Adding a family is a `Family` entry and, when its config spells things its own way, a few
 lines in `ModelConfig.from_hf` (see Gemma 3's layer types and rope parameters).
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from unison.json_types import JSONObject
 
@@ -37,6 +45,8 @@ class MoeNames:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    shared: str | None = None  # a shared expert's gated MLP (gate_proj, up_proj, down_proj) under it
+    shared_gate: str | None = None  # its sigmoid gate's linear: [1, hidden]
 
     def expert(self, layer: int, e: int, proj: str) -> str:
         """The checkpoint name of expert e's `proj` (gate, up or down) weight in `layer`."""
@@ -59,9 +69,19 @@ class Family:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size): Gemma
     qk_norm: str | None = None  # per "head" (Qwen3, Gemma 3) or over the "full" projection (OLMo 2)
     moe: MoeNames | None = None  # a sparse MLP in every layer instead of the dense one
+    # Gated DeltaNet layers where layer_types says "linear_attention": "split" projections
+    # (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) or "fused" ones, interleaved per key
+    # head (Qwen3-Next: in_proj_qkvz, in_proj_ba).
+    linear_attention: str | None = None
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate: attention * sigmoid(gate)
+    text_prefix: str = "model."  # where the text model's tensors are (a multimodal checkpoint's)
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", "llama")
+QWEN_SHARED = MoeNames("mlp.gate", "mlp.experts", shared="mlp.shared_expert",
+                       shared_gate="mlp.shared_expert_gate")
+# Qwen3-Next and Qwen3.5: (1 + w) norms (but linear_attn.norm's), qk-norm, a gated attention output.
+_HYBRID: dict[str, Any] = {"norm_plus_one": True, "qk_norm": "head", "attn_output_gate": True}
 FAMILIES = [
     LLAMA,
     Family("mistral", "MistralForCausalLM", None),
@@ -79,6 +99,16 @@ FAMILIES = [
     Family("mixtral", "MixtralForCausalLM", None,
            moe=MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")),
     Family("olmoe", "OlmoeForCausalLM", "olmoe", qk_norm="full", moe=MoeNames("mlp.gate", "mlp.experts")),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", None, moe=QWEN_SHARED),
+    Family("qwen3_next", "Qwen3NextForCausalLM", None, **_HYBRID, linear_attention="fused", moe=QWEN_SHARED),
+    Family("qwen3_5", "Qwen3_5ForCausalLM", None, **_HYBRID, linear_attention="split"),
+    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", None, **_HYBRID, linear_attention="split",
+           moe=QWEN_SHARED),
+    # The published Qwen3.5 checkpoints: the text model beside a vision tower (not run: text only).
+    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", None, **_HYBRID, linear_attention="split",
+           text_prefix="model.language_model."),
+    Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", None, **_HYBRID, linear_attention="split",
+           moe=QWEN_SHARED, text_prefix="model.language_model."),
 ]
 BY_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
 BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
@@ -98,18 +128,23 @@ def family_of(architectures: list[str] | None, where: str = "") -> Family:
 class MoeConfig:
     """A sparse MLP's shape: each token runs `top_k` of `num_experts` gated MLPs of
     `intermediate_size`, weighted by the router's softmax (renormalized over the chosen
-    experts when `norm_topk_prob`)."""
+    experts when `norm_topk_prob`), plus a shared expert of `shared_intermediate_size` (0: none)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
+    shared_intermediate_size: int = 0
 
     @classmethod
     def from_hf(cls, family: Family, hf: JSONObject) -> MoeConfig:
         arch = family.hf_architecture
+        assert family.moe is not None  # called for MoE families only
         # Variants with parts this MLP lacks are refused by name rather than run wrongly.
-        for key in ("shared_expert_intermediate_size", "n_shared_experts", "n_group", "topk_group"):
+        refused = ["n_shared_experts", "n_group", "topk_group"]
+        if family.moe.shared is None:
+            refused.insert(0, "shared_expert_intermediate_size")
+        for key in refused:
             if hf.get(key):
                 raise ValueError(f"{arch} with {key}={hf[key]!r} is not supported (shared experts and "
                                  "grouped routing are not run)")
@@ -120,6 +155,10 @@ class MoeConfig:
         top_k = _positive(arch, "num_experts_per_tok", hf.get("num_experts_per_tok"))
         size = _positive(arch, "moe_intermediate_size",
                          hf.get("moe_intermediate_size") or hf.get("intermediate_size"))
+        shared = 0
+        if family.moe.shared is not None:
+            key = "shared_expert_intermediate_size"
+            shared = _positive(arch, key, hf.get(key))
         if experts > 1024:  # the kernel's bound (csrc/moe.c); no released model comes near it
             raise ValueError(f"{arch}: num_experts ({experts}) is over 1024, which is not supported")
         if top_k > experts:
@@ -127,9 +166,52 @@ class MoeConfig:
         if size % 8 or hf["hidden_size"] % 8:
             raise ValueError(f"{arch}: the experts' sizes (moe_intermediate_size {size}, hidden_size "
                              f"{hf['hidden_size']}) must be multiples of 8")
-        # Mixtral always renormalizes the top-k weights; Qwen3-MoE and OLMoE say so in the config.
-        norm = True if family.name == "mixtral" else bool(hf.get("norm_topk_prob", False))
-        return cls(experts, top_k, size, norm)
+        # Mixtral and Qwen3.5 always renormalize the top-k weights; the others say so in the
+        # config (Qwen3-Next's default: yes).
+        always = family.name == "mixtral" or family.linear_attention == "split"
+        norm = True if always else bool(hf.get("norm_topk_prob", family.linear_attention is not None))
+        return cls(experts, top_k, size, norm, shared)
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaNetConfig:
+    """A Gated DeltaNet layer's shape (linear_attention.py). q and k have `num_k_heads` heads of
+    `head_k_dim`, v and the output `num_v_heads` of `head_v_dim`; each value head reads key head
+    h // (num_v_heads / num_k_heads). The causal convolution spans `conv_kernel` tokens."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_floats(self) -> int:
+        """One request's state in one layer: the convolution's last inputs and the delta-rule matrix."""
+        return (self.conv_kernel - 1) * self.conv_dim + self.num_v_heads * self.head_k_dim * self.head_v_dim
+
+    @classmethod
+    def from_hf(cls, arch: str, hf: JSONObject) -> DeltaNetConfig:
+        cfg = cls(*(_positive(arch, key, hf.get(key)) for key in (
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim")))
+        if cfg.num_v_heads % cfg.num_k_heads:
+            raise ValueError(f"{arch}: linear_num_value_heads ({cfg.num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({cfg.num_k_heads})")
+        return cfg
 
 
 @dataclass(slots=True)
@@ -153,6 +235,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts family
+    # "full_attention" or "linear_attention" per layer (a hybrid family's; others: all full)
+    layer_types: list[str] = field(default_factory=list)
+    linear: DeltaNetConfig | None = None  # the linear-attention layers' shape
+    rotary_dim: int = 0  # dims of each head that are rotated (the first ones); 0: all of head_dim
 
     @property
     def architecture(self) -> str:
@@ -161,6 +247,21 @@ class ModelConfig:
     @property
     def context_length(self) -> int:
         return self.max_position_embeddings
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with full (softmax) attention over the KV cache, in order."""
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The Gated DeltaNet layers, whose per-request state lives in the state pool."""
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def kv_windows(self) -> list[int | None]:
+        """The window of each layer that keeps KV, by its index in the KV cache."""
+        return [self.layer_window[i] for i in self.attention_layers]
 
     @property
     def windows(self) -> list[int | None]:
@@ -177,6 +278,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: JSONObject, gen: JSONObject | None = None) -> ModelConfig:
         family = family_of(hf.get("architectures"))
+        if family.text_prefix != "model.":  # a multimodal checkpoint: its text model's config
+            hf = _text_config(family, hf)
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"):
             if hf.get(key) is not None:
                 raise ValueError(f"{family.hf_architecture} with {key} is not supported")
@@ -185,6 +288,8 @@ class ModelConfig:
         positions = hf.get("max_position_embeddings", 4096)
         ropes, layer_rope, windows = _attention_layout(family, hf, head_dim, layers, positions)
         scalar = hf.get("query_pre_attn_scalar") if family.name == "gemma3" else None
+        layer_types = _layer_types(family, hf, layers)
+        linear = DeltaNetConfig.from_hf(family.hf_architecture, hf) if family.linear_attention else None
         return cls(
             family=family,
             vocab_size=hf["vocab_size"],
@@ -205,10 +310,39 @@ class ModelConfig:
             eos_token_ids=_ids(hf.get("eos_token_id")) + _ids((gen or {}).get("eos_token_id")),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             moe=MoeConfig.from_hf(family, hf) if family.moe else None,
+            layer_types=layer_types,
+            linear=linear,
+            rotary_dim=ropes[0].head_dim if ropes[0].head_dim != head_dim else 0,
         )
 
     def __post_init__(self) -> None:
         self.eos_token_ids = list(dict.fromkeys(self.eos_token_ids))
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+
+def _text_config(family: Family, hf: JSONObject) -> JSONObject:
+    """A multimodal checkpoint's text model config, under its own architecture name. The vision
+    tower beside it is not run: a text prompt's output does not depend on it."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{family.hf_architecture} config has no text_config")
+    return {**text, "architectures": [family.hf_architecture],
+            "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+
+
+def _layer_types(family: Family, hf: JSONObject, layers: int) -> list[str]:
+    """Each layer's kind: a hybrid family's "linear_attention" and "full_attention" (every
+    `full_attention_interval`-th layer when the config lists none), else all full."""
+    if family.linear_attention is None:
+        return ["full_attention"] * layers
+    interval = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"full_attention", "linear_attention"}:
+        raise ValueError(f"{family.hf_architecture}: layer_types must list 'full_attention' or "
+                         f"'linear_attention' for each of the {layers} layers, got {types!r}")
+    return list(types)
 
 
 def _attention_layout(family: Family, hf: JSONObject, head_dim: int, layers: int,
@@ -234,7 +368,12 @@ def _attention_layout(family: Family, hf: JSONObject, head_dim: int, layers: int
     # transformers 5 keeps theta and scaling under rope_parameters; older configs at top level
     params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
               **(hf.get("rope_parameters") or {})}
-    rope = Rope.from_params(head_dim, params, positions)
+    # Qwen3-Next and Qwen3.5 rotate a part of each head; a text prompt's M-RoPE sections all
+    # carry the same position, which is plain rotary.
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    for key in ("mrope_section", "mrope_interleaved"):
+        params.pop(key, None)
+    rope = Rope.from_params(int(head_dim * partial), params, positions)
     if factors is not None:
         rope = Rope(rope.head_dim, rope.theta, rope.scaling, factors, positions)
     windowed = family.name in ("mistral", "mixtral")

@@ -1,6 +1,7 @@
 """A mixture of experts' MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's top-k
 experts, each expert is a gated MLP, and the token's output is their sum weighted by the
-router's softmax (renormalized over the k where the config says so).
+router's softmax (renormalized over the k where the config says so). Qwen2-MoE, Qwen3-Next and
+Qwen3.5-MoE add a `SharedExpert`, which every token runs.
 
 `QuantMoe` runs on CPUs with the experts in their int4 / int8 blocks (csrc/moe.c: the step's
 (row, expert) pairs grouped by expert, one GEMM per active expert, a fixed order of sums, so a
@@ -10,12 +11,18 @@ float weights on any device, computed as transformers computes it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
 from .families import MoeConfig
 from .quant import QuantWeight
+
+if TYPE_CHECKING:
+    from .decoder import Linear, QuantLinear, TorchOps
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -88,3 +95,18 @@ class QuantMoe:
     @property
     def kind(self) -> str:
         return self.kernels.kinds(self.weights.values())
+
+
+@dataclass(slots=True)
+class SharedExpert:
+    """A dense gated MLP that every token runs beside the routed experts, scaled by
+    sigmoid(x . gate): its output is added to theirs (as transformers adds it: routed + shared)."""
+
+    gate_up: Linear | QuantLinear
+    down: Linear | QuantLinear
+    gate: torch.Tensor  # [hidden]: the sigmoid gate's weight
+    activation: str
+
+    def __call__(self, x: torch.Tensor, ops: TorchOps | cpu_kernels.CpuKernels) -> torch.Tensor:
+        y = self.down(ops.act_mul(self.gate_up(x), self.activation))
+        return y.mul_(ops.row_gates(x, self.gate)[:, None])

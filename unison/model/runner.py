@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from .attention import PagedAttention, kv_head_bytes
 from .decoder import DecoderModel, dummy_model
 from .encoder_config import DecoderPooling, DecoderReranker
 from .families import ModelConfig
+from .linear_attention import DeltaStates
 from .loader import open_weights, resolve_model_dir
 from .lora import Adapter, LoraStep, LoraWeights
 from .weights import SafetensorsWeights, overlay, resolve_quantization
@@ -36,6 +39,7 @@ class BatchItem:
     block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
     logits_start: int  # index into token_ids from which logits are needed (len: none, 0: all)
     adapter: int = 0  # the LoRA adapter its rows run with (add_lora's id; 0: the base model)
+    state_slot: int = -1  # its linear-attention state's slot (a hybrid model's; start_pos 0 zeroes it)
 
 
 class ModelRunner:
@@ -56,9 +60,10 @@ class ModelRunner:
                  max_total_tokens: int | None = None, num_threads: int | None = None,
                  load_format: str = "auto", kv_cache_memory_gb: float | None = None,
                  mem_fraction_static: float | None = None, model_dir: str | Path | None = None,
-                 pooling: DecoderPooling | DecoderReranker | None = None):
+                 pooling: DecoderPooling | DecoderReranker | None = None, state_slots: int = 64):
         """`model_path`: a Hugging Face directory or a GGUF file (None: the embedded model);
-        `model_dir`, when known, its resolved directory of config and tokenizer files."""
+        `model_dir`, when known, its resolved directory of config and tokenizer files;
+        `state_slots`: the linear-attention states a hybrid model keeps (one per running request)."""
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"block_size ({block_size}) and num_blocks ({num_blocks}) "
                              "must be >= 1")
@@ -85,11 +90,13 @@ class ModelRunner:
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
+        self.state_slots = state_slots if self.config.linear is not None else 0
         if num_blocks is None:
             if max_total_tokens:
                 num_blocks = -(-max_total_tokens // block_size)
             elif kv_cache_memory_gb:
-                num_blocks = max(1, int(kv_cache_memory_gb * (1 << 30)) // self.bytes_per_block)
+                budget = int(kv_cache_memory_gb * (1 << 30))
+                num_blocks = self._blocks_for_budget(budget, "kv_cache_memory_gb")
             elif mem_fraction_static:
                 num_blocks = self._blocks_for_fraction(mem_fraction_static, total_memory)
             else:
@@ -100,6 +107,13 @@ class ModelRunner:
                                         kv_dtype=self.kv_dtype, device=self.device)
         log.info("KV cache: %d blocks of %d tokens, %s, %.2f GiB", num_blocks, block_size,
                  str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / (1 << 30))
+        # A hybrid's linear-attention states, one slot per running request (the core's StatePool
+        # hands them out), in the same memory budget as the KV cache.
+        self.states = None if self.config.linear is None else DeltaStates(
+            self.config.linear, len(self.config.linear_layers), self.state_slots, self.device)
+        if self.states is not None:
+            log.info("linear-attention states: %d slots of %.1f MiB", self.state_slots,
+                     self.state_slot_bytes / (1 << 20))
         self.loras: dict[int, Adapter] = {}  # the LoRA adapters the forward can run, by id
         self._bind_model(measure_keys=True)
 
@@ -132,10 +146,14 @@ class ModelRunner:
             attention.key_rounding = self._measure_key_rounding()
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
         # in the same order as the Python forward, without its per-op cost.
+        # Pooling's rows come from the Python forward (the same kernels), and so do a hybrid's
+        # and a shared expert's, whose layers csrc/decoder.c does not run.
+        moe = self.config.moe
+        plain = self.config.linear is None and (moe is None or not moe.shared_intermediate_size)
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
                                                       attention.v_cache, attention.key_rounding)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"
-                          else None)  # pooling's rows come from the Python forward (the same kernels)
+                          and plain else None)
 
     @torch.inference_mode()
     def _measure_key_rounding(self) -> key_rounding.KeyRounding | None:
@@ -147,13 +165,26 @@ class ModelRunner:
             return None
         ids = ids[: self.num_blocks * self.block_size]
         cfg = self.config
-        moments = key_rounding.Moments(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        batch = [BatchItem(ids, 0, list(range(-(-len(ids) // self.block_size))), len(ids))]
+        moments = key_rounding.Moments(len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim)
+        batch = [BatchItem(ids, 0, list(range(-(-len(ids) // self.block_size))), len(ids), state_slot=0)]
         tokens, pos, logits_rows = self._prepare(batch)
-        with self.attention.step(batch, pos):
+        with self.attention.step(batch, pos), self._states(batch) as states:
             self.model.forward(tokens, torch.from_numpy(pos).to(self.device),
-                               moments.wrap(self.attention.forward), logits_rows, None)
+                               moments.wrap(self.attention.forward), logits_rows, None, states=states)
         return moments.rounding()
+
+    @contextmanager
+    def _states(self, batch: list[BatchItem]) -> Iterator[DeltaStates | None]:
+        """A hybrid model's linear-attention states, opened for this step's items (else None)."""
+        if self.states is None:
+            yield None
+            return
+        self.states.begin([item.state_slot for item in batch], [len(item.token_ids) for item in batch],
+                          [item.state_slot for item in batch if item.start_pos == 0])
+        try:
+            yield self.states
+        finally:
+            self.states.end()
 
     @property
     def _kernel(self) -> cpu_kernels.CpuKernels | None:
@@ -215,6 +246,9 @@ class ModelRunner:
             raise ValueError(f"a LoRA adapter id is an int >= 1 (0 is the base model), got {adapter!r}")
         if adapter in self.loras:
             raise ValueError(f"LoRA adapter id {adapter} is already loaded")
+        if self.config.linear is not None:
+            raise ValueError(f"LoRA adapters are not run on {self.config.architecture} (linear-attention "
+                             "layers) yet")
         if len(weights.layers) != self.config.num_hidden_layers:
             raise ValueError(f"the LoRA adapter has {len(weights.layers)} layers, the model "
                              f"{self.config.num_hidden_layers}")
@@ -241,8 +275,31 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         c = self.config
-        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * kv_head_bytes(c.head_dim, self.kv_dtype)
+        head = kv_head_bytes(c.head_dim, self.kv_dtype)
+        per_token = 2 * len(c.attention_layers) * c.num_key_value_heads * head
         return per_token * self.block_size
+
+    @property
+    def state_slot_bytes(self) -> int:
+        """One request's linear-attention state over every such layer (0: no such layers)."""
+        c = self.config
+        return 0 if c.linear is None else DeltaStates.slot_bytes(c.linear, len(c.linear_layers))
+
+    @property
+    def state_bytes(self) -> int:
+        """The state pool's memory, which the KV cache's budget also pays for."""
+        return self.state_slots * self.state_slot_bytes
+
+    def _blocks_for_budget(self, budget: int, name: str) -> int:
+        """The KV blocks that fit in `budget` bytes once the state pool is paid for."""
+        rest = budget - self.state_bytes
+        if rest < self.bytes_per_block:
+            raise ValueError(
+                f"{name}: {budget / (1 << 30):.2f} GiB does not hold the linear-attention states "
+                f"({self.state_slots} requests x {self.state_slot_bytes / (1 << 20):.1f} MiB) and a KV "
+                "block; "
+                "raise it or lower max_running_requests")
+        return rest // self.bytes_per_block
 
     def _check_fits(self, num_blocks: int) -> None:
         """Fail at start, with the numbers, rather than by the OOM killer in the middle of a run."""
@@ -258,7 +315,7 @@ class ModelRunner:
         """SGLang's mem_fraction_static: weights + KV cache take `fraction` of the memory there
         was before loading, so the KV cache gets what is free now less the (1 - fraction) kept."""
         free = _free_memory(self.device)
-        rest = free - total * (1 - fraction)
+        rest = free - total * (1 - fraction) - self.state_bytes
         if rest < self.bytes_per_block:
             raise ValueError(
                 f"mem_fraction_static={fraction} leaves no memory for the KV cache: "
@@ -273,7 +330,7 @@ class ModelRunner:
             budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.85)
         else:
             budget = min(_available_memory() // 4, 8 << 30)
-        return max(1, budget // self.bytes_per_block)
+        return self._blocks_for_budget(budget, "the default KV budget")
 
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem]) -> Tensor:
@@ -290,13 +347,14 @@ class ModelRunner:
         lora = self._lora_step(batch)
         ids, pos, logits_rows = self._prepare(batch)
         positions = torch.from_numpy(pos).to(self.device)
-        with self.attention.step(batch, pos) as step:
+        with self.attention.step(batch, pos) as step, self._states(batch) as states:
             if self.task == "embed":
                 hidden = self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
-                                            head=False)
+                                            head=False, states=states)
                 return F.normalize(hidden, p=2, dim=-1) if self.normalize else hidden
             if self._compiled is None:
-                return self.model.forward(ids, positions, self.attention.forward, logits_rows, lora)
+                return self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
+                                          states=states)
             p = step.paged
             assert p is not None  # the compiled forward runs on the C kernels' metadata
             cos_sin = [r.cos_sin(positions, torch.float32) for r in self.config.ropes]
@@ -314,8 +372,10 @@ class ModelRunner:
     def warmup(self) -> None:
         # Warms kernels for both paths; the blocks written are rewritten before anyone reads them.
         table = [0] * -(-9 // self.block_size)
-        self.forward([BatchItem([0] * 8, 0, table, 7)])
-        self.forward([BatchItem([0], 8, table, 0), BatchItem([0], 0, table, 0)])
+        self.forward([BatchItem([0] * 8, 0, table, 7, state_slot=0)])
+        # (two items never share a state slot: with one slot, the second is left out)
+        self.forward([BatchItem([0], 8, table, 0, state_slot=0),
+                      BatchItem([0], 0, table, 0, state_slot=1)][: 1 if self.state_slots == 1 else 2])
 
     def _prepare(self, batch: list[BatchItem]) -> tuple[Tensor, np.ndarray, Tensor | None]:
         """The flat batch's token ids, their positions, and the rows whose logits are wanted

@@ -3,7 +3,8 @@
 A weight source serves tensors by their Hugging Face names, one at a time: as float, or already
 converted into the quantized kernel's blocks. `SafetensorsWeights` reads a Hugging Face directory,
 `gguf.GGUFWeights` a GGUF file, `DictWeights` tensors in memory (tests, the dummy model),
-`OverlayWeights` a source with some tensors replaced (update_weights_from_tensor).
+`OverlayWeights` a source with some tensors replaced (update_weights_from_tensor),
+`RenamedWeights` a source under other names (a multimodal checkpoint's text model).
 """
 
 from __future__ import annotations
@@ -129,6 +130,36 @@ class OverlayWeights:
 
     def quantized(self, name: str, bits: int) -> QuantWeight:
         return self._of(name).quantized(name, bits)
+
+
+class RenamedWeights:
+    """`base`'s tensors under other names: `prefix` + rest is base's `base_prefix` + rest (a
+    multimodal checkpoint's text model, read under the text model's own names)."""
+
+    def __init__(self, base: WeightSource, prefix: str, base_prefix: str) -> None:
+        self.base, self.prefix, self.base_prefix = base, prefix, base_prefix
+
+    def _name(self, name: str) -> str:
+        return self.base_prefix + name.removeprefix(self.prefix) if name.startswith(self.prefix) else name
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self.base
+
+    def names(self) -> set[str]:
+        return {self.prefix + n.removeprefix(self.base_prefix) if n.startswith(self.base_prefix) else n
+                for n in self.base.names()}
+
+    def source_type(self, name: str) -> str:
+        return self.base.source_type(self._name(name))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.base.shape(self._name(name))
+
+    def float(self, name: str) -> torch.Tensor:
+        return self.base.float(self._name(name))
+
+    def quantized(self, name: str, bits: int) -> QuantWeight:
+        return self.base.quantized(self._name(name), bits)
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], directories: list[Path]) -> Path:

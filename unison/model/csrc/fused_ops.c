@@ -48,16 +48,17 @@ void norm_groups(float *x, int64_t row_stride, int64_t rows, int64_t groups, int
         }
 }
 
-// Rotary embedding, in place, on `heads` heads of head_dim starting at each row of x:
-// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos / sin [rows, head_dim / 2].
-void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows,
-          int64_t heads, int64_t head_dim, int num_threads) {
-    const int64_t half = head_dim / 2;
+// Rotary embedding, in place, on the first rot_dim of each of `heads` heads (head_stride apart)
+// starting at each row of x: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos / sin
+// [rows, rot_dim / 2]. rot_dim < head_stride: Qwen3-Next's and Qwen3.5's partial rotary.
+void rope_partial(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows,
+                  int64_t heads, int64_t head_stride, int64_t rot_dim, int num_threads) {
+    const int64_t half = rot_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos + r * half, *s = sin + r * half;
         for (int64_t h = 0; h < heads; h++) {
-            float *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
+            float *x1 = x + r * row_stride + h * head_stride, *x2 = x1 + half;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
                 const float a = x1[i], b = x2[i];
@@ -65,6 +66,23 @@ void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int6
                 x2[i] = b * c[i] + a * s[i];
             }
         }
+    }
+}
+
+// The whole of each head rotated.
+void rope(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows,
+          int64_t heads, int64_t head_dim, int num_threads) {
+    rope_partial(x, row_stride, cos, sin, rows, heads, head_dim, head_dim, num_threads);
+}
+
+// out[r] = sigmoid(x[r] . w), summed in order: a shared expert's gate, the same bits at any row
+// count.
+void row_gates(const float *x, int64_t row_stride, const float *w, int64_t rows, int64_t dim, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * row_stride;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < dim; i++) acc = fmaf(v[i], w[i], acc);
+        out[r] = 1.0f / (1.0f + expf(-acc));
     }
 }
 
@@ -280,6 +298,37 @@ static inline __m256 tanh8(__m256 x) {
     return _mm256_or_ps(t, sign);
 }
 #endif
+
+// x[r] *= act(gate[r]) over n columns (rows of both may be strided); act: 0 silu, 2 sigmoid.
+// The vector body and the scalar tail fall at the same columns in every row: a row's bits do not
+// depend on the others (a gated attention's output, a Gated DeltaNet's silu(z)).
+void mul_act(float *x, int64_t x_stride, const float *gate, int64_t gate_stride, int64_t rows, int64_t n,
+             int activation, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = x + r * x_stride;
+        const float *g = gate + r * gate_stride;
+        int64_t i = 0;
+#ifdef UNISON_AVX2
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(g + i);
+            __m256 a;
+            if (activation == 2) {  // e / (1 + e) for v < 0, 1 / (1 + e) else, e = exp(-|v|)
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)));
+                const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, v);
+                a = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            } else {
+                a = silu8(v);
+            }
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), a));
+        }
+#endif
+        for (; i < n; i++) {
+            const float v = g[i], s = 1.0f / (1.0f + expf(-v));
+            o[i] *= activation == 2 ? s : v * s;
+        }
+    }
+}
 
 // GELU, tanh approximation (transformers' gelu_pytorch_tanh): 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 #define GELU_C 0.7978845608028654f

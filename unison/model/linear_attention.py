@@ -1,0 +1,151 @@
+"""Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5.
+
+A layer keeps, per request, a fixed-size state instead of KV: the causal convolution's last K-1
+inputs and the delta rule's matrix S per value head. `DeltaStates` holds every request's state, by
+slot, for every such layer (the core's StatePool hands out the slots); `DeltaNet` is one layer's
+weights and forward:
+
+  q|k|v, z, b, a = projections of x          (Qwen3-Next's fused, interleaved ones reordered)
+  q, k, v = silu(causal_conv(q|k|v))         the state holds the last K-1 inputs
+  g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)
+  o = the gated delta rule over the state    (csrc/gated_delta.c: one token at a time, float32)
+  out = out_proj(rms_norm(o per head) * w * silu(z))
+
+Prefill and decode run one recurrence, a token at a time, with one order of sums, so a request's
+output does not depend on how the scheduler chunked its prompt or what else ran beside it.
+`delta_rule_reference` is the same recurrence in torch, for devices without the C kernels and
+for the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels
+from .cpu_kernels import DeltaStep
+from .families import DeltaNetConfig
+
+if TYPE_CHECKING:
+    from .decoder import Linear, QuantLinear, TorchOps
+
+
+@dataclass(slots=True)
+class DeltaNet:
+    """One linear-attention layer. `in_proj` gives [q|k|v, z, b, a] side by side; `order`, when
+    set, is the column order that turns a fused checkpoint's output into that layout."""
+
+    in_proj: Linear | QuantLinear
+    out_proj: Linear | QuantLinear
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    dt_bias: torch.Tensor  # [value heads]
+    neg_a: torch.Tensor  # -exp(A_log), [value heads], float32
+    norm: torch.Tensor  # [head_v_dim]: the gated RMSNorm's weight, applied as is (not 1 + w)
+    order: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, index: int, cfg: DeltaNetConfig, states: DeltaStates,
+                ops: TorchOps | cpu_kernels.CpuKernels, eps: float) -> torch.Tensor:
+        """The layer's output [rows, hidden] for the step's rows x, reading and advancing the
+        states of linear layer number `index` (`ops`: decoder.TorchOps or the C kernels)."""
+        proj = self.in_proj(x)
+        if self.order is not None:
+            proj = proj.index_select(1, self.order)
+        c, vd, hv = cfg.conv_dim, cfg.value_dim, cfg.num_v_heads
+        qkv, z = proj[:, :c], proj[:, c: c + vd]
+        b, a = proj[:, c + vd: c + vd + hv], proj[:, c + vd + hv:]
+        g, beta = ops.delta_gates(a, b, self.dt_bias, self.neg_a)
+        conv, rec = states.layer(index)
+        if isinstance(ops, cpu_kernels.CpuKernels):
+            o = ops.gated_delta(qkv, g, beta, self.conv_weight, conv, rec, states.current)
+        else:
+            o = delta_rule_reference(qkv, g, beta, self.conv_weight, conv, rec, states.current, cfg)
+        ops.norm_groups_(o, hv, cfg.head_v_dim, self.norm, eps)
+        ops.mul_act_(o, z, "silu")
+        return self.out_proj(o)
+
+
+def fused_order(cfg: DeltaNetConfig) -> torch.Tensor:
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba outputs, side by side, interleave per key head
+    [q, k, v..., z...] and [b..., a...]; the column indices that make them [q|k|v, z, b, a]."""
+    hk, dk, dv, r = cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.num_v_heads // cfg.num_k_heads
+    per = 2 * dk + 2 * r * dv  # one key head's group in qkvz
+    group = np.arange(hk * per).reshape(hk, per)
+    q, k = group[:, :dk], group[:, dk: 2 * dk]
+    v, z = group[:, 2 * dk: 2 * dk + r * dv], group[:, 2 * dk + r * dv:]
+    ba = hk * per + np.arange(2 * cfg.num_v_heads).reshape(hk, 2 * r)
+    parts = [q, k, v, z, ba[:, :r], ba[:, r:]]
+    return torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+
+
+class DeltaStates:
+    """Every request's linear-attention state, by slot: per linear layer, conv [slots, K-1,
+    conv_dim] and rec [slots, value heads, dk, dv], float32. A forward opens `step` with its
+    items' slots and rows; a slot whose request starts at position 0 is zeroed first."""
+
+    def __init__(self, cfg: DeltaNetConfig, layers: int, slots: int, device: torch.device):
+        self.cfg, self.slots = cfg, slots
+        self.conv = torch.zeros(layers, slots, cfg.conv_kernel - 1, cfg.conv_dim, device=device)
+        self.rec = torch.zeros(layers, slots, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, device=device)
+        self._step: DeltaStep | None = None
+
+    @staticmethod
+    def slot_bytes(cfg: DeltaNetConfig, layers: int) -> int:
+        return 4 * layers * cfg.state_floats
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.rec.nbytes
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv[index], self.rec[index]
+
+    @property
+    def current(self) -> DeltaStep:
+        assert self._step is not None  # set by begin() for the forward's duration
+        return self._step
+
+    def begin(self, slots: list[int], counts: list[int], fresh: list[int]) -> None:
+        """The step's items: their slots, their row counts (in batch order), and the slots of
+        those that start a sequence (zeroed now)."""
+        bad = [s for s in slots if not 0 <= s < self.slots]
+        if bad:
+            raise ValueError(f"bad batch item: linear-attention state slot {bad[0]} is not in "
+                             f"[0, {self.slots})")
+        if fresh:
+            index = torch.tensor(fresh, dtype=torch.int64)
+            self.conv.index_fill_(1, index, 0.0)
+            self.rec.index_fill_(1, index, 0.0)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._step = DeltaStep(torch.tensor(slots, dtype=torch.int64), torch.from_numpy(starts),
+                               torch.tensor(counts, dtype=torch.int64))
+
+    def end(self) -> None:
+        self._step = None
+
+
+def delta_rule_reference(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                         conv_state: torch.Tensor, rec_state: torch.Tensor, step: DeltaStep,
+                         cfg: DeltaNetConfig) -> torch.Tensor:
+    """csrc/gated_delta.c in torch, as transformers' recurrent form computes it: any device."""
+    hk, hv, dk, dv, K = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_kernel
+    out = torch.empty(x.shape[0], hv * dv, dtype=torch.float32, device=x.device)
+    for slot, r0, n in zip(step.slots.tolist(), step.row_start.tolist(), step.row_count.tolist()):
+        rows = torch.cat([conv_state[slot], x[r0: r0 + n].float()])  # [K-1 + n, conv_dim]
+        conv_state[slot] = rows[-(K - 1):]
+        c = F.silu(F.conv1d(rows.T[None], conv_weight[:, None], groups=cfg.conv_dim)[0].T)  # [n, conv_dim]
+        q = c[:, : hk * dk].reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
+        k = c[:, hk * dk: 2 * hk * dk].reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
+        v = c[:, 2 * hk * dk:].reshape(n, hv, dv)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / dk ** 0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        S = rec_state[slot]
+        for t in range(n):
+            S.mul_(g[r0 + t].exp()[:, None, None])
+            delta = (v[t] - (S * k[t][:, :, None]).sum(1)) * beta[r0 + t][:, None]
+            S.add_(k[t][:, :, None] * delta[:, None, :])
+            out[r0 + t] = (S * q[t][:, :, None]).sum(1).reshape(-1)
+    return out
