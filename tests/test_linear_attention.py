@@ -219,22 +219,30 @@ def test_state_memory_counts_in_the_kv_budget(models):
 
 def test_engine_on_a_hybrid_model(models):
     """Through the Engine: chunked prefill gives whole prefill's tokens; more requests than state
-    slots wait for one and finish alike; the info reports the states; the pools stay whole."""
+    slots wait for one and finish alike; prefix-cache hits resume from a state snapshot and give
+    a cold run's tokens; the info reports the weights; the pools stay whole."""
     path = str(models["qwen3_next"])
     texts = ["the quick brown fox jumps over the lazy dog " * 6, "one two three four five six " * 8,
              "hello there", "a b c d e f g h i j k"]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    with Engine(model_path=path, num_threads=1, max_total_tokens=4096, quantization="int8") as engine:
+    with Engine(model_path=path, num_threads=1, max_total_tokens=4096, quantization="int8",
+                disable_radix_cache=True) as engine:
         whole = [o["output_ids"] for o in engine.generate(texts, params)]
+        follow = engine.generate(texts[0] + " and then the dog wakes up", params)["output_ids"]
         info = engine.get_server_info()
         assert info["weights"]["layers.0.in_proj"].startswith("int8")
         assert info["weights"]["layers.0.shared_gate_up"].startswith("int8")
     with Engine(model_path=path, num_threads=1, max_total_tokens=4096, quantization="int8",
-                chunked_prefill_size=16, max_running_requests=2) as engine:
+                chunked_prefill_size=16, max_running_requests=2, state_snapshot_interval=32) as engine:
         assert [o["output_ids"] for o in engine.generate(texts, params)] == whole
-        again = engine.generate(texts[0], params)
-        assert again["output_ids"] == whole[0] and again["meta_info"]["cached_tokens"] == 0
-        engine.check_integrity()  # every block and state slot free again, none twice
+        # Two snapshots (max_running_requests): the last prompts' took them; this one's are back
+        assert engine.generate(texts[0], params)["output_ids"] == whole[0]
+        for _ in range(2):  # the same prompt, then one that extends it: both resume a snapshot
+            again = engine.generate(texts[0], params)
+            assert again["output_ids"] == whole[0] and again["meta_info"]["cached_tokens"] >= 32
+            longer = engine.generate(texts[0] + " and then the dog wakes up", params)
+            assert longer["output_ids"] == follow and longer["meta_info"]["cached_tokens"] >= 32
+        engine.check_integrity()  # every block, state slot and snapshot free or held once
 
 
 def test_speculation_and_lora_are_refused_by_name(models, tmp_path: Path):
@@ -293,7 +301,7 @@ def test_fused_projections_are_reordered_as_transformers_splits_them():
     import transformers
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from unison.model.linear_attention import fused_order
+    from unison.model.linear_attention import projection_order
 
     cfg = transformers.Qwen3NextConfig(**(SHAPE | LINEAR | MOE))
     layer = Qwen3NextGatedDeltaNet(cfg, 0)
@@ -301,7 +309,48 @@ def test_fused_projections_are_reordered_as_transformers_splits_them():
     q, k, v, z, b, a = layer.fix_query_key_value_ordering(qkvz[:, None], ba[:, None])
     want = torch.cat([t.reshape(3, -1) for t in (q, k, v, z, b, a)], dim=1)
     hf = cfg.to_dict() | {"architectures": ["Qwen3NextForCausalLM"]}
-    order = fused_order(ModelConfig.from_hf(hf).linear)
+    order = projection_order(ModelConfig.from_hf(hf).linear, fused_qkvz=True, fused_ba=True)
     assert torch.equal(torch.cat([qkvz, ba], dim=1)[:, order], want)
     assert sorted(order.tolist()) == list(range(qkvz.shape[1] + ba.shape[1]))
     assert np.unique(order.numpy()).size == order.numel()
+
+
+# ---- the prefix cache's state snapshots ---------------------------------------------------------
+
+def test_radix_cache_keeps_blocks_only_with_a_snapshot_and_matches_back_to_one():
+    """A hybrid's cache: a prefix comes in with the state after it or not at all; a match ends at
+    the deepest snapshot on its path; a split leaves the snapshot with the node that ends there;
+    a full snapshot pool gives up its least recently used one (and the blocks only it made
+    reachable); the pools stay whole throughout."""
+    from unison.core.block_pool import BlockPool
+    from unison.core.radix_cache import RadixCache
+    from unison.core.state_pool import StatePool
+
+    pool, snapshots = BlockPool(32), StatePool(2, first=4)
+    cache = RadixCache(pool, 4, snapshots=snapshots)
+
+    def cached(tokens: list[int], with_state: bool) -> None:
+        blocks = pool.allocate(len(tokens) // 4)
+        state = cache.take_snapshot() if with_state else -1
+        cache.insert(tokens, blocks, 0, state)
+        pool.release(blocks)  # the request's own hold goes; the tree keeps its own
+
+    a = list(range(16))
+    cached(a[:8], with_state=False)
+    assert cache.num_blocks == 0  # blocks without the state after them could never be a hit
+    cached(a, with_state=True)
+    blocks, node = cache.match(a + [99])
+    assert len(blocks) == 4 and node.state == 4
+    assert cache.match(a[:12] + [7, 7, 7, 7])[0] == []  # its path has no snapshot before 16
+    cached(a[:8], with_state=True)  # splits the node at 8: each part keeps the state at its end
+    assert [len(cache.match(t)[0]) for t in (a[:12], a + [1])] == [2, 4]
+    cache.check_integrity()
+    b = [50 + i for i in range(8)]
+    cached(b, with_state=True)  # the pool is full: the least recently used snapshot (at 8) goes
+    assert snapshots.num_free == 0 and len(cache.snapshot_slots()) == 2
+    assert [len(cache.match(t)[0]) for t in (b + [1], a[:12], a + [1])] == [2, 0, 4]
+    blocks_before = cache.num_blocks
+    cached([90 + i for i in range(4)], with_state=True)  # now b's goes, and its leaf's blocks with it
+    assert cache.match(b + [1])[0] == [] and cache.num_blocks == blocks_before - 2 + 1
+    cache.check_integrity()
+    pool.check_integrity([cache.blocks()])

@@ -162,6 +162,9 @@ class EngineConfig:
     # on a prefix hit (after a restart too), kept to kv_cache_disk_gb (least recently used go).
     kv_cache_dir: str | None = None
     kv_cache_disk_gb: float = 16.0
+    # A hybrid model's prefix cache keeps its linear-attention state at each cached prompt's end
+    # and every this many tokens of a prompt (a hit resumes from the longest prefix with one).
+    state_snapshot_interval: int = 2048
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
     # A frontend that has not processed its outputs for this long, or this many steps' worth,
     # has its requests aborted: the core never waits for a stalled frontend. The age is the bound
@@ -222,6 +225,9 @@ class EngineConfig:
         _check(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb",
                "must be > 0")
         _check(self.kv_cache_disk_gb > 0, "kv_cache_disk_gb", "must be > 0")
+        interval = self.state_snapshot_interval
+        _check(interval >= self.block_size and interval % self.block_size == 0, "state_snapshot_interval",
+               f"must be a multiple of block_size ({self.block_size})")
         _check(self.kv_cache_dir is None or not self.disable_radix_cache, "kv_cache_dir",
                "the disk tier extends the prefix cache, which disable_radix_cache turns off")
         _check(self.frontend_max_lag_s > 0, "frontend_max_lag_s", "must be > 0")
@@ -412,6 +418,8 @@ HELP = {
     "kv_cache_dir": "the prefix cache's disk tier: cached KV blocks are kept in files here and read "
                     "back on a prefix hit, across restarts of the same model",
     "kv_cache_disk_gb": "the disk tier's size; past it the least recently used blocks are removed",
+    "state_snapshot_interval": "a linear-attention model's prefix cache keeps its state at each cached "
+                               "prompt's end and every this many prompt tokens",
     "schedule_policy": "fcfs, lpm (longest cached prefix first), fair (round-robin over frontends) "
                        "or random",
     "frontend_max_lag_s": "a frontend this far behind its outputs has its requests aborted",

@@ -59,20 +59,27 @@ class EngineCore:
         observers = [o for o in (self.kv_events, self.disk) if o is not None]
         # A hybrid model's linear-attention states, a slot per running request. Its prefix cache
         # waits for state snapshots: a hit would resume without the state of the tokens it skips.
+        # A hybrid model's linear-attention states, a slot per running request, and its prefix
+        # cache's snapshots of them (the slots after those).
         states = None if encoder else cast(ModelRunner, self.runner).states
         self.states = None if states is None else StatePool(states.slots)
-        if self.states is not None and not config.disable_radix_cache:
-            log.info("prefix caching is off: %s keeps linear-attention state that cached blocks do not hold",
-                     cast(ModelRunner, self.runner).config.architecture)
-        cache = None if config.disable_radix_cache or encoder or self.states is not None else \
-            RadixCache(self.pool, config.block_size, observers)
+        snapshots = (None if states is None or not states.snapshots
+                     else StatePool(states.snapshots, first=states.slots))
+        if states is not None and self.disk is not None:
+            raise ValueError("kv_cache_dir: the disk tier does not keep linear-attention state snapshots; "
+                             f"{cast(ModelRunner, self.runner).config.architecture} cannot use it yet")
+        cache = None if config.disable_radix_cache or encoder else \
+            RadixCache(self.pool, config.block_size, observers, snapshots)
+        # (a hybrid's partial-block hit would need the state inside the block: not copied)
+        runner = cast(ModelRunner, self.runner)
+        copy = None if encoder or recent or self.states else runner.attention.copy_block
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
             max_adapters=config.max_loras_per_batch, whole_prompts=encoder, disk=self.disk,
-            copy_block=None if encoder or recent else cast(ModelRunner, self.runner).attention.copy_block,
-            states=self.states,
+            copy_block=copy, states=self.states,
+            snapshot_interval=None if snapshots is None else config.state_snapshot_interval,
         )
         # An encoder never reaches it: make_runner refuses enable_lora for one.
         self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,
@@ -231,6 +238,9 @@ class EngineCore:
             return refused
         if self.drafter is not None:
             add_drafts(self.drafter, self.scheduler, items, self.context_length, self.counts.steps)
+        for it in items:
+            if it.snapshot:  # a hybrid's state at a prefix the cache will keep
+                it.snapshot_slot = self.scheduler.kv.take_snapshot()
         scheduled = time.monotonic()  # queue time ends here, before the step's compute
         logits = self.runner.forward([self._batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
@@ -251,7 +261,9 @@ class EngineCore:
                 if it.sample:
                     sampled.append((row + n_rows - 1, it.req, out))
                 it.req.num_computed_tokens += it.num_new
-                if it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
+                if it.snapshot_slot >= 0:
+                    self.scheduler.kv.cache_computed(it.req, it.snapshot_slot)
+                elif it.num_new > 1 and it.req.num_computed_tokens < it.req.num_tokens:
                     self.scheduler.kv.cache_computed(it.req)
             row += n_rows
         self.counts.steps += 1
@@ -283,10 +295,11 @@ class EngineCore:
         return refused
 
     def _batch_item(self, it: ScheduledItem) -> BatchItem:
-        start = it.req.num_computed_tokens
-        tokens = it.req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
-        return BatchItem(tokens, start, it.req.block_table, it.logits_start, it.req.adapter,
-                         it.req.state_slot)
+        req, start = it.req, it.req.num_computed_tokens
+        tokens = req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
+        restore, req.state_restore = req.state_restore, -1  # a hit's snapshot, copied in once
+        return BatchItem(tokens, start, req.block_table, it.logits_start, req.adapter, req.state_slot,
+                         restore, it.snapshot_slot)
 
     def _sample(self, logits: torch.Tensor, sampled: Sampled, now: float) -> None:
         result = self.sampler(logits, [req for _, req, _ in sampled])
@@ -366,6 +379,8 @@ def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRu
         max_total_tokens=config.max_total_tokens, num_threads=config.num_threads,
         load_format=config.load_format, kv_cache_memory_gb=config.kv_cache_memory_gb,
         mem_fraction_static=config.mem_fraction_static, state_slots=config.max_running_requests,
+        # a hybrid's prefix cache keeps as many state snapshots as requests run at once
+        state_snapshots=0 if config.disable_radix_cache else config.max_running_requests,
         pooling=(DecoderReranker.from_dir(path) if config.task == "rerank" else
                  DecoderPooling.from_dir(path) if task == "embed" or pooled else None),
     )

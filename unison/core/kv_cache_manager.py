@@ -53,6 +53,8 @@ class KVCacheManager:
         self.cache.lock(node)
         req.cache_node, req.block_table = node, blocks
         req.num_computed_tokens = len(blocks) * self.block_size
+        if blocks and node.state >= 0:  # a hybrid's hit resumes from the state kept there
+            req.state_restore = node.state
         self._copy_partial(req, req.token_ids[req.num_computed_tokens: limit], node)
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed_tokens
@@ -133,11 +135,17 @@ class KVCacheManager:
             self.pool.release(req.block_table[keep:])
             del req.block_table[keep:]
 
-    def cache_computed(self, req: Request) -> None:
+    def cache_computed(self, req: Request, snapshot: int = -1) -> None:
         """Offer the request's computed blocks to the prefix cache now (a prefill chunk's), so
-        requests sharing the prefix need not wait for it to finish."""
+        requests sharing the prefix need not wait for it to finish; `snapshot`: a hybrid's state
+        after them (a hybrid's cache takes blocks only with one)."""
         if self.cache is not None:
-            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter)
+            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter,
+                              snapshot)
+
+    def take_snapshot(self) -> int:
+        """A snapshot slot for a hybrid's state at a cached prefix's end (-1: none to be had)."""
+        return -1 if self.cache is None or self.cache.snapshots is None else self.cache.take_snapshot()
 
     def free(self, req: Request, cache: bool = True) -> None:
         """Give back the request's blocks, first offering their computed prefix to the cache."""
@@ -146,6 +154,7 @@ class KVCacheManager:
         if self.cache is not None and req.cache_node is not None:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
+        req.state_restore = -1
         self.pool.release(req.block_table)
         req.block_table = []
         req.num_computed_tokens = 0

@@ -7,6 +7,12 @@ reference (BlockPool.share) on each of its blocks; a request using a cached pref
 more, and locks the path so it is not evicted.
 Unlocked leaves are evicted in least-recently-used order when the pool runs short.
 
+A hybrid model (linear-attention layers, whose state is not in the blocks) gives the cache a
+pool of state snapshots: a node may hold one, the state after its last token. Only prefixes with
+a snapshot are inserted, a match ends at the deepest node that has one, and a snapshot goes with
+its node's blocks, or alone (least recently used first) when the snapshot pool runs dry, as
+SGLang's radix cache for hybrid models keeps its mamba states.
+
 Observers (core/kv_publisher.EventLog, core/disk_cache.DiskCache) hear each change of the
 cached block set: stored(parent hash, the new blocks' hashes, their tokens, blocks, adapter);
 removed(hashes); cleared(). The nodes keep each block's chained hash (kv_events.block_hash: they
@@ -15,8 +21,10 @@ name what leaves later, and the disk tier's files). Without an observer, nothing
 Contract:
   match(tokens, adapter)   -> (blocks, node): the longest cached prefix in whole blocks; the
                               caller takes a reference on each block and lock()s the node.
-  insert(tokens, blocks, adapter) -> how many leading blocks the tree already held (the caller's copies
-                              of those are duplicates it simply releases); the rest are adopted.
+  insert(tokens, blocks, adapter, state) -> how many leading blocks the tree already held (the
+                              caller's copies of those are duplicates it simply releases); the
+                              rest are adopted, and the snapshot `state` (hybrids) with them.
+  take_snapshot()          -> a free snapshot slot (evicting the least recently used), or -1.
   lock(node) / unlock(node)
   evict(n)                 -> blocks freed, at most n.
   drop(adapter)            -> frees a (gone) adapter's whole tree.
@@ -30,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from unison.core.block_pool import BlockPool
+from unison.core.state_pool import StatePool
 from unison.kv_events import block_hashes, lora_id_of
 
 _clock = itertools.count()  # a logical clock: deterministic LRU order, even within one step
@@ -45,7 +54,7 @@ class CacheObserver(Protocol):
 
 
 class Node:
-    __slots__ = ("parent", "tokens", "blocks", "hashes", "children", "lock_ref", "last_access")
+    __slots__ = ("parent", "tokens", "blocks", "hashes", "children", "lock_ref", "last_access", "state")
 
     def __init__(self, parent: Node | None, tokens: tuple[int, ...], blocks: list[int],
                  hashes: list[int] | None = None) -> None:
@@ -56,6 +65,7 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}  # keyed by the child's first block
         self.lock_ref = 0
         self.last_access = next(_clock)
+        self.state = -1  # a hybrid's snapshot of the state after this node's last token (-1: none)
 
     @property
     def above(self) -> Node:
@@ -65,8 +75,10 @@ class Node:
 
 
 class RadixCache:
-    def __init__(self, pool: BlockPool, block_size: int, observers: Sequence[CacheObserver] = ()) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, observers: Sequence[CacheObserver] = (),
+                 snapshots: StatePool | None = None) -> None:
         self.pool = pool
+        self.snapshots = snapshots  # a hybrid model's state snapshots; None: the blocks are all
         self.block_size = block_size
         self.observers = list(observers)
         self.roots: dict[int, Node] = {}  # adapter id -> its tree's root (never evicted)
@@ -96,6 +108,10 @@ class RadixCache:
             i += len(child.tokens)
             node = child
             node.last_access = next(_clock)
+        if self.snapshots is not None:  # a hit needs the state at its end: back off to one that has it
+            while node.parent is not None and node.state < 0:
+                del blocks[len(blocks) - len(node.blocks):]
+                node = node.parent
         return blocks, node
 
     def match_partial(self, node: Node, tokens: list[int]) -> tuple[int, int]:
@@ -112,7 +128,7 @@ class RadixCache:
 
     def match_len(self, tokens: list[int], adapter: int = 0) -> int:
         """Tokens of the longest cached prefix, without touching the tree (for ordering only)."""
-        node, i = self.roots.get(adapter), 0
+        node, i, usable = self.roots.get(adapter), 0, 0
         if node is None:
             return 0
         while (child := node.children.get(self._key(tokens, i))) is not None:
@@ -121,7 +137,8 @@ class RadixCache:
             if n < len(child.blocks):
                 break
             node = child
-        return i
+            usable = i if node.state >= 0 else usable
+        return i if self.snapshots is None else usable
 
     def _common_blocks(self, edge: tuple[int, ...], tokens: list[int], start: int) -> int:
         bs, n = self.block_size, 0
@@ -134,7 +151,7 @@ class RadixCache:
         """Cut `node` after n_blocks: a new parent holds the head, `node` keeps the tail."""
         cut = n_blocks * self.block_size
         head = Node(node.parent, node.tokens[:cut], node.blocks[:n_blocks], node.hashes[:n_blocks])
-        head.lock_ref = node.lock_ref
+        head.lock_ref = node.lock_ref  # (the snapshot, at the end, stays with the tail)
         head.last_access = node.last_access
         node.above.children[self._key(head.tokens)] = head
         node.parent = head
@@ -143,11 +160,17 @@ class RadixCache:
         head.children[self._key(node.tokens)] = node
         return head
 
-    def insert(self, tokens: list[int], blocks: list[int], adapter: int = 0) -> int:
-        """Cache the whole blocks of `tokens` (KV in `blocks`); returns how many it had already."""
+    def insert(self, tokens: list[int], blocks: list[int], adapter: int = 0, state: int = -1) -> int:
+        """Cache the whole blocks of `tokens` (KV in `blocks`); returns how many it had already.
+        A hybrid's `state` (a snapshot slot, after all of `tokens`, a whole number of blocks) is
+        adopted with them, or given back when the cache has one there already."""
         bs = self.block_size
         n_full = min(len(tokens) // bs, len(blocks))
-        matched, node = self.match(tokens[: n_full * bs], adapter)
+        if self.snapshots is not None and (state < 0 or n_full * bs != len(tokens)):
+            if state >= 0:
+                self.snapshots.release(state)
+            return 0  # a hybrid's blocks without the state at their end could never be a hit
+        matched, node = self._match_path(tokens[: n_full * bs], adapter)
         have = len(matched)
         if have < n_full:
             rest = tuple(tokens[have * bs: n_full * bs])
@@ -158,7 +181,38 @@ class RadixCache:
             self.pool.share(child.blocks)  # the tree's own reference
             for observer in self.observers:
                 observer.stored(parent, child.hashes, rest, child.blocks, adapter)
+            node = child
+        if state >= 0:
+            assert self.snapshots is not None  # only a hybrid's cache takes snapshots
+            if node.state >= 0 or node.parent is None:
+                self.snapshots.release(state)  # it has that state already
+            else:
+                node.state = state
         return have
+
+    def _match_path(self, tokens: list[int], adapter: int) -> tuple[list[int], Node]:
+        """match() without backing off to a snapshot: where the cached path for `tokens` ends."""
+        snapshots, self.snapshots = self.snapshots, None
+        try:
+            return self.match(tokens, adapter)
+        finally:
+            self.snapshots = snapshots
+
+    def take_snapshot(self) -> int:
+        """A free snapshot slot, freeing the least recently used unlocked one (and its node's
+        blocks, when the node is a leaf: no hit could reach them) if none is; -1 if none can be."""
+        assert self.snapshots is not None
+        if not self.snapshots.num_free:
+            held = [n for n in self._nodes() if n.state >= 0 and n.lock_ref == 0]
+            if not held:
+                return -1
+            oldest = min(held, key=lambda n: n.last_access)
+            self.snapshots.release(oldest.state)
+            oldest.state = -1
+            if not oldest.children:
+                self._evict_leaf(oldest)
+        slot = self.snapshots.allocate()
+        return -1 if slot is None else slot
 
     def lock(self, node: Node) -> None:
         at: Node | None = node
@@ -181,16 +235,25 @@ class RadixCache:
         freed = 0
         while heap and freed < n_blocks:
             _, _, leaf = heapq.heappop(heap)
-            self.pool.release(leaf.blocks)
-            freed += sum(1 for b in leaf.blocks if self.pool.refcount(b) == 0)
-            self.num_evicted += len(leaf.blocks)
-            if not quiet:
-                self._removed(leaf.hashes)
+            freed += self._evict_leaf(leaf, quiet)
             parent = leaf.above
-            del parent.children[self._key(leaf.tokens)]
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def _evict_leaf(self, leaf: Node, quiet: bool = False) -> int:
+        """Take an unlocked leaf out of the tree, its blocks and snapshot back to their pools;
+        returns the blocks that became free."""
+        self.pool.release(leaf.blocks)
+        if leaf.state >= 0:
+            assert self.snapshots is not None
+            self.snapshots.release(leaf.state)
+            leaf.state = -1
+        self.num_evicted += len(leaf.blocks)
+        if not quiet:
+            self._removed(leaf.hashes)
+        del leaf.above.children[self._key(leaf.tokens)]
+        return sum(1 for b in leaf.blocks if self.pool.refcount(b) == 0)
 
     def reset(self) -> None:
         """Evict everything unlocked (all of it, when no request holds KV: then one event says so)."""
@@ -212,6 +275,8 @@ class RadixCache:
             stack.extend(node.children.values())
             assert node.lock_ref == 0, "radix cache: dropping an adapter's tree a request holds"
             self.pool.release(node.blocks)
+            if node.state >= 0 and self.snapshots is not None:
+                self.snapshots.release(node.state)
             self.num_evicted += len(node.blocks)
             self._removed(node.hashes)
 
@@ -242,7 +307,13 @@ class RadixCache:
     def num_evictable(self) -> int:
         return sum(len(n.blocks) for n in self._nodes() if n.lock_ref == 0)
 
+    def snapshot_slots(self) -> list[int]:
+        """The snapshot slots the tree holds."""
+        return [n.state for n in self._nodes() if n.state >= 0]
+
     def check_integrity(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.check_integrity(self.snapshot_slots())
         for node in self._nodes():
             assert len(node.tokens) == len(node.blocks) * self.block_size, "edge length mismatch"
             assert not self.observers or len(node.hashes) == len(node.blocks), "a block without its hash"

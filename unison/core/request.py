@@ -38,6 +38,7 @@ class Request:
     last_token_at: float | None = None
     block_table: list[int] = field(default_factory=list)
     state_slot: int = -1  # its linear-attention state's slot (a hybrid model's), held with its blocks
+    state_restore: int = -1  # a prefix-cache snapshot its first step resumes from (a hybrid's hit)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     next_prompt_logprob: int = -1  # next prompt position whose logprob is owed (see __post_init__)
     num_preemptions: int = 0

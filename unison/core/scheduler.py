@@ -44,6 +44,8 @@ class ScheduledItem:
     logits_start: int  # first of the new tokens whose logits are needed (num_new = none)
     sample: bool  # this step reaches the end of the sequence: sample its next token
     draft: list[int] = field(default_factory=list)  # speculated tokens after the last real one
+    snapshot: bool = False  # a hybrid's prefill chunk that ends where its state is kept (the cache's)
+    snapshot_slot: int = -1  # ... the snapshot slot it goes to (the core takes one for it)
 
 
 class Scheduler:
@@ -51,10 +53,12 @@ class Scheduler:
                  cache: RadixCache | None = None, policy: str = "fcfs", seed: int | None = None,
                  max_adapters: int = 8, whole_prompts: bool = False, disk: DiskCache | None = None,
                  copy_block: Callable[[int, int], None] | None = None,
-                 states: StatePool | None = None) -> None:
+                 states: StatePool | None = None, snapshot_interval: int | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {policy!r}")
         self.kv = KVCacheManager(pool, block_size, cache, disk, copy_block, states)
+        # A hybrid's prefill keeps its state at these positions for the prefix cache (None: never)
+        self.snapshot_interval = snapshot_interval
         self.policy = policy
         self.rng = random.Random(seed)  # the random policy's
         self.last_served: dict[bytes, int] = {}  # frontend -> admission tick (fair)
@@ -99,7 +103,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if not self._make_room(req, req.num_computed_tokens + n):
                 break  # req itself was preempted: nothing after it runs this step
             items.append(self._item(req, n))
@@ -112,7 +116,7 @@ class Scheduler:
             if new is None:
                 break  # what waits is still compiling its grammar, or its adapter must wait
             self.kv.match_prefix(new)
-            n = min(new.num_tokens - new.num_computed_tokens, budget)
+            n = self._to_snapshot(new, min(new.num_tokens - new.num_computed_tokens, budget))
             if self.whole_prompts and n < new.num_tokens:
                 if items:
                     break  # it waits for the next step, first in line
@@ -130,8 +134,24 @@ class Scheduler:
             budget -= n
         return items
 
+    def _snapshot_point(self, req: Request) -> int | None:
+        """Where a hybrid's prefill next keeps its state: every snapshot_interval tokens, and at
+        the last whole block before the prompt's last token (what a repeat of the prompt can hit)."""
+        if self.snapshot_interval is None:
+            return None
+        start, bs = req.num_computed_tokens, self.kv.block_size
+        point = min((start // self.snapshot_interval + 1) * self.snapshot_interval,
+                    (req.num_prompt_tokens - 1) // bs * bs)
+        return point if point > start else None
+
+    def _to_snapshot(self, req: Request, n: int) -> int:
+        """n new tokens, or fewer so that the chunk ends at the next snapshot point."""
+        point = self._snapshot_point(req)
+        return n if point is None else min(n, point - req.num_computed_tokens)
+
     def _item(self, req: Request, n: int) -> ScheduledItem:
         end = req.num_computed_tokens + n
+        snapshot = end == self._snapshot_point(req)
         sample = end == req.num_tokens and req.params.max_new_tokens > 0
         logits_start = n - 1 if sample or (req.pooling and end == req.num_tokens) else n
         if req.wants_prompt_logprobs:
@@ -139,7 +159,7 @@ class Scheduler:
             lo = max(req.next_prompt_logprob - 1, req.num_computed_tokens)
             if lo < min(end, req.num_prompt_tokens - 1):
                 logits_start = min(logits_start, lo - req.num_computed_tokens)
-        return ScheduledItem(req, n, logits_start, sample)
+        return ScheduledItem(req, n, logits_start, sample, snapshot=snapshot)
 
     def add_draft(self, item: ScheduledItem, draft: list[int]) -> int:
         """Extend a decode item by as much of `draft` as free blocks hold (a guess never evicts

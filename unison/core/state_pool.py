@@ -1,6 +1,7 @@
 """StatePool: the slots of a hybrid model's linear-attention states (model/linear_attention.py
 holds the tensors). A request takes one slot when it is admitted, beside its KV blocks, and gives
-it back with them; one that finds no slot free waits, as one that finds no block does."""
+it back with them; one that finds no slot free waits, as one that finds no block does. A second
+pool, of the slots after those, holds the prefix cache's snapshots (core/radix_cache.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from collections.abc import Iterable
 
 
 class StatePool:
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self.free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+    def __init__(self, num_slots: int, first: int = 0) -> None:
+        self.num_slots, self.first = num_slots, first
+        self.free = list(range(first + num_slots - 1, first - 1, -1))  # popped from the end: lowest first
 
     @property
     def num_free(self) -> int:
@@ -29,6 +30,6 @@ class StatePool:
         owners = Counter(held) + Counter(self.free)
         problems = [f"slot {s} is held or free {n} times" for s, n in owners.items() if n > 1]
         problems += [f"slot {s} is leaked: neither free nor held"
-                     for s in range(self.num_slots) if not owners[s]]
+                     for s in range(self.first, self.first + self.num_slots) if not owners[s]]
         if problems:
             raise AssertionError("linear-attention state pool integrity: " + "; ".join(problems[:10]))

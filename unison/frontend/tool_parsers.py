@@ -9,6 +9,11 @@ looks like a call but turns out malformed is given back as content, never half-e
 - `hermes` (Qwen2.5/Qwen3 and many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks anywhere in the text; malformed ones stay content. An unterminated block at the end
   (max_tokens) is a call if its JSON is complete, else content.
+- `qwen3_coder` (Qwen3-Coder, Qwen3-Coder-Next, Qwen3.5): `<tool_call>` blocks holding
+  `<function=NAME>` with `<parameter=KEY>` raw-text values, typed by the request's tool schema as
+  vLLM's parser types them (undeclared: a JSON number/bool/null/object/array as such, else a string).
+  Malformed blocks stay content; an unterminated one at the end is a call if it is whole up to
+  its last `</function>`, else content.
 - `llama3_json`: the whole output, after an optional `<|python_tag|>`, is `;`-separated
   `{"name": ..., "parameters": {...}}` objects. All or nothing: one bad object makes all of the
   text content, so a streamed JSON output is decided only at the end of generation.
@@ -17,9 +22,13 @@ looks like a call but turns out malformed is given back as content, never half-e
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from unison.json_types import JSONObject
 
 
 @dataclass(slots=True)
@@ -102,6 +111,10 @@ class ToolStreamer:
 class ToolParser:
     name: str = ""
 
+    def __init__(self, tools: list[JSONObject] | None = None) -> None:
+        # The request's `tools` (OpenAI's shape): qwen3_coder types its raw-text arguments by their schemas.
+        self.tools = tools or []
+
     def parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
 
@@ -109,48 +122,52 @@ class ToolParser:
         raise NotImplementedError
 
 
-# --------------------------------------------------------------------------------------- hermes
+# ----------------------------------------------------------------- <tool_call> blocks: hermes, qwen3_coder
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_KEYS = ("arguments", "parameters")
-_HERMES_BLOCK = re.compile(re.escape(_OPEN) + "(.*?)" + re.escape(_CLOSE), re.DOTALL)
+_BLOCK = re.compile(re.escape(_OPEN) + "(.*?)" + re.escape(_CLOSE), re.DOTALL)
 
 
-class HermesParser(ToolParser):
-    name = "hermes"
+class BlockParser(ToolParser):
+    """Calls in `<tool_call>...</tool_call>` blocks anywhere in the text; subclasses read a block."""
+
+    def decode(self, inner: str) -> list[ToolCall] | None:
+        """The calls in one block's inside, or None if it is not well-formed (then it stays content)."""
+        raise NotImplementedError
 
     def parse(self, text: str) -> ParsedOutput:
         pieces: list[str] = []
         calls: list[ToolCall] = []
         pos = 0
-        for m in _HERMES_BLOCK.finditer(text):
-            call = _loads_call(m.group(1).strip(), _HERMES_KEYS)
-            if call is None:  # not a call: the whole block, tags included, stays content
+        for m in _BLOCK.finditer(text):
+            found = self.decode(m.group(1))
+            if found is None:  # not a call: the whole block, tags included, stays content
                 pieces.append(text[pos : m.end()])
             else:
                 pieces.append(text[pos : m.start()])
-                calls.append(call)
+                calls += found
             pos = m.end()
         tail = text[pos:]
         start = tail.find(_OPEN)  # an unterminated block, e.g. cut by max_tokens
-        call = _loads_call(tail[start + len(_OPEN) :].strip(), _HERMES_KEYS) if start >= 0 else None
-        if call is None:
+        found = self.decode(tail[start + len(_OPEN) :]) if start >= 0 else None
+        if found is None:
             pieces.append(tail)
         else:
             pieces.append(tail[:start])
-            calls.append(call)
+            calls += found
         return ParsedOutput("".join(pieces).strip() or None, calls)
 
     def streamer(self) -> ToolStreamer:
-        return HermesStreamer()
+        return BlockStreamer(self.decode)
 
 
-class HermesStreamer(ToolStreamer):
+class BlockStreamer(ToolStreamer):
     """Passes text through until `<tool_call>`, then buffers the block until `</tool_call>` decides it."""
 
-    __slots__ = ("_buf", "_in_call", "_scan", "_index")
+    __slots__ = ("_decode", "_buf", "_in_call", "_scan", "_index")
 
-    def __init__(self) -> None:
+    def __init__(self, decode: Callable[[str], list[ToolCall] | None]) -> None:
+        self._decode = decode
         self._buf = ""  # text mode: a held partial `<tool_call>`; call mode: the block after the tag
         self._in_call = False
         self._scan = 0  # where to resume searching for `</tool_call>`, so a long block costs O(n)
@@ -184,21 +201,157 @@ class HermesStreamer(ToolStreamer):
         return True
 
     def _close_block(self, inner: str, raw: str, out: StreamDelta) -> None:
-        call = _loads_call(inner.strip(), _HERMES_KEYS)
-        if call is None:
+        calls = self._decode(inner)
+        if calls is None:
             out.content += raw  # not a call after all: the model's text is shown as it was
             return
-        out.tool_calls += call_deltas(self._index, call)
-        self._index += 1
+        for call in calls:
+            out.tool_calls += call_deltas(self._index, call)
+            self._index += 1
 
     def finish(self) -> StreamDelta:
         out = StreamDelta()
-        if self._in_call:  # unterminated block (e.g. max_tokens): a call only if its JSON is complete
+        if self._in_call:  # unterminated block (e.g. max_tokens): calls only if the block is complete
             self._close_block(self._buf, _OPEN + self._buf, out)
         else:
             out.content = self._buf
         self._buf, self._in_call = "", False
         return out
+
+
+# --------------------------------------------------------------------------------------- hermes
+
+_HERMES_KEYS = ("arguments", "parameters")
+
+
+class HermesParser(BlockParser):
+    name = "hermes"
+
+    def decode(self, inner: str) -> list[ToolCall] | None:
+        call = _loads_call(inner.strip(), _HERMES_KEYS)
+        return None if call is None else [call]
+
+
+# ---------------------------------------------------------------------------------- qwen3_coder
+
+# A block holds one or more functions (vLLM reads several); only whitespace may lie between the tags.
+_FUNCTION = re.compile(r"\s*<function=([^<>\n]*)>(.*?)</function>", re.DOTALL)
+# vLLM's reading: a value without `</parameter>` ends where the next parameter or the function does.
+_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+_BLANK = re.compile(r"\s*\Z")
+_INT_TYPES = ("int", "uint", "long", "short", "unsigned")  # vLLM's prefixes, as is "num"/"float" below
+
+
+class Qwen3CoderParser(BlockParser):
+    """`<function=NAME>` with `<parameter=KEY>` raw-text values, typed by the request's tool schemas."""
+
+    name = "qwen3_coder"
+
+    def decode(self, inner: str) -> list[ToolCall] | None:
+        calls: list[ToolCall] = []
+        pos = 0
+        while not _BLANK.match(inner, pos):
+            m = _FUNCTION.match(inner, pos)
+            call = self._call(m.group(1).strip(), m.group(2)) if m else None
+            if m is None or call is None:
+                return None
+            calls.append(call)
+            pos = m.end()
+        return calls or None  # an empty block is no call
+
+    def _call(self, name: str, body: str) -> ToolCall | None:
+        if not name:
+            return None
+        properties = _properties(self.tools, name)
+        args: dict[str, object] = {}
+        pos = 0
+        while not _BLANK.match(body, pos):
+            m = _PARAMETER.match(body, pos)
+            key = m.group(1).strip() if m else ""
+            if m is None or not key:
+                return None
+            args[key] = _typed_value(_trim_newlines(m.group(2)), _declared_type(properties.get(key)))
+            pos = m.end()
+        return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+
+def _properties(tools: list[JSONObject], function: str) -> JSONObject:
+    """The `properties` of `function`'s parameters schema among the request's tools ({} if none)."""
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == function:
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+def _declared_type(schema: object) -> str | None:
+    """A property's `type`, lower-cased; of `["integer", "null"]` the non-null one; None if undeclared."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return str(kind).strip().lower() if kind is not None else None
+
+
+def _trim_newlines(value: str) -> str:
+    # The template writes the value between a newline after `<parameter=KEY>` and one before the close.
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed_value(raw: str, kind: str | None) -> object:
+    """A parameter's raw text as the JSON value its declared type asks for (vLLM's conversions)."""
+    if raw.lower() == "null":  # for every type, as vLLM reads it
+        return None
+    if kind is None:  # no schema to go by: JSON scalars and containers as such, other text as a string
+        value = _json_or(raw, raw)
+        return raw if isinstance(value, str) else value
+    if kind.startswith(_INT_TYPES):
+        return _int_or(raw, raw)
+    if kind.startswith(("num", "float")):
+        return _number_or_text(raw)
+    if kind in ("boolean", "bool", "binary"):
+        return raw.strip().lower() == "true"  # anything else is false, as in vLLM
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        return _json_or(raw, raw)
+    return raw  # string, and types this parser does not know
+
+
+def _int_or(raw: str, default: object) -> object:
+    try:
+        return int(raw)
+    except ValueError:
+        return default
+
+
+def _number_or_text(raw: str) -> object:
+    try:
+        value = float(raw)
+    except ValueError:
+        return raw
+    if not math.isfinite(value):  # JSON has no NaN or infinity
+        return raw
+    # An integral number is written as an integer (vLLM's rule); int() first keeps large ones exact.
+    return _int_or(raw, int(value)) if value.is_integer() else value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # `1e999`: json.dumps would write `Infinity`, which is not JSON
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _not_json(text: str) -> object:
+    raise ValueError(f"{text} is not JSON")  # NaN, Infinity: Python's json module accepts them
+
+
+def _json_or(raw: str, default: object) -> object:
+    try:
+        return json.loads(raw, parse_float=_finite_float, parse_constant=_not_json)
+    except ValueError:
+        return default
 
 
 # ---------------------------------------------------------------------------------- llama3_json
@@ -292,15 +445,17 @@ class Llama3JsonStreamer(ToolStreamer):
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "qwen3_coder": Qwen3CoderParser,
     # SGLang's names for the same formats.
     "qwen25": HermesParser,
     "llama3": Llama3JsonParser,
 }
 
 
-def get_parser(name: str) -> ToolParser:
+def get_parser(name: str, tools: list[JSONObject] | None = None) -> ToolParser:
+    """A parser for one request; `tools` are the request's, which some parsers read (see ToolParser)."""
     try:
-        return PARSERS[name]()
+        return PARSERS[name](tools)
     except KeyError:
         choices = ", ".join(sorted(PARSERS))
         raise ValueError(f"unknown tool-call parser {name!r}; choose from: {choices}") from None

@@ -91,8 +91,8 @@ class PagedAttention:
         # One entry per layer that keeps KV (a hybrid's full-attention layers; every layer elsewhere)
         layers = len(c.attention_layers)
         shape = (layers, num_blocks, block_size, c.num_key_value_heads, row)
-        self.k_cache = _zeros(shape, kv_dtype, device)
-        self.v_cache = _zeros(shape, kv_dtype, device)
+        self.k_cache = lazy_zeros(shape, device, kv_dtype)
+        self.v_cache = lazy_zeros(shape, device, kv_dtype)
         # The C kernels when the model runs on them (the runner sets them): paged metadata and the
         # kernel's attention; None: torch's metadata and SDPA.
         self.kernel: cpu_kernels.CpuKernels | None = None
@@ -338,7 +338,7 @@ def kv_head_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
     return head_dim // 32 * 34 if kv_dtype == torch.int8 else head_dim * kv_dtype.itemsize
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+def lazy_zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
     # Unwritten cache slots are read by torch's path (padded and masked), so they must hold finite
     # values. On CPU an anonymous mmap gives lazily zeroed 4 KiB pages: a large cache costs
     # nothing until used, and memory grows with the tokens held. (numpy would madvise huge pages

@@ -166,7 +166,7 @@ class CpuKernels:
         lib.rope_partial.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]
         lib.rope_partial.restype = None
         lib.gated_delta.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
-                                    _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
+                                    _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _PTR, _INT]
         lib.gated_delta.restype = _INT
         lib.row_gates.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
         lib.row_gates.restype = None
@@ -306,11 +306,13 @@ class CpuKernels:
         return g, beta
 
     def gated_delta(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                    conv_state: torch.Tensor, rec_state: torch.Tensor, step: DeltaStep) -> torch.Tensor:
+                    conv_state: torch.Tensor, rec_state: torch.Tensor, step: DeltaStep,
+                    tiled: bool = False) -> torch.Tensor:
         """A Gated DeltaNet layer's convolution and recurrence (csrc/gated_delta.c) on x [rows,
         conv_dim] (q|k|v, rows may be strided), g and beta [rows, value heads] (same strides),
         over this layer's states conv_state [slots, K-1, conv_dim] and rec_state
-        [slots, value heads, dk, dv], updated in place: [rows, value heads * dv]."""
+        [slots, value heads, dk, dv], updated in place: [rows, value heads * dv]. `tiled`: value
+        head h reads key head h % key heads (else h // (value heads / key heads))."""
         assert x.stride(1) == 1 and g.stride() == beta.stride() and g.stride(1) == 1
         assert conv_state.is_contiguous() and rec_state.is_contiguous() and conv_weight.is_contiguous()
         rows, (hv, dk, dv) = x.shape[0], rec_state.shape[1:]
@@ -320,8 +322,8 @@ class CpuKernels:
         rc = self.lib.gated_delta(x.data_ptr(), x.stride(0), g.data_ptr(), beta.data_ptr(), g.stride(0),
                                   conv_weight.data_ptr(), conv_weight.shape[1], conv_state.data_ptr(),
                                   rec_state.data_ptr(), step.slots.data_ptr(), step.row_start.data_ptr(),
-                                  step.row_count.data_ptr(), len(step.slots), hk, hv, dk, dv, work.data_ptr(),
-                                  out.data_ptr(), torch.get_num_threads())
+                                  step.row_count.data_ptr(), len(step.slots), hk, hv, dk, dv, int(tiled),
+                                  work.data_ptr(), out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("gated delta kernel: out of memory")
         return out

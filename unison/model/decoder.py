@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels, quant
 from .families import ModelConfig
-from .linear_attention import DeltaNet, DeltaStates, fused_order
+from .linear_attention import DeltaNet, DeltaStates, projection_order
 from .lora import LoraStep
 from .moe import PROJECTIONS, FloatMoe, QuantMoe, SharedExpert
 from .quant import QuantWeight
@@ -545,20 +545,23 @@ def load_shared_expert(get: _WeightGetter, cfg: ModelConfig, layer: int) -> Shar
 
 
 def load_delta_net(get: _WeightGetter, cfg: ModelConfig, p: str) -> DeltaNet:
-    """A Gated DeltaNet layer's weights under `p` (model.layers.N.linear_attn.), each checked
+    """A Gated DeltaNet layer's weights under `p` (model.layers.N.linear_attn.), in whichever
+    layout the checkpoint has them (Qwen3.5's, Qwen3-Next's fused one, llama.cpp's), each checked
     against the config's shape so that a wrong checkpoint is refused naming the tensor."""
     lin = cfg.linear
     assert lin is not None  # a hybrid family's config has it
     hv, hidden = lin.num_v_heads, cfg.hidden_size
-    if cfg.family.linear_attention == "fused":  # Qwen3-Next: [q, k, v, z] and [b, a] per key head
-        names = {"in_proj_qkvz": (lin.conv_dim + lin.value_dim, hidden), "in_proj_ba": (2 * hv, hidden)}
-    else:
-        names = {"in_proj_qkv": (lin.conv_dim, hidden), "in_proj_z": (lin.value_dim, hidden),
-                 "in_proj_b": (hv, hidden), "in_proj_a": (hv, hidden)}
-    expected = {**{f"{n}.weight": shape for n, shape in names.items()},
+    fused_qkvz, fused_ba = get.has(p + "in_proj_qkvz.weight"), get.has(p + "in_proj_ba.weight")
+    qkvz = ({"in_proj_qkvz": (lin.conv_dim + lin.value_dim, hidden)} if fused_qkvz else
+            {"in_proj_qkv": (lin.conv_dim, hidden), "in_proj_z": (lin.value_dim, hidden)})
+    ba = ({"in_proj_ba": (2 * hv, hidden)} if fused_ba else
+          {"in_proj_b": (hv, hidden), "in_proj_a": (hv, hidden)})
+    # A GGUF holds -exp(A_log) (llama.cpp's ssm_a), a checkpoint A_log itself
+    decay = "neg_A" if get.has(p + "neg_A") else "A_log"
+    expected = {**{f"{n}.weight": shape for n, shape in (qkvz | ba).items()},
                 "out_proj.weight": (hidden, lin.value_dim),
                 "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
-                "dt_bias": (hv,), "A_log": (hv,), "norm.weight": (lin.head_v_dim,)}
+                "dt_bias": (hv,), decay: (hv,), "norm.weight": (lin.head_v_dim,)}
     for name, shape in expected.items():
         if not get.has(p + name):
             raise ValueError(f"checkpoint is missing weight {p + name!r} (a linear-attention layer)")
@@ -566,11 +569,12 @@ def load_delta_net(get: _WeightGetter, cfg: ModelConfig, p: str) -> DeltaNet:
         if got != shape and not (name == "conv1d.weight" and got == (lin.conv_dim, lin.conv_kernel)):
             raise ValueError(f"weight {p + name!r} is {list(got)}; this config needs {list(shape)}")
     conv = get(p + "conv1d.weight").reshape(lin.conv_dim, lin.conv_kernel).float().contiguous()
+    a = get(p + decay).float()
     return DeltaNet(
-        in_proj=get.linear([p + f"{n}.weight" for n in names]), out_proj=get.linear([p + "out_proj.weight"]),
-        conv_weight=conv, dt_bias=get(p + "dt_bias").float(), neg_a=-get(p + "A_log").float().exp(),
-        norm=get.norm(p + "norm.weight", plus_one=False),
-        order=fused_order(lin) if cfg.family.linear_attention == "fused" else None)
+        in_proj=get.linear([p + f"{n}.weight" for n in qkvz | ba]),
+        out_proj=get.linear([p + "out_proj.weight"]),
+        conv_weight=conv, dt_bias=get(p + "dt_bias").float(), neg_a=a if decay == "neg_A" else -a.exp(),
+        norm=get.norm(p + "norm.weight", plus_one=False), order=projection_order(lin, fused_qkvz, fused_ba))
 
 
 def dummy_model(cfg: ModelConfig, device: torch.device,

@@ -71,7 +71,8 @@ class Family:
     moe: MoeNames | None = None  # a sparse MLP in every layer instead of the dense one
     # Gated DeltaNet layers where layer_types says "linear_attention": "split" projections
     # (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) or "fused" ones, interleaved per key
-    # head (Qwen3-Next: in_proj_qkvz, in_proj_ba).
+    # head (Qwen3-Next: in_proj_qkvz, in_proj_ba). The loader reads whichever the checkpoint has
+    # (llama.cpp's converter writes Qwen3-Next's q|k|v and z apart, b and a still fused).
     linear_attention: str | None = None
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: attention * sigmoid(gate)
     text_prefix: str = "model."  # where the text model's tensors are (a multimodal checkpoint's)
@@ -99,10 +100,11 @@ FAMILIES = [
     Family("mixtral", "MixtralForCausalLM", None,
            moe=MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")),
     Family("olmoe", "OlmoeForCausalLM", "olmoe", qk_norm="full", moe=MoeNames("mlp.gate", "mlp.experts")),
-    Family("qwen2_moe", "Qwen2MoeForCausalLM", None, moe=QWEN_SHARED),
-    Family("qwen3_next", "Qwen3NextForCausalLM", None, **_HYBRID, linear_attention="fused", moe=QWEN_SHARED),
-    Family("qwen3_5", "Qwen3_5ForCausalLM", None, **_HYBRID, linear_attention="split"),
-    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", None, **_HYBRID, linear_attention="split",
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe", moe=QWEN_SHARED),
+    Family("qwen3_next", "Qwen3NextForCausalLM", "qwen3next", **_HYBRID, linear_attention="fused",
+           moe=QWEN_SHARED),
+    Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen35", **_HYBRID, linear_attention="split"),
+    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen35moe", **_HYBRID, linear_attention="split",
            moe=QWEN_SHARED),
     # The published Qwen3.5 checkpoints: the text model beside a vision tower (not run: text only).
     Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", None, **_HYBRID, linear_attention="split",
@@ -177,13 +179,16 @@ class MoeConfig:
 class DeltaNetConfig:
     """A Gated DeltaNet layer's shape (linear_attention.py). q and k have `num_k_heads` heads of
     `head_k_dim`, v and the output `num_v_heads` of `head_v_dim`; each value head reads key head
-    h // (num_v_heads / num_k_heads). The causal convolution spans `conv_kernel` tokens."""
+    h // (num_v_heads / num_k_heads), or h % num_k_heads where the value heads are `tiled` (a
+    Qwen3.5 GGUF: llama.cpp's converter reorders them so, everywhere they appear). The causal
+    convolution spans `conv_kernel` tokens."""
 
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int
+    tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -205,9 +210,10 @@ class DeltaNetConfig:
 
     @classmethod
     def from_hf(cls, arch: str, hf: JSONObject) -> DeltaNetConfig:
-        cfg = cls(*(_positive(arch, key, hf.get(key)) for key in (
+        hk, hv, dk, dv, kernel = (_positive(arch, key, hf.get(key)) for key in (
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim")))
+            "linear_conv_kernel_dim"))
+        cfg = cls(hk, hv, dk, dv, kernel, tiled=bool(hf.get("linear_value_heads_tiled", False)))
         if cfg.num_v_heads % cfg.num_k_heads:
             raise ValueError(f"{arch}: linear_num_value_heads ({cfg.num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({cfg.num_k_heads})")

@@ -19,6 +19,7 @@ for the tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .attention import lazy_zeros
 from .cpu_kernels import DeltaStep
 from .families import DeltaNetConfig
 
@@ -60,7 +62,7 @@ class DeltaNet:
         g, beta = ops.delta_gates(a, b, self.dt_bias, self.neg_a)
         conv, rec = states.layer(index)
         if isinstance(ops, cpu_kernels.CpuKernels):
-            o = ops.gated_delta(qkv, g, beta, self.conv_weight, conv, rec, states.current)
+            o = ops.gated_delta(qkv, g, beta, self.conv_weight, conv, rec, states.current, cfg.tiled)
         else:
             o = delta_rule_reference(qkv, g, beta, self.conv_weight, conv, rec, states.current, cfg)
         ops.norm_groups_(o, hv, cfg.head_v_dim, self.norm, eps)
@@ -68,28 +70,43 @@ class DeltaNet:
         return self.out_proj(o)
 
 
-def fused_order(cfg: DeltaNetConfig) -> torch.Tensor:
-    """Qwen3-Next's in_proj_qkvz and in_proj_ba outputs, side by side, interleave per key head
-    [q, k, v..., z...] and [b..., a...]; the column indices that make them [q|k|v, z, b, a]."""
+def projection_order(cfg: DeltaNetConfig, fused_qkvz: bool, fused_ba: bool) -> torch.Tensor | None:
+    """The column order that lays the input projections' output out as [q|k|v, z, b, a], where a
+    checkpoint interleaves them per key head: Qwen3-Next's in_proj_qkvz [q, k, v..., z...] and
+    in_proj_ba [b..., a...] (llama.cpp's converter splits the first into q|k|v and z, and keeps
+    the second). None where they come in that order already."""
+    if not (fused_qkvz or fused_ba):
+        return None
     hk, dk, dv, r = cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.num_v_heads // cfg.num_k_heads
-    per = 2 * dk + 2 * r * dv  # one key head's group in qkvz
-    group = np.arange(hk * per).reshape(hk, per)
-    q, k = group[:, :dk], group[:, dk: 2 * dk]
-    v, z = group[:, 2 * dk: 2 * dk + r * dv], group[:, 2 * dk + r * dv:]
-    ba = hk * per + np.arange(2 * cfg.num_v_heads).reshape(hk, 2 * r)
-    parts = [q, k, v, z, ba[:, :r], ba[:, r:]]
-    return torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+    if fused_qkvz:
+        per = 2 * dk + 2 * r * dv  # one key head's group
+        group = np.arange(hk * per).reshape(hk, per)
+        v_end = 2 * dk + r * dv
+        qkvz = [group[:, :dk], group[:, dk: 2 * dk], group[:, 2 * dk: v_end], group[:, v_end:]]
+    else:
+        qkvz = [np.arange(cfg.conv_dim + cfg.value_dim)]
+    base = cfg.conv_dim + cfg.value_dim
+    if fused_ba:
+        ba = base + np.arange(2 * cfg.num_v_heads).reshape(hk, 2 * r)
+        b_a = [ba[:, :r], ba[:, r:]]
+    else:
+        b_a = [base + np.arange(2 * cfg.num_v_heads)]
+    return torch.from_numpy(np.concatenate([p.reshape(-1) for p in qkvz + b_a]))
 
 
 class DeltaStates:
     """Every request's linear-attention state, by slot: per linear layer, conv [slots, K-1,
-    conv_dim] and rec [slots, value heads, dk, dv], float32. A forward opens `step` with its
-    items' slots and rows; a slot whose request starts at position 0 is zeroed first."""
+    conv_dim] and rec [slots, value heads, dk, dv], float32. Slots [0, slots) are running
+    requests'; the `snapshots` after them are the prefix cache's copies, each the state after a
+    cached prefix. A forward opens `begin` with its items' slots and rows: a request that starts
+    at position 0 has its slot zeroed, one that resumes a cached prefix has the snapshot copied in."""
 
-    def __init__(self, cfg: DeltaNetConfig, layers: int, slots: int, device: torch.device):
-        self.cfg, self.slots = cfg, slots
-        self.conv = torch.zeros(layers, slots, cfg.conv_kernel - 1, cfg.conv_dim, device=device)
-        self.rec = torch.zeros(layers, slots, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, device=device)
+    def __init__(self, cfg: DeltaNetConfig, layers: int, slots: int, device: torch.device,
+                 snapshots: int = 0):
+        self.cfg, self.slots, self.snapshots = cfg, slots, snapshots
+        total = slots + snapshots  # lazily zeroed pages on CPU: a slot costs memory once used
+        self.conv = lazy_zeros((layers, total, cfg.conv_kernel - 1, cfg.conv_dim), device)
+        self.rec = lazy_zeros((layers, total, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim), device)
         self._step: DeltaStep | None = None
 
     @staticmethod
@@ -108,23 +125,34 @@ class DeltaStates:
         assert self._step is not None  # set by begin() for the forward's duration
         return self._step
 
-    def begin(self, slots: list[int], counts: list[int], fresh: list[int]) -> None:
-        """The step's items: their slots, their row counts (in batch order), and the slots of
-        those that start a sequence (zeroed now)."""
+    def begin(self, slots: list[int], counts: list[int], fresh: list[int],
+              restore: Sequence[tuple[int, int]] = ()) -> None:
+        """The step's items: their slots, their row counts (in batch order), the slots of those
+        that start a sequence (zeroed now) and (snapshot, slot) pairs of those that resume one."""
         bad = [s for s in slots if not 0 <= s < self.slots]
+        bad += [s for s, _ in restore if not self.slots <= s < self.slots + self.snapshots]
         if bad:
-            raise ValueError(f"bad batch item: linear-attention state slot {bad[0]} is not in "
-                             f"[0, {self.slots})")
+            raise ValueError(f"bad batch item: linear-attention state slot {bad[0]} is not a "
+                             f"{'running' if bad[0] in slots else 'snapshot'} slot")
         if fresh:
             index = torch.tensor(fresh, dtype=torch.int64)
             self.conv.index_fill_(1, index, 0.0)
             self.rec.index_fill_(1, index, 0.0)
+        for src, dst in restore:
+            self.copy(src, dst)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._step = DeltaStep(torch.tensor(slots, dtype=torch.int64), torch.from_numpy(starts),
                                torch.tensor(counts, dtype=torch.int64))
 
-    def end(self) -> None:
+    def end(self, save: Sequence[tuple[int, int]] = ()) -> None:
+        """The forward is done: (slot, snapshot) pairs keep a copy of a state (the prefix cache's)."""
         self._step = None
+        for src, dst in save:
+            self.copy(src, dst)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.conv[:, dst] = self.conv[:, src]
+        self.rec[:, dst] = self.rec[:, src]
 
 
 def delta_rule_reference(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
@@ -137,8 +165,11 @@ def delta_rule_reference(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, c
         rows = torch.cat([conv_state[slot], x[r0: r0 + n].float()])  # [K-1 + n, conv_dim]
         conv_state[slot] = rows[-(K - 1):]
         c = F.silu(F.conv1d(rows.T[None], conv_weight[:, None], groups=cfg.conv_dim)[0].T)  # [n, conv_dim]
-        q = c[:, : hk * dk].reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
-        k = c[:, hk * dk: 2 * hk * dk].reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)
+        def per_value_head(t: torch.Tensor) -> torch.Tensor:  # [n, hk, dk] -> [n, hv, dk]
+            return t.repeat(1, hv // hk, 1) if cfg.tiled else t.repeat_interleave(hv // hk, dim=1)
+
+        q = per_value_head(c[:, : hk * dk].reshape(n, hk, dk))
+        k = per_value_head(c[:, hk * dk: 2 * hk * dk].reshape(n, hk, dk))
         v = c[:, 2 * hk * dk:].reshape(n, hv, dv)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / dk ** 0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)

@@ -40,6 +40,8 @@ class BatchItem:
     logits_start: int  # index into token_ids from which logits are needed (len: none, 0: all)
     adapter: int = 0  # the LoRA adapter its rows run with (add_lora's id; 0: the base model)
     state_slot: int = -1  # its linear-attention state's slot (a hybrid model's; start_pos 0 zeroes it)
+    state_restore: int = -1  # a snapshot slot to resume from (a prefix-cache hit), copied in first
+    state_save: int = -1  # a snapshot slot to keep the state in once the step is done (the cache's)
 
 
 class ModelRunner:
@@ -60,10 +62,12 @@ class ModelRunner:
                  max_total_tokens: int | None = None, num_threads: int | None = None,
                  load_format: str = "auto", kv_cache_memory_gb: float | None = None,
                  mem_fraction_static: float | None = None, model_dir: str | Path | None = None,
-                 pooling: DecoderPooling | DecoderReranker | None = None, state_slots: int = 64):
+                 pooling: DecoderPooling | DecoderReranker | None = None, state_slots: int = 64,
+                 state_snapshots: int = 0):
         """`model_path`: a Hugging Face directory or a GGUF file (None: the embedded model);
         `model_dir`, when known, its resolved directory of config and tokenizer files;
-        `state_slots`: the linear-attention states a hybrid model keeps (one per running request)."""
+        `state_slots`: the linear-attention states a hybrid model keeps (one per running request),
+        and `state_snapshots` more for its prefix cache."""
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"block_size ({block_size}) and num_blocks ({num_blocks}) "
                              "must be >= 1")
@@ -90,7 +94,8 @@ class ModelRunner:
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
-        self.state_slots = state_slots if self.config.linear is not None else 0
+        hybrid = self.config.linear is not None
+        self.state_slots, self.state_snapshots = (state_slots, state_snapshots) if hybrid else (0, 0)
         if num_blocks is None:
             if max_total_tokens:
                 num_blocks = -(-max_total_tokens // block_size)
@@ -110,10 +115,11 @@ class ModelRunner:
         # A hybrid's linear-attention states, one slot per running request (the core's StatePool
         # hands them out), in the same memory budget as the KV cache.
         self.states = None if self.config.linear is None else DeltaStates(
-            self.config.linear, len(self.config.linear_layers), self.state_slots, self.device)
+            self.config.linear, len(self.config.linear_layers), self.state_slots, self.device,
+            self.state_snapshots)
         if self.states is not None:
-            log.info("linear-attention states: %d slots of %.1f MiB", self.state_slots,
-                     self.state_slot_bytes / (1 << 20))
+            log.info("linear-attention states: %d slots and %d prefix-cache snapshots of %.1f MiB",
+                     self.state_slots, self.state_snapshots, self.state_slot_bytes / (1 << 20))
         self.loras: dict[int, Adapter] = {}  # the LoRA adapters the forward can run, by id
         self._bind_model(measure_keys=True)
 
@@ -179,12 +185,16 @@ class ModelRunner:
         if self.states is None:
             yield None
             return
+        restore = [(item.state_restore, item.state_slot) for item in batch if item.state_restore >= 0]
         self.states.begin([item.state_slot for item in batch], [len(item.token_ids) for item in batch],
-                          [item.state_slot for item in batch if item.start_pos == 0])
+                          [item.state_slot for item in batch if item.start_pos == 0], restore)
+        saved = False
         try:
             yield self.states
+            saved = True
         finally:
-            self.states.end()
+            self.states.end([(item.state_slot, item.state_save) for item in batch
+                             if item.state_save >= 0 and saved])
 
     @property
     def _kernel(self) -> cpu_kernels.CpuKernels | None:
@@ -287,8 +297,8 @@ class ModelRunner:
 
     @property
     def state_bytes(self) -> int:
-        """The state pool's memory, which the KV cache's budget also pays for."""
-        return self.state_slots * self.state_slot_bytes
+        """The state pool's memory (snapshots included), which the KV cache's budget also pays for."""
+        return (self.state_slots + self.state_snapshots) * self.state_slot_bytes
 
     def _blocks_for_budget(self, budget: int, name: str) -> int:
         """The KV blocks that fit in `budget` bytes once the state pool is paid for."""
@@ -296,8 +306,8 @@ class ModelRunner:
         if rest < self.bytes_per_block:
             raise ValueError(
                 f"{name}: {budget / (1 << 30):.2f} GiB does not hold the linear-attention states "
-                f"({self.state_slots} requests x {self.state_slot_bytes / (1 << 20):.1f} MiB) and a KV "
-                "block; "
+                f"({self.state_slots} requests and {self.state_snapshots} snapshots x "
+                f"{self.state_slot_bytes / (1 << 20):.1f} MiB) and a KV block; "
                 "raise it or lower max_running_requests")
         return rest // self.bytes_per_block
 

@@ -212,8 +212,8 @@ def _chat_call(call: object, field: str, call_id: str) -> JSONObject:
 @router.post(PREFIX + "/chat")
 async def chat(body: ChatBody, request: Request):
     if body.tools and request.app.state.settings.serve.tool_call_parser is None:
-        raise HTTPError(400, "tools need the server started with --tool-call-parser (hermes or llama3_json)",
-                        param="tools")
+        raise HTTPError(400, "tools need the server started with --tool-call-parser (hermes, llama3_json "
+                             "or qwen3_coder)", param="tools")
     with names_of(RENAMED, chat=True):
         chat = ChatCompletionRequest.model_validate(dict(
             model=_model(body.model), messages=_messages(body.messages), tools=body.tools or None,

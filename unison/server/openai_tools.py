@@ -57,9 +57,9 @@ def plan_tools(tools: list[JSONObject] | None, tool_choice: object, parallel: bo
     if tool_choice in (None, "auto"):
         if parser_name is None:
             raise HTTPError(400, 'tool_choice "auto" needs the server started with --tool-call-parser '
-                                 "(hermes or llama3_json; or send tool_choice \"required\" or a named "
-                                 "function)", param="tool_choice")
-        return ToolPlan("auto", tools, parallel, parser=get_parser(parser_name))
+                                 "(hermes, llama3_json or qwen3_coder; or send tool_choice \"required\" "
+                                 "or a named function)", param="tool_choice")
+        return ToolPlan("auto", tools, parallel, parser=get_parser(parser_name, tools))
     if tool_choice == "none":
         return ToolPlan("none", tools, parallel)
     if tool_choice == "required":

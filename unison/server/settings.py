@@ -78,7 +78,8 @@ HELP = {
     "api_key": "require 'Authorization: Bearer KEY' (/health and /metrics stay open)",
     "served_model_name": "the model's name in the API (default: its file or folder name)",
     "tool_call_parser": 'how tool_choice "auto" reads calls in the model\'s text: hermes (Qwen2.5/3, '
-                        "alias qwen25) or llama3_json (alias llama3)",
+                        "alias qwen25), llama3_json (alias llama3) or qwen3_coder (Qwen3-Coder, "
+                        "Qwen3.5's XML calls)",
     "generation_config": "request defaults: auto (the model's generation_config.json), vllm (none) or a "
                          "folder holding one; its max_new_tokens caps every request",
     "chat_template": "a Jinja chat template (a file, or the template itself) over the model's",

@@ -6,7 +6,8 @@
 //   c[t]   = silu(sum_j w[:, j] * x[t - K + 1 + j])      the convolution, over the last K-1 inputs
 //                                                         kept from earlier steps, then these rows
 //   q, k   = each key head of c[t] l2-normed; q also scaled by head_k_dim^-1/2
-//   for each value head h, reading key head h / (num_v_heads / num_k_heads):
+//   for each value head h, reading key head h / (num_v_heads / num_k_heads), or h % num_k_heads
+//   where the value heads are tiled (a Qwen3.5 GGUF's order):
 //     S      = S * exp(g[t, h])                          S: [head_k_dim, head_v_dim], float32
 //     delta  = (v - S^T k) * beta[t, h]
 //     S      = S + k delta^T
@@ -117,7 +118,8 @@ void delta_gates(const float *a, const float *b, int64_t stride, int64_t rows, i
 int gated_delta(const float *x, int64_t x_stride, const float *g, const float *beta, int64_t gb_stride,
                 const float *conv_w, int64_t K, float *conv_state, float *rec_state,
                 const int64_t *slots, const int64_t *row_start, const int64_t *row_count, int64_t items,
-                int64_t hk, int64_t hv, int64_t dk, int64_t dv, float *c, float *out, int num_threads) {
+                int64_t hk, int64_t hv, int64_t dk, int64_t dv, int tiled, float *c, float *out,
+                int num_threads) {
     const int64_t key_dim = hk * dk, conv_dim = 2 * key_dim + hv * dv, group = hv / hk;
     const float scale = 1.0f / sqrtf((float)dk);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (items > 1)
@@ -142,7 +144,7 @@ int gated_delta(const float *x, int64_t x_stride, const float *g, const float *b
         for (int64_t i = 0; i < items; i++)
             for (int64_t h = 0; h < hv; h++) {
                 if (!kv) continue;
-                const int64_t r0 = row_start[i], kh = h / group;
+                const int64_t r0 = row_start[i], kh = tiled ? h % hk : h / group;
                 const float *ci = c + r0 * conv_dim;
                 recurrence(conv_dim, ci + kh * dk, ci + key_dim + kh * dk, ci + 2 * key_dim + h * dv,
                            g + r0 * gb_stride + h, beta + r0 * gb_stride + h, gb_stride, row_count[i], dk, dv,
