@@ -30,7 +30,7 @@ SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 64, "num_h
 LINEAR = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
           "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4}
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-       "shared_expert_intermediate_size": 48}
+       "shared_expert_intermediate_size": 64}
 # kind -> (transformers config class, its options)
 KINDS = {
     "qwen3_5": ("Qwen3_5TextConfig", LINEAR),
@@ -89,7 +89,168 @@ def _first_step(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
                            for i, (p, t) in enumerate(zip(prompts, tables))])
 
 
+GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
+             "qwen2_moe": "qwen2moe"}
+
+
+def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: str | None = None,
+               narrow: str | None = None) -> Path:
+    """The HF model in `model_dir` as llama.cpp's converter writes it (convert_hf_to_gguf.py's
+    Qwen2MoeModel, Qwen3NextModel and the Qwen3.5 classes): its names, the norms' folded + 1 (not
+    ssm_norm's), -exp(A_log), the convolution squeezed, Qwen3-Next's qkvz split into q|k|v and z,
+    a Qwen3.5's value heads reordered (HF's k * r + j to j * K + k), stacked experts; linears in
+    `qtype` (F32, Q8_0, Q4_0); the embedded tokenizer. `drop` leaves a tensor out, `narrow` writes
+    one with a row too few: broken files."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from unison.bench.model import _copy_tokenizer, embedded_gguf
+    from unison.model.weights import SafetensorsWeights
+
+    mc = ModelConfig.from_dir(model_dir)
+    src, arch, lin, moe = SafetensorsWeights(model_dir), GGUF_ARCH[kind], mc.linear, mc.moe
+    w = GGUFWriter(out, arch)
+    fields = {"block_count": mc.num_hidden_layers, "context_length": mc.max_position_embeddings,
+              "embedding_length": mc.hidden_size, "feed_forward_length": mc.intermediate_size,
+              "head_count": mc.num_attention_heads, "head_count_kv": mc.num_key_value_heads,
+              "key_length": mc.head_dim, "value_length": mc.head_dim, "rope_freq_base": mc.ropes[0].theta,
+              "layer_norm_rms_eps": mc.rms_norm_eps, "vocab_size": VOCAB}
+    if moe is not None:
+        fields |= {"expert_count": moe.num_experts, "expert_used_count": moe.top_k,
+                   "expert_feed_forward_length": moe.intermediate_size,
+                   "expert_shared_feed_forward_length": moe.shared_intermediate_size}
+    if lin is not None:
+        fields |= {"ssm_conv_kernel": lin.conv_kernel, "ssm_state_size": lin.head_k_dim,
+                   "ssm_group_count": lin.num_k_heads, "ssm_time_step_rank": lin.num_v_heads,
+                   "ssm_inner_size": lin.value_dim, "full_attention_interval": 4,
+                   "rope_dimension_count": mc.ropes[0].head_dim}
+    if kind.startswith("qwen3_5"):  # from the checkpoints' mrope_section, padded to four
+        fields["rope_dimension_sections"] = [11, 11, 10, 0]
+    for key, value in fields.items():
+        getattr(w, f"add_{key}")(value)
+    _copy_tokenizer(w, embedded_gguf())
+    hybrid = lin is not None
+    r = lin.num_v_heads // lin.num_k_heads if hybrid else 1
+    tile = kind != "qwen3_next" and hybrid and r > 1  # the converter's V-head reorder (Qwen3.5)
+
+    def tiled(t: np.ndarray, block: int, axis: int = 0, start: int = 0) -> np.ndarray:
+        if not tile:
+            return t
+        t = np.moveaxis(t, axis, 0).copy()
+        part = t[start:]
+        shape = part.shape
+        part = part.reshape(lin.num_k_heads, r, block, *shape[1:]).swapaxes(0, 1).reshape(shape)
+        t[start:] = part
+        return np.moveaxis(t, 0, axis)
+
+    def add(name: str, t: np.ndarray, kind_: str) -> None:
+        if name == drop:
+            return
+        t = t[:-1] if name == narrow else t
+        floats = ("_norm.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+        if kind_ == "F32" or t.ndim == 1 or name.endswith(floats):
+            w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+        else:
+            q = GGMLQuantizationType[kind_]
+            w.add_tensor(name, quants.quantize(np.ascontiguousarray(t, dtype=np.float32), q), raw_dtype=q)
+
+    get = lambda name: src.float(name).numpy()  # noqa: E731
+    plus = 1.0 if hybrid else 0.0  # the converter folds (1 + w) into these norms
+    add("token_embd.weight", get("model.embed_tokens.weight"), qtype if qtype == "F32" else "Q8_0")
+    add("output_norm.weight", get("model.norm.weight") + plus, "F32")
+    add("output.weight", get("lm_head.weight"), qtype if qtype == "F32" else "Q8_0")
+    for i in range(mc.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", get(p + "input_layernorm.weight") + plus, "F32")
+        add(b + ("post_attention_norm.weight" if hybrid else "ffn_norm.weight"),
+            get(p + "post_attention_layernorm.weight") + plus, "F32")
+        if i in mc.linear_layers:
+            a, kd, vd = p + "linear_attn.", lin.key_dim, lin.value_dim
+            if kind == "qwen3_next":  # [q, k, v, z] per key head -> q|k|v and z
+                qkvz = get(a + "in_proj_qkvz.weight").reshape(lin.num_k_heads, -1, mc.hidden_size)
+                dk, rv = lin.head_k_dim, r * lin.head_v_dim
+                v_end = 2 * dk + rv
+                parts = [qkvz[:, :dk], qkvz[:, dk: 2 * dk], qkvz[:, 2 * dk: v_end], qkvz[:, v_end:]]
+                qkv = np.concatenate([x.reshape(-1, mc.hidden_size) for x in parts[:3]])
+                z = parts[3].reshape(-1, mc.hidden_size)
+                add(b + "ssm_ba.weight", get(a + "in_proj_ba.weight"), qtype)
+            else:
+                qkv, z = get(a + "in_proj_qkv.weight"), get(a + "in_proj_z.weight")
+                add(b + "ssm_beta.weight", tiled(get(a + "in_proj_b.weight"), 1), qtype)
+                add(b + "ssm_alpha.weight", tiled(get(a + "in_proj_a.weight"), 1), qtype)
+            add(b + "attn_qkv.weight", tiled(qkv, lin.head_v_dim, start=2 * kd), qtype)
+            add(b + "attn_gate.weight", tiled(z, lin.head_v_dim), qtype)
+            conv = get(a + "conv1d.weight").reshape(lin.conv_dim, lin.conv_kernel)
+            add(b + "ssm_conv1d.weight", tiled(conv, lin.head_v_dim, start=2 * kd), "F32")
+            add(b + "ssm_dt.bias", tiled(get(a + "dt_bias"), 1), "F32")
+            add(b + "ssm_a", tiled(-np.exp(get(a + "A_log")), 1), "F32")
+            add(b + "ssm_norm.weight", get(a + "norm.weight"), "F32")
+            add(b + "ssm_out.weight", tiled(get(a + "out_proj.weight"), lin.head_v_dim, axis=1), qtype)
+            assert vd == z.shape[0]
+        else:
+            for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+                add(b + f"attn_{g}.weight", get(p + f"self_attn.{h}_proj.weight"), qtype)
+                if g != "output" and src.__contains__(p + f"self_attn.{h}_proj.bias"):
+                    add(b + f"attn_{g}.bias", get(p + f"self_attn.{h}_proj.bias"), "F32")
+            if mc.family.qk_norm:
+                add(b + "attn_q_norm.weight", get(p + "self_attn.q_norm.weight") + plus, "F32")
+                add(b + "attn_k_norm.weight", get(p + "self_attn.k_norm.weight") + plus, "F32")
+        m = p + "mlp."
+        if moe is None:
+            for proj in ("gate", "up", "down"):
+                add(b + f"ffn_{proj}.weight", get(m + f"{proj}_proj.weight"), qtype)
+            continue
+        add(b + "ffn_gate_inp.weight", get(m + "gate.weight"), "F32")
+        for proj in ("gate", "up", "down"):
+            stacked = np.stack([get(m + f"experts.{e}.{proj}_proj.weight") for e in range(moe.num_experts)])
+            add(b + f"ffn_{proj}_exps.weight", stacked, qtype)
+            add(b + f"ffn_{proj}_shexp.weight", get(m + f"shared_expert.{proj}_proj.weight"), qtype)
+        add(b + "ffn_gate_inp_shexp.weight", get(m + "shared_expert_gate.weight"), "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 # ---- parity ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_as_llama_cpp_writes_it_matches_transformers(models, kind: str, tmp_path: Path):
+    """The same model written as llama.cpp's converter writes it (float32): transformers' greedy
+    tokens on at least 15 of 16 prompts, first-step top-5 logprobs within 1e-3; and in Q8_0
+    blocks, run as stored, a row's bits alone equal its bits in the batch."""
+    ref = _hf_greedy(_hf(models[kind]), PROMPTS, NEW_TOKENS)
+    path = write_gguf(models[kind], kind, tmp_path / f"{kind}.gguf")
+    runner = ModelRunner(path, quantization="none", num_blocks=256, block_size=8, state_slots=16)
+    assert runner.config.family.name == kind
+    got = greedy(runner, PROMPTS, NEW_TOKENS)
+    same = sum(ids == ref_ids for (ids, _), (ref_ids, _) in zip(got, ref))
+    first = torch.log_softmax(_first_step(runner, PROMPTS), dim=-1)
+    worst = max(abs(row[t].item() - lp) for row, (_, tops) in zip(first, ref) for t, lp in tops[0].items())
+    print(f"\n[figure] {kind} GGUF: greedy equal on {same}/16; first-step top-5 gap {worst:.2e}")
+    assert same >= 15 and worst < 1e-3
+    q8_path = write_gguf(models[kind], kind, tmp_path / "q8.gguf", "Q8_0")
+    q8 = ModelRunner(q8_path, num_blocks=512, block_size=8, state_slots=16)
+    kinds = q8.model.linear_kinds()
+    assert kinds["layers.3.o_proj"].startswith("int8")  # Q8_0 as stored
+    assert kind == "qwen2_moe" or kinds["layers.0.out_proj"].startswith("int8")
+    together = _prefill_and_decode(q8, PROMPTS[:4])
+    alone = _prefill_and_decode(q8, PROMPTS[2:3])
+    assert torch.equal(alone[0][0], together[0][2]) and torch.equal(alone[1][0], together[1][2])
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_the_gguf_writer_agrees_with_transformers_gguf_loader(models, kind: str, tmp_path: Path):
+    """transformers' own GGUF loader (which undoes llama.cpp's converter) reads write_gguf's file
+    back into the checkpoint's logits: the file above is llama.cpp's layout, not just ours."""
+    from transformers import AutoModelForCausalLM
+
+    write_gguf(models[kind], kind, tmp_path / "m.gguf")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(theirs(ids).logits, _hf(models[kind])(ids).logits, rtol=0, atol=1e-3)
+
 
 @pytest.mark.parametrize("path", ["kernels", "torch"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -281,6 +442,18 @@ def test_broken_checkpoints_are_refused_naming_the_tensor(models, tmp_path: Path
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=match.replace(".", r"\.")):
         ModelRunner(out, quantization="none", num_blocks=8, state_slots=1)
+
+
+@pytest.mark.parametrize("kind, change, name", [
+    ("qwen3_5", "drop", "blk.1.ssm_dt.bias"),
+    ("qwen3_next", "narrow", "blk.0.attn_gate.weight"),
+    ("qwen3_5_moe", "narrow", "blk.2.ffn_up_shexp.weight"),
+    ("qwen2_moe", "drop", "blk.0.ffn_gate_inp_shexp.weight"),
+])
+def test_broken_gguf_files_are_refused_naming_the_tensor(models, tmp_path: Path, kind, change, name):
+    path = write_gguf(models[kind], kind, tmp_path / "broken.gguf", **{change: name})
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        ModelRunner(path, quantization="none", num_blocks=8, state_slots=1)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -447,6 +447,11 @@ class _WeightGetter:
     def has(self, name: str) -> bool:
         return name in self.weights
 
+    def label(self, name: str) -> str:
+        """`name` for an error: with the file's own name for it (a GGUF's) where that differs."""
+        own = getattr(self.weights, "file_name", lambda _: None)(name)
+        return repr(name) if own is None or own == name else f"{own!r} ({name})"
+
     @property
     def quant_kernels(self) -> cpu_kernels.CpuKernels:
         """The C kernels, which quantized weights need (resolve_quantization allows them on CPU only)."""
@@ -532,14 +537,21 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
 
 def load_shared_expert(get: _WeightGetter, cfg: ModelConfig, layer: int) -> SharedExpert | None:
     """Layer `layer`'s shared expert, where the family has one."""
-    names = cfg.family.moe
-    if names is None or names.shared is None or names.shared_gate is None:
+    names, moe = cfg.family.moe, cfg.moe
+    if names is None or names.shared is None or names.shared_gate is None or moe is None:
         return None
     p = f"model.layers.{layer}.{names.shared}."
-    gate = get(f"model.layers.{layer}.{names.shared_gate}.weight").float().reshape(-1)
-    if gate.numel() != cfg.hidden_size:
-        raise ValueError(f"model.layers.{layer}.{names.shared_gate}.weight has {gate.numel()} values; "
-                         f"the shared expert's gate needs hidden_size ({cfg.hidden_size})")
+    gate_name = f"model.layers.{layer}.{names.shared_gate}.weight"
+    expected = {p + "gate_proj.weight": (moe.shared_intermediate_size, cfg.hidden_size),
+                p + "up_proj.weight": (moe.shared_intermediate_size, cfg.hidden_size),
+                p + "down_proj.weight": (cfg.hidden_size, moe.shared_intermediate_size)}
+    for name, shape in {**expected, gate_name: (1, cfg.hidden_size)}.items():
+        if not get.has(name):
+            raise ValueError(f"checkpoint is missing weight {get.label(name)} (a shared expert)")
+        got = tuple(get.weights.shape(name))
+        if got != shape and not (name == gate_name and got == (cfg.hidden_size,)):
+            raise ValueError(f"weight {get.label(name)} is {list(got)}; this config needs {list(shape)}")
+    gate = get(gate_name).float().reshape(-1)
     return SharedExpert(get.linear([p + "gate_proj.weight", p + "up_proj.weight"]),
                         get.linear([p + "down_proj.weight"]), gate.contiguous(), cfg.family.activation)
 
@@ -564,10 +576,10 @@ def load_delta_net(get: _WeightGetter, cfg: ModelConfig, p: str) -> DeltaNet:
                 "dt_bias": (hv,), decay: (hv,), "norm.weight": (lin.head_v_dim,)}
     for name, shape in expected.items():
         if not get.has(p + name):
-            raise ValueError(f"checkpoint is missing weight {p + name!r} (a linear-attention layer)")
+            raise ValueError(f"checkpoint is missing weight {get.label(p + name)} (a linear-attention layer)")
         got = tuple(get.weights.shape(p + name))
         if got != shape and not (name == "conv1d.weight" and got == (lin.conv_dim, lin.conv_kernel)):
-            raise ValueError(f"weight {p + name!r} is {list(got)}; this config needs {list(shape)}")
+            raise ValueError(f"weight {get.label(p + name)} is {list(got)}; this config needs {list(shape)}")
     conv = get(p + "conv1d.weight").reshape(lin.conv_dim, lin.conv_kernel).float().contiguous()
     a = get(p + decay).float()
     return DeltaNet(

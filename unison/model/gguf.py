@@ -49,7 +49,22 @@ _LAYER_NAMES = {
 _GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
+# Qwen3-Next and Qwen3.5 (llama.cpp's qwen3next, qwen35, qwen35moe): the pre-MLP norm is named
+# post_attention_norm, and the Gated DeltaNet's tensors ssm_* (Qwen3-Next's q|k|v and z apart).
+_HYBRID_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                 "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                 "ssm_ba": "linear_attn.in_proj_ba", "ssm_beta": "linear_attn.in_proj_b",
+                 "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
+                 "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"}
+_SHARED_NAMES = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+# Tensors named without a .weight: the decay, stored as -exp(A_log), and the time step's bias.
+_BARE_NAMES = {"ssm_a": "linear_attn.neg_A", "ssm_dt.bias": "linear_attn.dt_bias"}
+_BARE_RE = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)")
+_HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 # A mixture of experts keeps each projection of all its experts in one tensor [experts, rows, k].
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _SHARED_EXPERT_RE = re.compile(r"blk\.\d+\.ffn_\w+_(shexp|chexps)\.weight")
@@ -186,7 +201,8 @@ def hf_config(header: GGUFHeader) -> JSONObject:
         "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(a("feed_forward_length", 0) or a("expert_feed_forward_length", 0)),
-        "num_hidden_layers": int(a("block_count")),
+        # A Qwen3.5 file counts its multi-token-prediction block as a layer; the decoder's are the rest
+        "num_hidden_layers": int(a("block_count")) - int(a("nextn_predict_layers", 0)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(a("attention.head_count_kv", heads)),
         "head_dim": int(a("attention.key_length", hidden // heads)),
@@ -207,6 +223,8 @@ def hf_config(header: GGUFHeader) -> JSONObject:
         config["rope_scaling"] = {"rope_type": "yarn", "factor": float(a("rope.scaling.factor")),
                                   "original_max_position_embeddings":
                                       int(a("rope.scaling.original_context_length"))}
+    if arch in _HYBRID_ARCHS:
+        config.update(_linear_attention_config(arch, a, config["head_dim"]))
     if arch == "gemma3":  # Gemma3TextConfig's defaults where the file says nothing, as transformers
         layers, window = config["num_hidden_layers"], a("attention.sliding_window")
         config.update(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
@@ -225,16 +243,35 @@ def hf_config(header: GGUFHeader) -> JSONObject:
     return config
 
 
+def _linear_attention_config(arch: str, a: Callable[..., Any], head_dim: int) -> JSONObject:
+    """A hybrid's Gated DeltaNet shape, from llama.cpp's ssm.* keys: state_size is the key head
+    dim, group_count the key heads, time_step_rank the value heads, inner_size their total width.
+    Its converter reorders a Qwen3.5's value heads so that head h reads key head h % key heads
+    (where there are more value heads than key heads): `linear_value_heads_tiled`."""
+    k_heads, v_heads = int(a("ssm.group_count")), int(a("ssm.time_step_rank"))
+    return {"linear_conv_kernel_dim": int(a("ssm.conv_kernel")),
+            "linear_key_head_dim": int(a("ssm.state_size")), "linear_num_key_heads": k_heads,
+            "linear_num_value_heads": v_heads,
+            "linear_value_head_dim": int(a("ssm.inner_size")) // v_heads,
+            "full_attention_interval": int(a("full_attention_interval", 4)),
+            "partial_rotary_factor": int(a("rope.dimension_count", head_dim)) / head_dim,
+            "linear_value_heads_tiled": arch != "qwen3next" and v_heads != k_heads}
+
+
 def _moe_config(family: Family, a: Callable[..., Any]) -> JSONObject:  # a: reads a header field (Any)
     """A mixture of experts' fields, as the family's HF config names them. llama.cpp
-    renormalizes the top-k weights of Qwen3-MoE and Mixtral and not OLMoE's, unless the file
-    says (expert_weights_norm)."""
-    if a("expert_shared_count") or a("expert_shared_feed_forward_length"):
+    renormalizes the top-k weights of Qwen3-MoE, Mixtral, Qwen3-Next and Qwen3.5 and not those of
+    OLMoE or Qwen2-MoE, unless the file says (expert_weights_norm)."""
+    assert family.moe is not None
+    shared = a("expert_shared_feed_forward_length")
+    if (a("expert_shared_count") or shared) and family.moe.shared is None:
         raise ValueError(f"GGUF {family.name} with shared experts is not supported")
     if a("expert_gating_func") not in (None, 1):  # 1: softmax; 2: sigmoid (DeepSeek V3's routing)
         raise ValueError(f"GGUF expert_gating_func {a('expert_gating_func')} is not supported (softmax only)")
     config = {"num_experts": int(a("expert_count")), "num_experts_per_tok": int(a("expert_used_count", 0)),
-              "norm_topk_prob": bool(a("expert_weights_norm", family.name != "olmoe"))}
+              "norm_topk_prob": bool(a("expert_weights_norm", family.name not in ("olmoe", "qwen2_moe")))}
+    if shared:
+        config["shared_expert_intermediate_size"] = int(shared)
     if a("expert_feed_forward_length"):
         config["moe_intermediate_size"] = int(a("expert_feed_forward_length"))
     if family.name == "mixtral":
@@ -252,10 +289,15 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 def _hf_name(name: str, family: Family) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    names = _GEMMA3_NAMES if family.name == "gemma3" else _LAYER_NAMES
+    if (bare := _BARE_RE.fullmatch(name)) and family.linear_attention:
+        return f"model.layers.{bare[1]}.{_BARE_NAMES[bare[2]]}"
+    names = (_GEMMA3_NAMES if family.name == "gemma3" else _HYBRID_NAMES if family.linear_attention
+             else _LAYER_NAMES)
     if family.moe is not None:
         names = {**names, "ffn_gate_inp": family.moe.router}
-    if _SHARED_EXPERT_RE.fullmatch(name):
+        if family.moe.shared is not None:
+            names |= _SHARED_NAMES
+    if _SHARED_EXPERT_RE.fullmatch(name) and name.split(".")[2] not in names:
         raise ValueError(f"GGUF tensor {name!r}: shared experts are not supported")
     m = _LAYER_RE.fullmatch(name)
     if m is None or m[2] not in names:
@@ -289,14 +331,19 @@ class GGUFWeights:
         arch, family = _field(header, "general.architecture"), gguf_family(header)
         # llama.cpp permutes q/k rows for its rope on llama only (the others use NeoX rope).
         permute = arch == "llama"
-        # llama.cpp's converter stores Gemma's norms as (1 + w): served as w, as transformers does.
-        self._norm_minus_one = arch == "gemma3"
+        # llama.cpp's converter stores Gemma's, Qwen3-Next's and Qwen3.5's norms as (1 + w) (but
+        # the DeltaNet's ssm_norm, which is applied as is): served as w, as transformers does.
+        self._norm_minus_one = arch == "gemma3" or arch in _HYBRID_ARCHS
         self._heads = {"attn_q": config["num_attention_heads"],
                        "attn_k": config["num_key_value_heads"]} if permute else {}
         self._map = np.memmap(self.path, mode="r")
         self.tensors: dict[str, _Tensor] = {}
         self.rope_freqs: np.ndarray | None = None  # llama 3.1+ rope scaling, per-frequency divisors
+        layers = config["num_hidden_layers"]
         for info in header.tensors:
+            in_block = _BLOCK_RE.match(info.name)
+            if in_block and int(in_block[1]) >= layers:
+                continue  # a multi-token-prediction block (nextn_predict_layers): not run
             try:
                 kind = GGMLQuantizationType(info.type_id)
             except ValueError:
@@ -331,6 +378,18 @@ class GGUFWeights:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def file_name(self, name: str) -> str | None:
+        """The GGUF name (llama.cpp's) of the Hugging Face name `name`, for errors: present or not."""
+        if name in self.tensors:
+            return self.tensors[name].name
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+?)(?:\.(weight|bias))?", name)
+        if m is None:
+            return next((g for g, h in _GLOBAL_NAMES.items() if h == name), None)
+        names = {**_HYBRID_NAMES, **_SHARED_NAMES}
+        kind = next((g for g, h in names.items() if h == m[2]), None)
+        bare = next((g for g, h in _BARE_NAMES.items() if h == m[2]), None)
+        return f"blk.{m[1]}.{bare}" if bare else f"blk.{m[1]}.{kind}.{m[3]}" if kind and m[3] else None
+
     def names(self) -> set[str]:
         return set(self.tensors)
 
@@ -356,7 +415,7 @@ class GGUFWeights:
         """The tensor dequantized to float32 (a copy, off the mmap)."""
         t = self._tensor(name)
         w = np.array(_dequantize(t, self._rows(t)), np.float32)
-        if self._norm_minus_one and t.name.endswith("norm.weight"):
+        if self._norm_minus_one and t.name.endswith("norm.weight") and ".ssm_norm." not in t.name:
             w -= 1
         self._release(t)
         return torch.from_numpy(w).reshape(self.shape(name))
