@@ -93,10 +93,6 @@ class EngineCore:
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids)
         spec = config.speculative_config
         assert not isinstance(spec, str)  # EngineConfig parsed it
-        if spec is not None and self.states is not None:
-            raise ValueError("speculative_config: drafts are not run on linear-attention models "
-                             f"({cast(ModelRunner, self.runner).config.architecture}) yet: their state "
-                             "cannot be rolled back past a rejected draft")
         self.drafter = None if spec is None else Drafter(spec)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
         self.model_dir = model_dir
@@ -280,8 +276,13 @@ class EngineCore:
             self._sample(logits[[r for r, _, _ in sampled]], sampled, now)
         if drafted:
             assert self.drafter is not None  # drafted rows come only with speculation on
+            starts = [it.req.num_computed_tokens - 1 for _, it, _ in drafted]
             verify(self.drafter, self.scheduler, logits, drafted,
                    lambda rows, which: self._sample(rows, which, now), self.counts.steps)
+            if self.states is not None:  # a hybrid's states go back to the tokens kept
+                cast(ModelRunner, self.runner).keep_drafted_rows(
+                    {it.req.state_slot: it.req.num_computed_tokens - start
+                     for (_, it, _), start in zip(drafted, starts)})
         outputs = self._collect(items, outs, now)
         for frontend, refusals in refused.items():
             outputs[frontend] += refusals
@@ -299,7 +300,7 @@ class EngineCore:
         tokens = req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
         restore, req.state_restore = req.state_restore, -1  # a hit's snapshot, copied in once
         return BatchItem(tokens, start, req.block_table, it.logits_start, req.adapter, req.state_slot,
-                         restore, it.snapshot_slot)
+                         restore, it.snapshot_slot, drafted=bool(it.draft))
 
     def _sample(self, logits: torch.Tensor, sampled: Sampled, now: float) -> None:
         result = self.sampler(logits, [req for _, req, _ in sampled])

@@ -334,6 +334,20 @@ class DecoderModel:
             x = x.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
         return self.lm_head(x).float() if head else x.float()
 
+    def replay_states(self, states: DeltaStates, kept: dict[int, int]) -> None:
+        """After a verified draft: the drafted slots' linear-attention states as if only their first
+        `kept[slot]` rows had run (the real token and the draft tokens kept), from the state before
+        the step and the rows' recorded inputs, one token at a time as the step ran them."""
+        cfg, step = self.cfg, states.rewind(kept)
+        if step is not None:
+            assert cfg.linear is not None  # only a hybrid has states
+            for i, layer in enumerate(self.layers):
+                if layer.delta is not None:
+                    index = self.linear_index[i]
+                    x, g, beta = states.replay_inputs(index, step)
+                    layer.delta.recurrence(x, g, beta, *states.layer(index), step, cfg.linear, self.ops)
+        states.forget_drafts()
+
     def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              lora: Callable[[int, torch.Tensor, torch.Tensor], None], linear: int):
         """q [N, heads, d], k and v [N, kv_heads, d], and the output gate [N, heads * d] where the

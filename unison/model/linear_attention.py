@@ -20,7 +20,7 @@ for the tests.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,14 +60,22 @@ class DeltaNet:
         qkv, z = proj[:, :c], proj[:, c: c + vd]
         b, a = proj[:, c + vd: c + vd + hv], proj[:, c + vd + hv:]
         g, beta = ops.delta_gates(a, b, self.dt_bias, self.neg_a)
+        if states.drafted:
+            states.record(index, qkv, g, beta)
         conv, rec = states.layer(index)
-        if isinstance(ops, cpu_kernels.CpuKernels):
-            o = ops.gated_delta(qkv, g, beta, self.conv_weight, conv, rec, states.current, cfg.tiled)
-        else:
-            o = delta_rule_reference(qkv, g, beta, self.conv_weight, conv, rec, states.current, cfg)
+        o = self.recurrence(qkv, g, beta, conv, rec, states.current, cfg, ops)
         ops.norm_groups_(o, hv, cfg.head_v_dim, self.norm, eps)
         ops.mul_act_(o, z, "silu")
         return self.out_proj(o)
+
+
+    def recurrence(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor,
+                   rec: torch.Tensor, step: DeltaStep, cfg: DeltaNetConfig,
+                   ops: TorchOps | cpu_kernels.CpuKernels) -> torch.Tensor:
+        """The convolution and the delta rule over `step`'s rows, on the C kernel where it runs."""
+        if isinstance(ops, cpu_kernels.CpuKernels):
+            return ops.gated_delta(x, g, beta, self.conv_weight, conv, rec, step, cfg.tiled)
+        return delta_rule_reference(x, g, beta, self.conv_weight, conv, rec, step, cfg)
 
 
 def projection_order(cfg: DeltaNetConfig, fused_qkvz: bool, fused_ba: bool) -> torch.Tensor | None:
@@ -99,7 +107,12 @@ class DeltaStates:
     conv_dim] and rec [slots, value heads, dk, dv], float32. Slots [0, slots) are running
     requests'; the `snapshots` after them are the prefix cache's copies, each the state after a
     cached prefix. A forward opens `begin` with its items' slots and rows: a request that starts
-    at position 0 has its slot zeroed, one that resumes a cached prefix has the snapshot copied in."""
+    at position 0 has its slot zeroed, one that resumes a cached prefix has the snapshot copied in.
+
+    Speculative decoding: a drafted item's state is kept as it was before the step, and each
+    linear layer records the inputs of its rows; once the draft is verified, `replay` goes back
+    to that state and runs the recurrence over the rows kept only (decoder.DecoderModel does it),
+    which is what plain decoding would have computed, bit for bit."""
 
     def __init__(self, cfg: DeltaNetConfig, layers: int, slots: int, device: torch.device,
                  snapshots: int = 0):
@@ -108,6 +121,7 @@ class DeltaStates:
         self.conv = lazy_zeros((layers, total, cfg.conv_kernel - 1, cfg.conv_dim), device)
         self.rec = lazy_zeros((layers, total, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim), device)
         self._step: DeltaStep | None = None
+        self.drafted: dict[int, _Drafted] = {}  # slot -> its state before the step, rows recorded
 
     @staticmethod
     def slot_bytes(cfg: DeltaNetConfig, layers: int) -> int:
@@ -126,9 +140,10 @@ class DeltaStates:
         return self._step
 
     def begin(self, slots: list[int], counts: list[int], fresh: list[int],
-              restore: Sequence[tuple[int, int]] = ()) -> None:
+              restore: Sequence[tuple[int, int]] = (), drafted: Sequence[int] = ()) -> None:
         """The step's items: their slots, their row counts (in batch order), the slots of those
-        that start a sequence (zeroed now) and (snapshot, slot) pairs of those that resume one."""
+        that start a sequence (zeroed now), (snapshot, slot) pairs of those that resume one, and
+        the slots whose rows are a draft after a real token (kept to roll back to)."""
         bad = [s for s in slots if not 0 <= s < self.slots]
         bad += [s for s, _ in restore if not self.slots <= s < self.slots + self.snapshots]
         if bad:
@@ -143,6 +158,36 @@ class DeltaStates:
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._step = DeltaStep(torch.tensor(slots, dtype=torch.int64), torch.from_numpy(starts),
                                torch.tensor(counts, dtype=torch.int64))
+        where = {slot: (int(start), n) for slot, start, n in zip(slots, starts, counts)}
+        self.drafted = {slot: _Drafted(self.conv[:, slot].clone(), self.rec[:, slot].clone(), *where[slot])
+                        for slot in drafted}
+
+    def record(self, index: int, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """Linear layer `index`'s inputs this step (q|k|v before the convolution, g, beta): the
+        drafted items' rows are kept for a replay."""
+        for d in self.drafted.values():
+            rows = slice(d.row_start, d.row_start + d.rows)
+            d.inputs.append((x[rows].clone(), g[rows].clone(), beta[rows].clone()))
+
+    def rewind(self, kept: dict[int, int]) -> DeltaStep | None:
+        """Back to the drafted slots' states before the step, where fewer than all their rows
+        were kept (`kept`: slot -> rows); the step a replay runs, over those rows (None: none)."""
+        back = {s: n for s, n in kept.items() if s in self.drafted and n < self.drafted[s].rows}
+        for slot in back:
+            self.conv[:, slot] = self.drafted[slot].conv
+            self.rec[:, slot] = self.drafted[slot].rec
+        if not back:
+            return None
+        counts = list(back.values())
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        return DeltaStep(torch.tensor(list(back), dtype=torch.int64), torch.from_numpy(starts),
+                         torch.tensor(counts, dtype=torch.int64))
+
+    def replay_inputs(self, index: int, step: DeltaStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Linear layer `index`'s recorded inputs for a replay `step`'s rows, side by side."""
+        parts = [self.drafted[slot].inputs[index] for slot in step.slots.tolist()]
+        n = step.row_count.tolist()
+        return tuple(torch.cat([p[i][:k] for p, k in zip(parts, n)]) for i in range(3))  # type: ignore[return-value]
 
     def end(self, save: Sequence[tuple[int, int]] = ()) -> None:
         """The forward is done: (slot, snapshot) pairs keep a copy of a state (the prefix cache's)."""
@@ -150,9 +195,23 @@ class DeltaStates:
         for src, dst in save:
             self.copy(src, dst)
 
+    def forget_drafts(self) -> None:
+        self.drafted = {}
+
     def copy(self, src: int, dst: int) -> None:
         self.conv[:, dst] = self.conv[:, src]
         self.rec[:, dst] = self.rec[:, src]
+
+
+@dataclass(slots=True)
+class _Drafted:
+    """A drafted item's state before its step, where its rows were, and each linear layer's inputs."""
+
+    conv: torch.Tensor
+    rec: torch.Tensor
+    row_start: int
+    rows: int
+    inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def delta_rule_reference(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,

@@ -42,6 +42,7 @@ class BatchItem:
     state_slot: int = -1  # its linear-attention state's slot (a hybrid model's; start_pos 0 zeroes it)
     state_restore: int = -1  # a snapshot slot to resume from (a prefix-cache hit), copied in first
     state_save: int = -1  # a snapshot slot to keep the state in once the step is done (the cache's)
+    drafted: bool = False  # its tokens after the first are a draft: its state can be rolled back
 
 
 class ModelRunner:
@@ -92,6 +93,9 @@ class ModelRunner:
             self.quantization, self.model = self._load(model_path, self.model_dir, self.config)
         log.info("linears run as %s", ", ".join(sorted(set(self.model.linear_kinds().values()))))
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
+        if self.kv_dtype == torch.int8 and self.config.head_dim % 32:  # before a cache of no bytes is made
+            raise ValueError("kv_cache_dtype='int8' keeps blocks of 32 values per head: this model's "
+                             f"head_dim ({self.config.head_dim}) is not a multiple of 32; use float16")
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
         hybrid = self.config.linear is not None
@@ -187,7 +191,8 @@ class ModelRunner:
             return
         restore = [(item.state_restore, item.state_slot) for item in batch if item.state_restore >= 0]
         self.states.begin([item.state_slot for item in batch], [len(item.token_ids) for item in batch],
-                          [item.state_slot for item in batch if item.start_pos == 0], restore)
+                          [item.state_slot for item in batch if item.start_pos == 0], restore,
+                          [item.state_slot for item in batch if item.drafted])
         saved = False
         try:
             yield self.states
@@ -372,6 +377,12 @@ class ModelRunner:
             recent = None if rows is None or p.recent is None else rows.layer(p.recent, None)
             return self._compiled.forward(ids, cos_sin, step.slots, p.tables, p.row_seq, p.row_len,
                                           logits_rows, step.serial, lora, recent)
+
+    def keep_drafted_rows(self, kept: dict[int, int]) -> None:
+        """After the last step's drafts were verified: each drafted state slot keeps the state of
+        its first kept[slot] rows only (a hybrid's; others keep nothing and need nothing)."""
+        if self.states is not None:
+            self.model.replay_states(self.states, kept)
 
     def _lora_step(self, batch: list[BatchItem]) -> LoraStep | None:
         if all(item.adapter == 0 for item in batch):
