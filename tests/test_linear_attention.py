@@ -429,16 +429,37 @@ def test_speculation_rolls_the_state_back_to_the_tokens_kept(models, tmp_path: P
         engine.check_integrity()
 
 
-def test_lora_is_refused_by_name(models, tmp_path: Path):
-    from tests.adapters import make_adapter
+@pytest.mark.parametrize("kind, targets", [
+    ("qwen3_5", ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")),
+    ("qwen3_next", ("q_proj", "k_proj", "o_proj"))])
+def test_lora_on_attention_and_mlp_matches_peft(models, tmp_path: Path, kind: str, targets: tuple[str, ...]):
+    """A PEFT adapter on a hybrid's full-attention layers (the gated q_proj at its double width)
+    and dense MLPs: PEFT's logits, with the base model's rows unchanged beside it in the batch;
+    an adapter naming a linear-attention layer's q_proj is refused by name."""
+    from safetensors.torch import load_file, save_file
 
-    path = str(models["qwen3_5"])
-    runner = ModelRunner(path, quantization="none", num_blocks=16, state_slots=2)
-    adapter = make_adapter(tmp_path / "a", targets=("q_proj",), rank=4, model_dir=models["qwen2_moe"])
+    from tests.adapters import make_adapter, peft_model
     from unison.model.lora import read_peft
 
-    with pytest.raises(ValueError, match="LoRA adapters are not run on Qwen3_5ForCausalLM"):
-        runner.add_lora(1, read_peft(adapter, ModelConfig.from_dir(models["qwen2_moe"]), 16))
+    adapter = make_adapter(tmp_path / "a", targets=targets, rank=4, model_dir=models[kind])
+    runner = ModelRunner(models[kind], quantization="none", num_blocks=64, block_size=8, state_slots=4)
+    runner.add_lora(1, read_peft(adapter, runner.config, 16))
+    prompt = PROMPTS[8]
+    with torch.inference_mode():
+        want = peft_model(adapter, models[kind])(torch.tensor([prompt])).logits[0, -1]
+    base = _first_step(runner, [prompt])[0]
+    both = runner.forward([BatchItem(prompt, 0, list(range(8)), len(prompt) - 1, 1, state_slot=0),
+                           BatchItem(prompt, 0, list(range(8, 16)), len(prompt) - 1, 0, state_slot=1)])
+    torch.testing.assert_close(both[0], want, rtol=0, atol=1e-3)
+    torch.testing.assert_close(both[1], base, rtol=0, atol=1e-4)  # (float GEMMs: batch shapes round apart)
+    assert not torch.allclose(both[0], base, atol=1e-2)
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    key = next(k for k in tensors if ".layers.3.self_attn.q_proj." in k)
+    tensors[key.replace(".layers.3.", ".layers.0.")] = tensors[key].clone()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="q_proj of layer 0, a linear-attention layer"):
+        read_peft(adapter, runner.config, 16)
 
 
 # ---- refusals ------------------------------------------------------------------------------------

@@ -61,10 +61,12 @@ class LoraWeights:
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each target module of a layer, as the base model has them (attention only
-    in a mixture of experts: adapters on the experts are not run)."""
+    in a mixture of experts: adapters on the experts are not run). A gated attention's q_proj
+    gives each head's query and gate: twice the width."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    q_out = 2 * q if cfg.family.attn_output_gate else q
+    attention = {"q_proj": (h, q_out), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
     if cfg.moe is not None:
         return attention
     return attention | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -150,6 +152,9 @@ def _modules(tensors: dict[str, Tensor], cfg: ModelConfig, path: Path) -> list[t
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"{file}: {key!r} adapts layer {layer}; the base model has "
                              f"{cfg.num_hidden_layers} layers")
+        if m[3] in _ATTENTION and cfg.layer_types[layer] != "full_attention":
+            raise ValueError(f"{file}: {key!r} adapts {m[3]} of layer {layer}, a linear-attention layer "
+                             f"of {cfg.architecture}, which has none")
         if not tensor.is_floating_point():
             raise ValueError(f"{file}: {key!r} is {str(tensor.dtype).removeprefix('torch.')}: "
                              "a floating-point tensor is needed")
@@ -163,6 +168,9 @@ def _modules(tensors: dict[str, Tensor], cfg: ModelConfig, path: Path) -> list[t
     if not modules:
         raise ValueError(f"{file} holds no LoRA weights")
     return modules
+
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _check_layers(config: dict, layers: set[int], path: Path) -> None:

@@ -261,9 +261,6 @@ class ModelRunner:
             raise ValueError(f"a LoRA adapter id is an int >= 1 (0 is the base model), got {adapter!r}")
         if adapter in self.loras:
             raise ValueError(f"LoRA adapter id {adapter} is already loaded")
-        if self.config.linear is not None:
-            raise ValueError(f"LoRA adapters are not run on {self.config.architecture} (linear-attention "
-                             "layers) yet")
         if len(weights.layers) != self.config.num_hidden_layers:
             raise ValueError(f"the LoRA adapter has {len(weights.layers)} layers, the model "
                              f"{self.config.num_hidden_layers}")
