@@ -117,3 +117,28 @@ def test_make_model_writes_a_llama_gguf_both_kinds_of_reader_load(tmp_path, caps
     assert cli.main(["bench", "kernels", "--model-path", str(path), "--m", "1,16", "--reps", "1"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()[1:]
     assert "int4/" in header and "fp32" in header and [r.split()[0] for r in rows] == ["1", "16"]
+
+
+def test_make_model_writes_a_qwen35_moe_gguf_as_llama_cpp_lays_it_out(tmp_path):
+    """The Qwen3.5-35B-A3B shape at a tiny size: Unison runs it (Q4_0 experts as stored, a state
+    per request), and transformers' own GGUF loader, which undoes llama.cpp's converter, reads the
+    same file into the same model: logits agree within the quantized activations' bound."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from unison.bench.model import write_model
+    from unison.model.runner import BatchItem, ModelRunner
+
+    shape = {"hidden": 64, "layers": 4, "heads": 2, "kv_heads": 1, "head_dim": 64, "experts": 4, "top_k": 2,
+             "ffn": 32, "shared_ffn": 32, "k_heads": 2, "v_heads": 4, "state": 32, "conv": 4}
+    path = write_model(shape, tmp_path / "m.gguf")
+    runner = ModelRunner(path, num_blocks=8, state_slots=1)
+    assert runner.config.family.name == "qwen3_5_moe" and runner.config.linear.tiled
+    assert runner.model.linear_kinds()["layers.0.experts"].startswith("int4/")
+    ids = list(range(100, 130))
+    ours = runner.forward([BatchItem(ids, 0, [0, 1], len(ids) - 1, state_slot=0)])[0]
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = theirs(torch.tensor([ids])).logits[0, -1]
+    gap = (torch.log_softmax(ours, -1) - torch.log_softmax(want, -1)).abs().max().item()
+    assert gap < 0.15, gap

@@ -2,11 +2,14 @@
 
 Speed at 135M parameters is not speed at 1B: per-step overheads and the LM head dominate a small
 model, the linears a large one. No 1B or 3B GGUF ships on PyPI, so this writes one: the shapes
-of Llama 3.2 1B / 3B, or of Qwen3-30B-A3B (a mixture of 128 experts, 8 per token), random Q4_0
-linears and experts, a Q8_0 embedding (tied to the LM head), float32 norms and router, and the
-embedded model's tokenizer, so both Unison and llama.cpp read it and any client can send it
-text. The weights are random bytes: what it generates is meaningless text, at the speed real
-weights of that size would run. Tensors are written one at a time, never all in memory.
+of Llama 3.2 1B / 3B, of Qwen3-30B-A3B (a mixture of 128 experts, 8 per token), or of
+Qwen3.5-35B-A3B (three Gated DeltaNet layers to one of gated attention, 256 experts, 8 per token,
+and a shared expert), random Q4_0 linears and experts, a Q8_0 embedding (tied to the LM head),
+float32 norms, router and DeltaNet parameters, and the embedded model's tokenizer, so both
+Unison and llama.cpp read it and any client can send it text. (The vocabulary is the embedded
+tokenizer's 49,152, not Qwen3.5's 248,320: its LM head reads 0.1 GB a token less.) The weights
+are random bytes: what it generates is meaningless text, at the speed real weights of that size
+would run. Tensors are written one at a time, never all in memory.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ SHAPES = {
     "3b": {"hidden": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "ffn": 8192},
     "30b-a3b": {"hidden": 2048, "layers": 48, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
                 "top_k": 8, "ffn": 768},
+    # Qwen3.5-35B-A3B: every 4th layer full attention (16 query heads of 256, half rotated, gated),
+    # the rest Gated DeltaNet (16 key heads, 32 value heads, of 128; convolution of 4)
+    "qwen3.5-35b-a3b": {"hidden": 2048, "layers": 40, "heads": 16, "kv_heads": 2, "head_dim": 256,
+                        "experts": 256, "top_k": 8, "ffn": 512, "shared_ffn": 512, "k_heads": 16,
+                        "v_heads": 32, "state": 128, "conv": 4},
 }
+HYBRID_ARCH = "qwen35moe"
 
 
 def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
@@ -75,10 +84,11 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
 
     s, rng, tokenizer = shape, np.random.default_rng(seed), embedded_gguf()
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
-    moe = "experts" in s
+    moe, hybrid = "experts" in s, "v_heads" in s
     head_dim = s.get("head_dim", s["hidden"] // s["heads"])
-    w = GGUFWriter(out, "qwen3moe" if moe else "llama")
-    w.add_name(f"unison-bench-{'qwen3moe' if moe else 'llama'}-{s['layers']}x{s['hidden']}-random")
+    arch = HYBRID_ARCH if hybrid else "qwen3moe" if moe else "llama"
+    w = GGUFWriter(out, arch)
+    w.add_name(f"unison-bench-{arch}-{s['layers']}x{s['hidden']}-random")
     w.add_block_count(s["layers"])
     w.add_context_length(8192)
     w.add_embedding_length(s["hidden"])
@@ -89,12 +99,21 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
     w.add_value_length(head_dim)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(head_dim // 4 if hybrid else head_dim)
     w.add_vocab_size(vocab)
     if moe:
         w.add_expert_count(s["experts"])
         w.add_expert_used_count(s["top_k"])
         w.add_expert_feed_forward_length(s["ffn"])
+    if hybrid:
+        w.add_expert_shared_feed_forward_length(s["shared_ffn"])
+        w.add_ssm_conv_kernel(s["conv"])
+        w.add_ssm_state_size(s["state"])
+        w.add_ssm_group_count(s["k_heads"])
+        w.add_ssm_time_step_rank(s["v_heads"])
+        w.add_ssm_inner_size(s["v_heads"] * s["state"])
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_file_type(2)  # mostly Q4_0
     _copy_tokenizer(w, tokenizer, renames)
     tensors = _tensors(s, vocab, head_dim)
@@ -115,6 +134,8 @@ _Spec = tuple[int | tuple[int, int], int, str]
 
 
 def _tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _Spec]:
+    if "v_heads" in s:
+        return _hybrid_tensors(s, vocab, head_dim)
     hidden, q, kv = s["hidden"], s["heads"] * head_dim, s["kv_heads"] * head_dim
     specs: dict[str, _Spec] = {"token_embd.weight": (vocab, hidden, "Q8_0"),
                                "output_norm.weight": (1, hidden, "F32")}
@@ -138,6 +159,43 @@ def _tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _Spec]:
     return specs
 
 
+def _hybrid_tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _Spec]:
+    """Qwen3.5-MoE's tensors, named and shaped as llama.cpp's converter writes them (qwen35moe)."""
+    hidden, e, ffn, shared = s["hidden"], s["experts"], s["ffn"], s["shared_ffn"]
+    key_dim, value_dim, vh = s["k_heads"] * s["state"], s["v_heads"] * s["state"], s["v_heads"]
+    specs: dict[str, _Spec] = {"token_embd.weight": (vocab, hidden, "Q8_0"),
+                               "output_norm.weight": (1, hidden, "F32")}
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        specs |= {b + "attn_norm.weight": (1, hidden, "F32"),
+                  b + "post_attention_norm.weight": (1, hidden, "F32")}
+        if (i + 1) % 4:  # Gated DeltaNet
+            specs |= {b + "attn_qkv.weight": (2 * key_dim + value_dim, hidden, "Q4_0"),
+                      b + "attn_gate.weight": (value_dim, hidden, "Q4_0"),
+                      b + "ssm_beta.weight": (vh, hidden, "Q4_0"),
+                      b + "ssm_alpha.weight": (vh, hidden, "Q4_0"),
+                      b + "ssm_conv1d.weight": (2 * key_dim + value_dim, s["conv"], "conv"),
+                      b + "ssm_dt.bias": (1, vh, "F32"), b + "ssm_a": (1, vh, "decay"),
+                      b + "ssm_norm.weight": (1, s["state"], "F32"),
+                      b + "ssm_out.weight": (hidden, value_dim, "Q4_0")}
+        else:  # gated attention: q_proj gives each head's query and gate
+            q, kv = s["heads"] * head_dim, s["kv_heads"] * head_dim
+            specs |= {b + "attn_q.weight": (2 * q, hidden, "Q4_0"), b + "attn_k.weight": (kv, hidden, "Q4_0"),
+                      b + "attn_v.weight": (kv, hidden, "Q4_0"),
+                      b + "attn_output.weight": (hidden, q, "Q4_0"),
+                      b + "attn_q_norm.weight": (1, head_dim, "F32"),
+                      b + "attn_k_norm.weight": (1, head_dim, "F32")}
+        specs |= {b + "ffn_gate_inp.weight": (e, hidden, "router"),
+                  b + "ffn_gate_exps.weight": ((e, ffn), hidden, "Q4_0"),
+                  b + "ffn_up_exps.weight": ((e, ffn), hidden, "Q4_0"),
+                  b + "ffn_down_exps.weight": ((e, hidden), ffn, "Q4_0"),
+                  b + "ffn_gate_shexp.weight": (shared, hidden, "Q4_0"),
+                  b + "ffn_up_shexp.weight": (shared, hidden, "Q4_0"),
+                  b + "ffn_down_shexp.weight": (hidden, shared, "Q4_0"),
+                  b + "ffn_gate_inp_shexp.weight": (1, hidden, "router")}
+    return specs
+
+
 def _add_info(w: GGUFWriter, name: str, rows: int | tuple[int, int], cols: int, kind: str) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -145,9 +203,11 @@ def _add_info(w: GGUFWriter, name: str, rows: int | tuple[int, int], cols: int, 
     if isinstance(rows, tuple):
         shape = (*rows, cols)
     else:  # norms: one row, written as a vector
-        shape = (rows, cols) if rows > 1 or kind != "F32" else (cols,)
+        shape = (rows, cols) if rows > 1 or kind not in ("F32", "decay") else (cols,)
+    if kind == "router" and rows == 1:  # the shared expert's gate: [1, hidden]
+        shape = (1, cols)
     count = int(np.prod(shape))
-    if kind in ("F32", "router"):
+    if kind in ("F32", "router", "conv", "decay"):
         w.add_tensor_info(name, shape, np.dtype(np.float32), count * 4)
         return
     qtype = GGMLQuantizationType[kind]
@@ -163,6 +223,10 @@ def _data(rng: np.random.Generator, rows: int | tuple[int, int], cols: int, kind
         return np.ones(rows * cols, np.float32)
     if kind == "router":  # logits of spread ~1, so tokens spread over the experts
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    if kind == "conv":  # the DeltaNet's short convolution
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    if kind == "decay":  # -exp(A_log), as llama.cpp stores it: A between 1 and 16
+        return -rng.uniform(1.0, 16.0, rows * cols).astype(np.float32)
     return _blocks(rng, rows, cols, kind)
 
 
@@ -173,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit("--layers must be >= 1")
         shape["layers"] = args.layers
     out = write_model(shape, Path(args.out), args.seed)
-    family = "Qwen3-MoE" if "experts" in shape else "Llama"
+    family = "Qwen3.5-MoE" if "v_heads" in shape else "Qwen3-MoE" if "experts" in shape else "Llama"
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB): {family} {args.size} shape, "
           f"{shape['layers']} layers, random Q4_0 weights; serve it with: unison serve --model-path {out}")
     return 0
@@ -182,7 +246,8 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("make-model", help="write a GGUF of a real size (random weights) for speed figures")
     p.add_argument("--size", choices=sorted(SHAPES), default="1b",
-                   help="Llama 3.2 1B / 3B, or Qwen3-30B-A3B (a mixture of experts)")
+                   help="Llama 3.2 1B / 3B, Qwen3-30B-A3B (a mixture of experts), or Qwen3.5-35B-A3B "
+                        "(linear attention, experts and a shared expert)")
     p.add_argument("--layers", type=int, default=None,
                    help="fewer layers than the shape's (30b-a3b with 12: about 4.5 GB)")
     p.add_argument("--out", required=True, help="the .gguf file to write")
