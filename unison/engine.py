@@ -505,7 +505,7 @@ SGLANG_METHODS = {
     **dict.fromkeys(["start_profile", "stop_profile"],
                     "profile the core process (get_server_info()['core_pid']) with py-spy or perf"),
     **dict.fromkeys(["start_expert_distribution_record", "stop_expert_distribution_record",
-                     "dump_expert_distribution_record"], "no mixture-of-experts models are served"),
+                     "dump_expert_distribution_record"], "the experts' routing is not recorded"),
     **dict.fromkeys(["init_weights_update_group", "destroy_weights_update_group",
                      "update_weights_from_distributed", "update_weights_from_ipc", "collective_rpc"],
                     _NO_TP),
