@@ -57,8 +57,6 @@ class EngineCore:
         # The prefix cache's disk tier (kv_cache_dir), or None
         self.disk = open_disk_cache(config, self.runner, self.kv_events) if config.kv_cache_dir else None
         observers = [o for o in (self.kv_events, self.disk) if o is not None]
-        # A hybrid model's linear-attention states, a slot per running request. Its prefix cache
-        # waits for state snapshots: a hit would resume without the state of the tokens it skips.
         # A hybrid model's linear-attention states, a slot per running request, and its prefix
         # cache's snapshots of them (the slots after those).
         states = None if encoder else cast(ModelRunner, self.runner).states

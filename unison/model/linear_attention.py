@@ -68,7 +68,6 @@ class DeltaNet:
         ops.mul_act_(o, z, "silu")
         return self.out_proj(o)
 
-
     def recurrence(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor,
                    rec: torch.Tensor, step: DeltaStep, cfg: DeltaNetConfig,
                    ops: TorchOps | cpu_kernels.CpuKernels) -> torch.Tensor:
@@ -110,9 +109,9 @@ class DeltaStates:
     at position 0 has its slot zeroed, one that resumes a cached prefix has the snapshot copied in.
 
     Speculative decoding: a drafted item's state is kept as it was before the step, and each
-    linear layer records the inputs of its rows; once the draft is verified, `replay` goes back
-    to that state and runs the recurrence over the rows kept only (decoder.DecoderModel does it),
-    which is what plain decoding would have computed, bit for bit."""
+    linear layer records the inputs of its rows; once the draft is verified, `rewind` goes back to
+    that state and DecoderModel.replay_states runs the recurrence over the rows kept only: what
+    plain decoding would have computed, bit for bit."""
 
     def __init__(self, cfg: DeltaNetConfig, layers: int, slots: int, device: torch.device,
                  snapshots: int = 0):
@@ -184,10 +183,11 @@ class DeltaStates:
                          torch.tensor(counts, dtype=torch.int64))
 
     def replay_inputs(self, index: int, step: DeltaStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Linear layer `index`'s recorded inputs for a replay `step`'s rows, side by side."""
+        """Linear layer `index`'s recorded (x, g, beta) for a replay `step`'s rows, side by side."""
         parts = [self.drafted[slot].inputs[index] for slot in step.slots.tolist()]
-        n = step.row_count.tolist()
-        return tuple(torch.cat([p[i][:k] for p, k in zip(parts, n)]) for i in range(3))  # type: ignore[return-value]
+        kept = step.row_count.tolist()
+        x, g, beta = (torch.cat([p[i][:n] for p, n in zip(parts, kept)]) for i in range(3))
+        return x, g, beta
 
     def end(self, save: Sequence[tuple[int, int]] = ()) -> None:
         """The forward is done: (slot, snapshot) pairs keep a copy of a state (the prefix cache's)."""
@@ -220,13 +220,14 @@ def delta_rule_reference(x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, c
     """csrc/gated_delta.c in torch, as transformers' recurrent form computes it: any device."""
     hk, hv, dk, dv, K = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_kernel
     out = torch.empty(x.shape[0], hv * dv, dtype=torch.float32, device=x.device)
+
+    def per_value_head(t: torch.Tensor) -> torch.Tensor:  # [n, hk, dk] -> [n, hv, dk]
+        return t.repeat(1, hv // hk, 1) if cfg.tiled else t.repeat_interleave(hv // hk, dim=1)
+
     for slot, r0, n in zip(step.slots.tolist(), step.row_start.tolist(), step.row_count.tolist()):
         rows = torch.cat([conv_state[slot], x[r0: r0 + n].float()])  # [K-1 + n, conv_dim]
         conv_state[slot] = rows[-(K - 1):]
         c = F.silu(F.conv1d(rows.T[None], conv_weight[:, None], groups=cfg.conv_dim)[0].T)  # [n, conv_dim]
-        def per_value_head(t: torch.Tensor) -> torch.Tensor:  # [n, hk, dk] -> [n, hv, dk]
-            return t.repeat(1, hv // hk, 1) if cfg.tiled else t.repeat_interleave(hv // hk, dim=1)
-
         q = per_value_head(c[:, : hk * dk].reshape(n, hk, dk))
         k = per_value_head(c[:, hk * dk: 2 * hk * dk].reshape(n, hk, dk))
         v = c[:, 2 * hk * dk:].reshape(n, hv, dv)

@@ -342,7 +342,22 @@ class ModelRunner:
             budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.85)
         else:
             budget = min(_available_memory() // 4, 8 << 30)
+        self._fit_states(budget // 2)
         return self._blocks_for_budget(budget, "the default KV budget")
+
+    def _fit_states(self, room: int) -> None:
+        """Fewer state slots and snapshots where the asked-for ones would take more than `room`
+        (the default budget's half: a large hybrid's 64 states can outweigh it). Requests past
+        the slots wait for one, as for KV blocks."""
+        if not self.state_slot_bytes or self.state_bytes <= room:
+            return
+        fit = max(2, room // self.state_slot_bytes)
+        slots = min(self.state_slots, max(1, fit // 2))
+        snapshots = min(self.state_snapshots, fit - slots)
+        log.warning("linear-attention states: %d slots and %d snapshots fit the default budget (of %d "
+                    "and %d asked); set kv_cache_memory_gb for more", slots, snapshots, self.state_slots,
+                    self.state_snapshots)
+        self.state_slots, self.state_snapshots = slots, snapshots
 
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem]) -> Tensor:
