@@ -237,6 +237,15 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(models, kind: str, tmp
     together = _prefill_and_decode(q8, PROMPTS[:4])
     alone = _prefill_and_decode(q8, PROMPTS[2:3])
     assert torch.equal(alone[0][0], together[0][2]) and torch.equal(alone[1][0], together[1][2])
+    if kind.startswith("qwen3_5"):  # transformers reads these GGUFs: the same Q8_0 blocks, in float
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q8.gguf", dtype=torch.float32).eval()
+        with torch.inference_mode():
+            want = torch.log_softmax(ref(torch.tensor([PROMPTS[2]])).logits[0, -1], -1)
+        gap = (torch.log_softmax(together[0][2], -1) - want).abs().max().item()
+        print(f"[figure] {kind} Q8_0 GGUF against the same blocks in float: largest logprob gap {gap:.3f}")
+        assert gap < 0.15  # tests/test_quant.py's bound for the 16-bit activations on quantized weights
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
