@@ -94,13 +94,14 @@ GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwe
 
 
 def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: str | None = None,
-               narrow: str | None = None) -> Path:
+               narrow: str | None = None, mtp: bool = False) -> Path:
     """The HF model in `model_dir` as llama.cpp's converter writes it (convert_hf_to_gguf.py's
     Qwen2MoeModel, Qwen3NextModel and the Qwen3.5 classes): its names, the norms' folded + 1 (not
     ssm_norm's), -exp(A_log), the convolution squeezed, Qwen3-Next's qkvz split into q|k|v and z,
     a Qwen3.5's value heads reordered (HF's k * r + j to j * K + k), stacked experts; linears in
     `qtype` (F32, Q8_0, Q4_0); the embedded tokenizer. `drop` leaves a tensor out, `narrow` writes
-    one with a row too few: broken files."""
+    one with a row too few: broken files. `mtp` adds a multi-token-prediction block after the
+    decoder's, counted in block_count, as newer converters keep it."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from unison.bench.model import _copy_tokenizer, embedded_gguf
@@ -109,7 +110,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
     mc = ModelConfig.from_dir(model_dir)
     src, arch, lin, moe = SafetensorsWeights(model_dir), GGUF_ARCH[kind], mc.linear, mc.moe
     w = GGUFWriter(out, arch)
-    fields = {"block_count": mc.num_hidden_layers, "context_length": mc.max_position_embeddings,
+    fields = {"block_count": mc.num_hidden_layers + mtp, "context_length": mc.max_position_embeddings,
               "embedding_length": mc.hidden_size, "feed_forward_length": mc.intermediate_size,
               "head_count": mc.num_attention_heads, "head_count_kv": mc.num_key_value_heads,
               "key_length": mc.head_dim, "value_length": mc.head_dim, "rope_freq_base": mc.ropes[0].theta,
@@ -125,6 +126,8 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
                    "rope_dimension_count": mc.ropes[0].head_dim}
     if kind.startswith("qwen3_5"):  # from the checkpoints' mrope_section, padded to four
         fields["rope_dimension_sections"] = [11, 11, 10, 0]
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     for key, value in fields.items():
         getattr(w, f"add_{key}")(value)
     _copy_tokenizer(w, embedded_gguf())
@@ -205,6 +208,8 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
             add(b + f"ffn_{proj}_exps.weight", stacked, qtype)
             add(b + f"ffn_{proj}_shexp.weight", get(m + f"shared_expert.{proj}_proj.weight"), qtype)
         add(b + "ffn_gate_inp_shexp.weight", get(m + "shared_expert_gate.weight"), "F32")
+    if mtp:  # (its own names: eh_proj and the rest; any tensor of the block stands for them here)
+        add(f"blk.{mc.num_hidden_layers}.nextn.eh_proj.weight", np.ones((64, 128), np.float32), "F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -220,7 +225,7 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(models, kind: str, tmp
     tokens on at least 15 of 16 prompts, first-step top-5 logprobs within 1e-3; and in Q8_0
     blocks, run as stored, a row's bits alone equal its bits in the batch."""
     ref = _hf_greedy(_hf(models[kind]), PROMPTS, NEW_TOKENS)
-    path = write_gguf(models[kind], kind, tmp_path / f"{kind}.gguf")
+    path = write_gguf(models[kind], kind, tmp_path / f"{kind}.gguf", mtp=kind == "qwen3_5")
     runner = ModelRunner(path, quantization="none", num_blocks=256, block_size=8, state_slots=16)
     assert runner.config.family.name == kind
     got = greedy(runner, PROMPTS, NEW_TOKENS)
@@ -379,14 +384,15 @@ def test_state_memory_counts_in_the_kv_budget(models):
     path = models["qwen3_5"]
     few = ModelRunner(path, quantization="none", kv_cache_memory_gb=0.01, state_slots=4)
     many = ModelRunner(path, quantization="none", kv_cache_memory_gb=0.01, state_slots=64)
-    assert few.state_bytes == 4 * few.state_slot_bytes and few.states.nbytes == few.state_bytes
-    assert few.num_blocks - many.num_blocks == 60 * few.state_slot_bytes // few.bytes_per_block
+    b = few.budget
+    assert b.state_bytes == 4 * b.slot_bytes and few.states.nbytes == b.state_bytes
+    assert few.num_blocks - many.num_blocks == 60 * b.slot_bytes // few.bytes_per_block
     with pytest.raises(ValueError, match="kv_cache_memory_gb.*linear-attention states"):
         ModelRunner(path, quantization="none", kv_cache_memory_gb=1e-5, state_slots=64)
     # The default budget (a quarter of free memory) keeps half for KV: fewer slots than asked
     capped = ModelRunner(path, quantization="none", state_slots=10**7, state_snapshots=10**7)
     assert 1 <= capped.states.slots < 10**7
-    assert capped.state_bytes <= capped.num_blocks * capped.bytes_per_block
+    assert capped.budget.state_bytes <= capped.num_blocks * capped.bytes_per_block
 
 
 # ---- the engine ---------------------------------------------------------------------------------

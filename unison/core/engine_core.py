@@ -57,28 +57,19 @@ class EngineCore:
         # The prefix cache's disk tier (kv_cache_dir), or None
         self.disk = open_disk_cache(config, self.runner, self.kv_events) if config.kv_cache_dir else None
         observers = [o for o in (self.kv_events, self.disk) if o is not None]
-        # A hybrid model's linear-attention states, a slot per running request, and its prefix
-        # cache's snapshots of them (the slots after those).
-        states = None if encoder else cast(ModelRunner, self.runner).states
-        self.states = None if states is None else StatePool(states.slots)
-        snapshots = (None if states is None or not states.snapshots
-                     else StatePool(states.snapshots, first=states.slots))
-        if states is not None and self.disk is not None:
-            raise ValueError("kv_cache_dir: the disk tier does not keep linear-attention state snapshots; "
-                             f"{cast(ModelRunner, self.runner).config.architecture} cannot use it yet")
+        self.states, snapshots = _state_pools(None if encoder else cast(ModelRunner, self.runner), self.disk)
         cache = None if config.disable_radix_cache or encoder else \
             RadixCache(self.pool, config.block_size, observers, snapshots)
         # (a hybrid's partial-block hit would need the state inside the block: not copied)
-        runner = cast(ModelRunner, self.runner)
-        copy = None if encoder or recent or self.states else runner.attention.copy_block
+        runner = None if encoder else cast(ModelRunner, self.runner)
+        copy = None if runner is None or recent or self.states else runner.attention.copy_block
         self.scheduler = Scheduler(
             self.pool, block_size=config.block_size, max_running=config.max_running_requests,
             token_budget=config.chunked_prefill_size, cache=cache,
             policy=config.schedule_policy, seed=config.random_seed,
             max_adapters=config.max_loras_per_batch, whole_prompts=encoder, disk=self.disk,
             copy_block=copy, states=self.states,
-            snapshot_interval=None if snapshots is None else config.state_snapshot_interval,
-        )
+            snapshot_interval=None if snapshots is None else config.state_snapshot_interval)
         # An encoder never reaches it: make_runner refuses enable_lora for one.
         self.loras = LoraRegistry(cast(ModelRunner, self.runner), max_rank=config.max_lora_rank,
                                   max_loaded=config.max_loaded_loras,
@@ -232,9 +223,6 @@ class EngineCore:
             return refused
         if self.drafter is not None:
             add_drafts(self.drafter, self.scheduler, items, self.context_length, self.counts.steps)
-        for it in items:
-            if it.snapshot:  # a hybrid's state at a prefix the cache will keep
-                it.snapshot_slot = self.scheduler.kv.take_snapshot()
         scheduled = time.monotonic()  # queue time ends here, before the step's compute
         logits = self.runner.forward([self._batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
@@ -274,13 +262,10 @@ class EngineCore:
             self._sample(logits[[r for r, _, _ in sampled]], sampled, now)
         if drafted:
             assert self.drafter is not None  # drafted rows come only with speculation on
-            starts = [it.req.num_computed_tokens - 1 for _, it, _ in drafted]
-            verify(self.drafter, self.scheduler, logits, drafted,
-                   lambda rows, which: self._sample(rows, which, now), self.counts.steps)
+            kept = verify(self.drafter, self.scheduler, logits, drafted,
+                          lambda rows, which: self._sample(rows, which, now), self.counts.steps)
             if self.states is not None:  # a hybrid's states go back to the tokens kept
-                cast(ModelRunner, self.runner).keep_drafted_rows(
-                    {it.req.state_slot: it.req.num_computed_tokens - start
-                     for (_, it, _), start in zip(drafted, starts)})
+                cast(ModelRunner, self.runner).keep_drafted_rows({r.state_slot: n for r, n in kept.items()})
         outputs = self._collect(items, outs, now)
         for frontend, refusals in refused.items():
             outputs[frontend] += refusals
@@ -351,6 +336,19 @@ class EngineCore:
             if out.token_ids or out.finish or out.prompt_logprobs:  # not a silent mid-prompt chunk
                 outputs[req.frontend].append(out)
         return outputs
+
+
+def _state_pools(runner: ModelRunner | None, disk: object) -> tuple[StatePool | None, StatePool | None]:
+    """A hybrid model's linear-attention state slots, one per running request, and its prefix
+    cache's snapshot slots (those after them); (None, None) for other models."""
+    states = None if runner is None else runner.states
+    if runner is None or states is None:
+        return None, None
+    if disk is not None:
+        raise ValueError("kv_cache_dir: the disk tier does not keep linear-attention state snapshots; "
+                         f"{runner.config.architecture} cannot use it yet")
+    snapshots = StatePool(states.snapshots, first=states.slots) if states.snapshots else None
+    return StatePool(states.slots), snapshots
 
 
 def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRunner:

@@ -44,8 +44,9 @@ class ScheduledItem:
     logits_start: int  # first of the new tokens whose logits are needed (num_new = none)
     sample: bool  # this step reaches the end of the sequence: sample its next token
     draft: list[int] = field(default_factory=list)  # speculated tokens after the last real one
-    snapshot: bool = False  # a hybrid's prefill chunk that ends where its state is kept (the cache's)
-    snapshot_slot: int = -1  # ... the snapshot slot it goes to (the core takes one for it)
+    # A hybrid's prefill chunk that ends where its state is kept for the prefix cache: the
+    # snapshot slot the state goes to (-1: none)
+    snapshot_slot: int = -1
 
 
 class Scheduler:
@@ -159,7 +160,9 @@ class Scheduler:
             lo = max(req.next_prompt_logprob - 1, req.num_computed_tokens)
             if lo < min(end, req.num_prompt_tokens - 1):
                 logits_start = min(logits_start, lo - req.num_computed_tokens)
-        return ScheduledItem(req, n, logits_start, sample, snapshot=snapshot)
+        # a hybrid's state at a prefix the cache will keep: a snapshot slot for it (-1: none free)
+        slot = self.kv.take_snapshot() if snapshot else -1
+        return ScheduledItem(req, n, logits_start, sample, snapshot_slot=slot)
 
     def add_draft(self, item: ScheduledItem, draft: list[int]) -> int:
         """Extend a decode item by as much of `draft` as free blocks hold (a guess never evicts

@@ -92,12 +92,14 @@ def add_drafts(drafter: Drafter, scheduler: Scheduler, items: list[ScheduledItem
 
 def verify(drafter: Drafter, scheduler: Scheduler, logits: torch.Tensor,
            drafted: list[tuple[int, ScheduledItem, ReqOutput]],
-           sample: Callable[[torch.Tensor, Sampled], None], step: int) -> None:
+           sample: Callable[[torch.Tensor, Sampled], None], step: int) -> dict[Request, int]:
     """Sample each drafted request's rows in order, exactly as plain decoding samples its steps
     (penalties, grammar and seeded noise see the tokens kept so far), and keep drafted tokens
     while they are what was sampled. Row i's logits are plain decoding's at that position, so
-    the tokens kept are plain decoding's, bit for bit; the first differing sample is kept too."""
+    the tokens kept are plain decoding's, bit for bit; the first differing sample is kept too.
+    Returns each request's rows kept: its real token and the draft tokens accepted."""
     pending = [(row, it.req, out, it.draft) for row, it, out in drafted]
+    kept: dict[Request, int] = {}
     pos = 0
     while pending:
         rows = [row + pos for row, *_ in pending]
@@ -110,4 +112,6 @@ def verify(drafter: Drafter, scheduler: Scheduler, logits: torch.Tensor,
             else:
                 drafter.verified(req, draft, pos, step)
                 scheduler.kv.trim(req)
+                kept[req] = pos + 1
         pending, pos = still, pos + 1
+    return kept

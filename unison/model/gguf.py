@@ -339,11 +339,12 @@ class GGUFWeights:
         self._map = np.memmap(self.path, mode="r")
         self.tensors: dict[str, _Tensor] = {}
         self.rope_freqs: np.ndarray | None = None  # llama 3.1+ rope scaling, per-frequency divisors
-        layers = config["num_hidden_layers"]
+        # A Qwen3.5 file's multi-token-prediction blocks come after the decoder's: not run
+        mtp_from = config["num_hidden_layers"] if _field(header, f"{arch}.nextn_predict_layers") else None
         for info in header.tensors:
             in_block = _BLOCK_RE.match(info.name)
-            if in_block and int(in_block[1]) >= layers:
-                continue  # a multi-token-prediction block (nextn_predict_layers): not run
+            if mtp_from is not None and in_block and int(in_block[1]) >= mtp_from:
+                continue
             try:
                 kind = GGMLQuantizationType(info.type_id)
             except ValueError:

@@ -19,9 +19,10 @@ for the tests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -33,7 +34,8 @@ from .cpu_kernels import DeltaStep
 from .families import DeltaNetConfig
 
 if TYPE_CHECKING:
-    from .decoder import Linear, QuantLinear, TorchOps
+    from .linears import Linear, QuantLinear
+    from .torch_ops import TorchOps
 
 
 @dataclass(slots=True)
@@ -101,6 +103,17 @@ def projection_order(cfg: DeltaNetConfig, fused_qkvz: bool, fused_ba: bool) -> t
     return torch.from_numpy(np.concatenate([p.reshape(-1) for p in qkvz + b_a]))
 
 
+class StateItem(Protocol):
+    """What a step's item says of its state (runner.BatchItem has these)."""
+
+    token_ids: list[int]
+    start_pos: int
+    state_slot: int
+    state_restore: int
+    state_save: int
+    drafted: bool
+
+
 class DeltaStates:
     """Every request's linear-attention state, by slot: per linear layer, conv [slots, K-1,
     conv_dim] and rec [slots, value heads, dk, dv], float32. Slots [0, slots) are running
@@ -137,6 +150,21 @@ class DeltaStates:
     def current(self) -> DeltaStep:
         assert self._step is not None  # set by begin() for the forward's duration
         return self._step
+
+    @contextmanager
+    def step(self, batch: Sequence[StateItem]) -> Iterator[DeltaStates]:
+        """These states, open for a forward over `batch` (runner.BatchItem's): begin, and at the
+        end keep the snapshots the items ask for, once the forward has run whole."""
+        self.begin([item.state_slot for item in batch], [len(item.token_ids) for item in batch],
+                   [item.state_slot for item in batch if item.start_pos == 0],
+                   [(item.state_restore, item.state_slot) for item in batch if item.state_restore >= 0],
+                   [item.state_slot for item in batch if item.drafted])
+        done = False
+        try:
+            yield self
+            done = True
+        finally:
+            self.end([(item.state_slot, item.state_save) for item in batch if item.state_save >= 0 and done])
 
     def begin(self, slots: list[int], counts: list[int], fresh: list[int],
               restore: Sequence[tuple[int, int]] = (), drafted: Sequence[int] = ()) -> None:

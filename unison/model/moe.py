@@ -22,7 +22,8 @@ from .families import MoeConfig
 from .quant import QuantWeight
 
 if TYPE_CHECKING:
-    from .decoder import Linear, QuantLinear, TorchOps
+    from .linears import Linear, QuantLinear
+    from .torch_ops import TorchOps
 
 PROJECTIONS = ("gate", "up", "down")
 

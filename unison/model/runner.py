@@ -4,9 +4,7 @@ and runs each step; the paged KV cache and the attention over it are attention.p
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from unison.config import KV_CACHE_DTYPES
 
 from . import cpu_kernels, key_rounding
 from .attention import PagedAttention, kv_head_bytes
+from .cache_budget import CacheBudget, total_memory
 from .decoder import DecoderModel, dummy_model
 from .encoder_config import DecoderPooling, DecoderReranker
 from .families import ModelConfig
@@ -85,7 +84,7 @@ class ModelRunner:
         # What the model computes in, and what its float linears run as (bf16 on CPU: see below).
         self.dtype, self.linear_dtype = _resolve_dtype(dtype, self.device, self.config)
         self._quantization_mode = quantization  # as asked: a reload resolves it for its checkpoint
-        total_memory = _total_memory(self.device)  # before the weights, as SGLang measures it
+        total = total_memory(self.device)  # before the weights, as SGLang measures it
         if load_format == "dummy":  # the real vocabulary, a near-free forward (frontend benchmarks)
             self.quantization = "none"
             self.config, self.model = dummy_model(self.config, self.device, self.dtype)
@@ -98,32 +97,26 @@ class ModelRunner:
                              f"head_dim ({self.config.head_dim}) is not a multiple of 32; use float16")
         self.block_size = block_size
         self.vocab_size = self.config.vocab_size
-        hybrid = self.config.linear is not None
-        self.state_slots, self.state_snapshots = (state_slots, state_snapshots) if hybrid else (0, 0)
-        if num_blocks is None:
-            if max_total_tokens:
-                num_blocks = -(-max_total_tokens // block_size)
-            elif kv_cache_memory_gb:
-                budget = int(kv_cache_memory_gb * (1 << 30))
-                num_blocks = self._blocks_for_budget(budget, "kv_cache_memory_gb")
-            elif mem_fraction_static:
-                num_blocks = self._blocks_for_fraction(mem_fraction_static, total_memory)
-            else:
-                num_blocks = self._default_num_blocks()
-        self._check_fits(num_blocks)
-        self.num_blocks = num_blocks
-        self.attention = PagedAttention(self.config, num_blocks, block_size, dtype=self.dtype,
+        c, hybrid = self.config, self.config.linear is not None
+        head = kv_head_bytes(c.head_dim, self.kv_dtype)
+        slot = 0 if c.linear is None else DeltaStates.slot_bytes(c.linear, len(c.linear_layers))
+        self.budget = CacheBudget(2 * len(c.attention_layers) * c.num_key_value_heads * head * block_size,
+                                  slot, state_slots if hybrid else 0, state_snapshots if hybrid else 0,
+                                  self.device)
+        self.num_blocks = self.budget.num_blocks(block_size, num_blocks, max_total_tokens, kv_cache_memory_gb,
+                                                 mem_fraction_static, total)
+        self.attention = PagedAttention(self.config, self.num_blocks, block_size, dtype=self.dtype,
                                         kv_dtype=self.kv_dtype, device=self.device)
-        log.info("KV cache: %d blocks of %d tokens, %s, %.2f GiB", num_blocks, block_size,
-                 str(self.kv_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / (1 << 30))
+        log.info("KV cache: %d blocks of %d tokens, %s, %.2f GiB", self.num_blocks, block_size,
+                 str(self.kv_dtype).removeprefix("torch."), self.num_blocks * self.bytes_per_block / 2**30)
         # A hybrid's linear-attention states, one slot per running request (the core's StatePool
         # hands them out), in the same memory budget as the KV cache.
-        self.states = None if self.config.linear is None else DeltaStates(
-            self.config.linear, len(self.config.linear_layers), self.state_slots, self.device,
-            self.state_snapshots)
+        b = self.budget
+        self.states = None if c.linear is None else DeltaStates(
+            c.linear, len(c.linear_layers), b.slots, self.device, b.snapshots)
         if self.states is not None:
             log.info("linear-attention states: %d slots and %d prefix-cache snapshots of %.1f MiB",
-                     self.state_slots, self.state_snapshots, self.state_slot_bytes / (1 << 20))
+                     b.slots, b.snapshots, b.slot_bytes / (1 << 20))
         self.loras: dict[int, Adapter] = {}  # the LoRA adapters the forward can run, by id
         self._bind_model(measure_keys=True)
 
@@ -183,23 +176,9 @@ class ModelRunner:
                                moments.wrap(self.attention.forward), logits_rows, None, states=states)
         return moments.rounding()
 
-    @contextmanager
-    def _states(self, batch: list[BatchItem]) -> Iterator[DeltaStates | None]:
+    def _states(self, batch: list[BatchItem]) -> AbstractContextManager[DeltaStates | None]:
         """A hybrid model's linear-attention states, opened for this step's items (else None)."""
-        if self.states is None:
-            yield None
-            return
-        restore = [(item.state_restore, item.state_slot) for item in batch if item.state_restore >= 0]
-        self.states.begin([item.state_slot for item in batch], [len(item.token_ids) for item in batch],
-                          [item.state_slot for item in batch if item.start_pos == 0], restore,
-                          [item.state_slot for item in batch if item.drafted])
-        saved = False
-        try:
-            yield self.states
-            saved = True
-        finally:
-            self.states.end([(item.state_slot, item.state_save) for item in batch
-                             if item.state_save >= 0 and saved])
+        return nullcontext() if self.states is None else self.states.step(batch)
 
     @property
     def _kernel(self) -> cpu_kernels.CpuKernels | None:
@@ -286,78 +265,8 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        c = self.config
-        head = kv_head_bytes(c.head_dim, self.kv_dtype)
-        per_token = 2 * len(c.attention_layers) * c.num_key_value_heads * head
-        return per_token * self.block_size
+        return self.budget.block_bytes
 
-    @property
-    def state_slot_bytes(self) -> int:
-        """One request's linear-attention state over every such layer (0: no such layers)."""
-        c = self.config
-        return 0 if c.linear is None else DeltaStates.slot_bytes(c.linear, len(c.linear_layers))
-
-    @property
-    def state_bytes(self) -> int:
-        """The state pool's memory (snapshots included), which the KV cache's budget also pays for."""
-        return (self.state_slots + self.state_snapshots) * self.state_slot_bytes
-
-    def _blocks_for_budget(self, budget: int, name: str) -> int:
-        """The KV blocks that fit in `budget` bytes once the state pool is paid for."""
-        rest = budget - self.state_bytes
-        if rest < self.bytes_per_block:
-            raise ValueError(
-                f"{name}: {budget / (1 << 30):.2f} GiB does not hold the linear-attention states "
-                f"({self.state_slots} requests and {self.state_snapshots} snapshots x "
-                f"{self.state_slot_bytes / (1 << 20):.1f} MiB) and a KV block; "
-                "raise it or lower max_running_requests")
-        return rest // self.bytes_per_block
-
-    def _check_fits(self, num_blocks: int) -> None:
-        """Fail at start, with the numbers, rather than by the OOM killer in the middle of a run."""
-        need = num_blocks * self.bytes_per_block
-        free = _free_memory(self.device)
-        if need > free:
-            raise ValueError(
-                f"the KV cache ({num_blocks * self.block_size} tokens, {need / (1 << 30):.2f} GiB) does "
-                f"not fit in the {free / (1 << 30):.2f} GiB left after loading the model; lower "
-                "max_total_tokens or kv_cache_memory_gb")
-
-    def _blocks_for_fraction(self, fraction: float, total: int) -> int:
-        """SGLang's mem_fraction_static: weights + KV cache take `fraction` of the memory there
-        was before loading, so the KV cache gets what is free now less the (1 - fraction) kept."""
-        free = _free_memory(self.device)
-        rest = free - total * (1 - fraction) - self.state_bytes
-        if rest < self.bytes_per_block:
-            raise ValueError(
-                f"mem_fraction_static={fraction} leaves no memory for the KV cache: "
-                f"{free / (1 << 30):.2f} GiB free of {total / (1 << 30):.2f} GiB after loading the "
-                f"weights, {(1 - fraction) * total / (1 << 30):.2f} GiB to keep; raise it")
-        return int(rest) // self.bytes_per_block
-
-    def _default_num_blocks(self) -> int:
-        # CPU: a quarter of available memory, at most 8 GiB (pages are touched only when used).
-        # CUDA: most of what is free once the weights are loaded.
-        if self.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.85)
-        else:
-            budget = min(_available_memory() // 4, 8 << 30)
-        self._fit_states(budget // 2)
-        return self._blocks_for_budget(budget, "the default KV budget")
-
-    def _fit_states(self, room: int) -> None:
-        """Fewer state slots and snapshots where the asked-for ones would take more than `room`
-        (the default budget's half: a large hybrid's 64 states can outweigh it). Requests past
-        the slots wait for one, as for KV blocks."""
-        if not self.state_slot_bytes or self.state_bytes <= room:
-            return
-        fit = max(2, room // self.state_slot_bytes)
-        slots = min(self.state_slots, max(1, fit // 2))
-        snapshots = min(self.state_snapshots, fit - slots)
-        log.warning("linear-attention states: %d slots and %d snapshots fit the default budget (of %d "
-                    "and %d asked); set kv_cache_memory_gb for more", slots, snapshots, self.state_slots,
-                    self.state_snapshots)
-        self.state_slots, self.state_snapshots = slots, snapshots
 
     @torch.inference_mode()
     def forward(self, batch: list[BatchItem]) -> Tensor:
@@ -408,7 +317,7 @@ class ModelRunner:
         self.forward([BatchItem([0] * 8, 0, table, 7, state_slot=0)])
         # (two items never share a state slot: with one slot, the second is left out)
         self.forward([BatchItem([0], 8, table, 0, state_slot=0),
-                      BatchItem([0], 0, table, 0, state_slot=1)][: 1 if self.state_slots == 1 else 2])
+                      BatchItem([0], 0, table, 0, state_slot=1)][: 1 if self.budget.slots == 1 else 2])
 
     def _prepare(self, batch: list[BatchItem]) -> tuple[Tensor, np.ndarray, Tensor | None]:
         """The flat batch's token ids, their positions, and the rows whose logits are wanted
@@ -433,21 +342,6 @@ class ModelRunner:
 
 
 
-def _free_memory(device: torch.device) -> int:
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_memory()
-
-
-def _total_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:  # a container's limit, when it has one
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        return min(total, int(limit)) if limit.isdigit() else total
-    except OSError:
-        return total
-
-
 # What must be equal for weights to replace the running model's in place (the KV cache and every
 # frontend's view of the model stay as they are).
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -462,17 +356,6 @@ def _check_same_shapes(old: ModelConfig, new: ModelConfig, where: str | Path) ->
         if getattr(new, name) != getattr(old, name):
             raise ValueError(f"{where} has {name}={getattr(new, name)}; the running model has "
                              f"{getattr(old, name)}")
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 # vLLM's fp8 names: fp8 is fp8_e4m3. Each fp8 value is a byte, scale 1.0 (vLLM's default).
