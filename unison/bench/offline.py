@@ -100,7 +100,10 @@ def _bar(total: int, unit: str, quiet: bool, desc: str) -> tqdm:
 
 # ---- Unison ---------------------------------------------------------------------------------
 
-def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
+def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int,
+                   decode_at_context: bool = False) -> dict[str, float]:
+    """Prefill of the prompt, then decode after its first 32 tokens (`decode_at_context`: after
+    all of it, each token attending over the whole context; its prefill is not timed)."""
     vocab = engine.server_info().core.vocab_size
     [prompt] = random_prompts(1, prompt_len, vocab, seed)
     engine.generate(input_ids=prompt[:16], sampling_params=_greedy(2))  # settle allocator and threads
@@ -108,7 +111,7 @@ def unison_latency(engine: Engine, prompt_len: int, output_len: int, seed: int) 
     engine.generate(input_ids=prompt, sampling_params=_greedy(1))
     prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
-    first, last, n = timed_stream(engine, prompt[:32], _greedy(output_len))
+    first, last, n = timed_stream(engine, prompt if decode_at_context else prompt[:32], _greedy(output_len))
     return {"prefill_tok_s": prompt_len / prefill, "decode_tok_s": (n - 1) / (last - first),
             "ttft_ms": 1e3 * (first - t0)}
 
@@ -349,7 +352,8 @@ def main(args: argparse.Namespace) -> int:
         ours: Json  # the figures, and what they were measured on: the result file's "unison"
         shapes: Counter[tuple[int, int]] = Counter()
         if args.bench == "latency":
-            ours = {**unison_latency(engine, args.prompt_len, args.output_len, args.seed)}
+            ours = {**unison_latency(engine, args.prompt_len, args.output_len, args.seed,
+                                     args.decode_at_context)}
         else:
             reqs = load_requests(args, engine)
             with _subscriber(engine, getattr(args, "kv_events_subscriber", False)) as events:
@@ -392,6 +396,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.add_argument("--quiet", action="store_true", help="no progress bars")
         if name == "latency":
             p.add_argument("--prompt-len", type=int, default=512)
+            p.add_argument("--decode-at-context", action="store_true",
+                           help="decode after the whole prompt (speed at that context), not after 32 tokens")
         else:
             p.add_argument("--num-prompts", type=int, default=64)
             p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
