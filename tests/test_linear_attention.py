@@ -224,16 +224,9 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(models, kind: str, tmp
     """The same model written as llama.cpp's converter writes it (float32): transformers' greedy
     tokens on at least 15 of 16 prompts, first-step top-5 logprobs within 1e-3; and in Q8_0
     blocks, run as stored, a row's bits alone equal its bits in the batch."""
-    ref = _hf_greedy(_hf(models[kind]), PROMPTS, NEW_TOKENS)
     path = write_gguf(models[kind], kind, tmp_path / f"{kind}.gguf", mtp=kind == "qwen3_5")
     runner = ModelRunner(path, quantization="none", num_blocks=256, block_size=8, state_slots=16)
-    assert runner.config.family.name == kind
-    got = greedy(runner, PROMPTS, NEW_TOKENS)
-    same = sum(ids == ref_ids for (ids, _), (ref_ids, _) in zip(got, ref))
-    first = torch.log_softmax(_first_step(runner, PROMPTS), dim=-1)
-    worst = max(abs(row[t].item() - lp) for row, (_, tops) in zip(first, ref) for t, lp in tops[0].items())
-    print(f"\n[figure] {kind} GGUF: greedy equal on {same}/16; first-step top-5 gap {worst:.2e}")
-    assert same >= 15 and worst < 1e-3
+    _check_parity(runner, models[kind], kind, f"{kind} GGUF")
     q8_path = write_gguf(models[kind], kind, tmp_path / "q8.gguf", "Q8_0")
     q8 = ModelRunner(q8_path, num_blocks=512, block_size=8, state_slots=16)
     kinds = q8.model.linear_kinds()
@@ -271,16 +264,22 @@ def test_the_gguf_writer_agrees_with_transformers_gguf_loader(models, kind: str,
 def test_matches_transformers(models, kind: str, path: str):
     """16 prompts together, 8 greedy tokens: equal to transformers on at least 15; first-step
     top-5 logprobs within 1e-3, in float32; through the C kernels and through torch's ops."""
-    ref = _hf_greedy(_hf(models[kind]), PROMPTS, NEW_TOKENS)
     runner = ModelRunner(models[kind], quantization="none", num_blocks=256, block_size=8, state_slots=16)
-    assert runner.config.family.name == kind
     if path == "torch":
         runner.model.ops, runner._kernel = TorchOps(), None
+    _check_parity(runner, models[kind], kind, f"{kind} ({path})")
+
+
+def _check_parity(runner: ModelRunner, hf_dir: Path, kind: str, name: str) -> None:
+    """The 16 prompts together, 8 greedy tokens: transformers' on at least 15 of them, and the
+    first step's top-5 logprobs within 1e-3 (float32 both sides)."""
+    assert runner.config.family.name == kind
+    ref = _hf_greedy(_hf(hf_dir), PROMPTS, NEW_TOKENS)
     got = greedy(runner, PROMPTS, NEW_TOKENS)
     same = sum(ids == ref_ids for (ids, _), (ref_ids, _) in zip(got, ref))
     first = torch.log_softmax(_first_step(runner, PROMPTS), dim=-1)
     worst = max(abs(row[t].item() - lp) for row, (_, tops) in zip(first, ref) for t, lp in tops[0].items())
-    print(f"\n[figure] {kind} ({path}): greedy equal on {same}/16; first-step top-5 logprob gap {worst:.2e}")
+    print(f"\n[figure] {name}: greedy equal on {same}/16; first-step top-5 logprob gap {worst:.2e}")
     assert same >= 15 and worst < 1e-3
 
 
