@@ -177,7 +177,7 @@ class DeltaStates:
             raise ValueError(f"bad batch item: linear-attention state slot {bad[0]} is not a "
                              f"{'running' if bad[0] in slots else 'snapshot'} slot")
         if fresh:
-            index = torch.tensor(fresh, dtype=torch.int64)
+            index = torch.tensor(fresh, dtype=torch.int64, device=self.conv.device)
             self.conv.index_fill_(1, index, 0.0)
             self.rec.index_fill_(1, index, 0.0)
         for src, dst in restore:
