@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,7 +32,6 @@ from unison.model.runner import BatchItem, ModelRunner
 from unison.protocol import EngineStats, Generate, ReqOutput
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
-log = logging.getLogger(__name__)
 
 
 class EngineCore:

@@ -95,6 +95,15 @@ class RadixCache:
         return node
 
     def match(self, tokens: list[int], adapter: int = 0) -> tuple[list[int], Node]:
+        blocks, node = self._walk(tokens, adapter)
+        if self.snapshots is not None:  # a hit needs the state at its end: back off to one that has it
+            while node.parent is not None and node.state < 0:
+                del blocks[len(blocks) - len(node.blocks):]
+                node = node.parent
+        return blocks, node
+
+    def _walk(self, tokens: list[int], adapter: int) -> tuple[list[int], Node]:
+        """The cached path along `tokens` in whole blocks, split so that it ends at a node's end."""
         bs, node, blocks, i = self.block_size, self.root(adapter), [], 0
         usable = len(tokens) // bs * bs
         while i < usable:
@@ -108,10 +117,6 @@ class RadixCache:
             i += len(child.tokens)
             node = child
             node.last_access = next(_clock)
-        if self.snapshots is not None:  # a hit needs the state at its end: back off to one that has it
-            while node.parent is not None and node.state < 0:
-                del blocks[len(blocks) - len(node.blocks):]
-                node = node.parent
         return blocks, node
 
     def match_partial(self, node: Node, tokens: list[int]) -> tuple[int, int]:
@@ -170,7 +175,7 @@ class RadixCache:
             if state >= 0:
                 self.snapshots.release(state)
             return 0  # a hybrid's blocks without the state at their end could never be a hit
-        matched, node = self._match_path(tokens[: n_full * bs], adapter)
+        matched, node = self._walk(tokens[: n_full * bs], adapter)
         have = len(matched)
         if have < n_full:
             rest = tuple(tokens[have * bs: n_full * bs])
@@ -189,14 +194,6 @@ class RadixCache:
             else:
                 node.state = state
         return have
-
-    def _match_path(self, tokens: list[int], adapter: int) -> tuple[list[int], Node]:
-        """match() without backing off to a snapshot: where the cached path for `tokens` ends."""
-        snapshots, self.snapshots = self.snapshots, None
-        try:
-            return self.match(tokens, adapter)
-        finally:
-            self.snapshots = snapshots
 
     def take_snapshot(self) -> int:
         """A free snapshot slot, freeing the least recently used unlocked one (and its node's

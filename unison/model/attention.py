@@ -90,6 +90,7 @@ class PagedAttention:
         row = kv_head_bytes(c.head_dim, kv_dtype) // kv_dtype.itemsize
         # One entry per layer that keeps KV (a hybrid's full-attention layers; every layer elsewhere)
         layers = len(c.attention_layers)
+        self.windows = c.kv_windows  # each KV layer's window (a reload keeps them: the runner checks)
         shape = (layers, num_blocks, block_size, c.num_key_value_heads, row)
         self.k_cache = lazy_zeros(shape, device, kv_dtype)
         self.v_cache = lazy_zeros(shape, device, kv_dtype)
@@ -270,12 +271,12 @@ class PagedAttention:
             self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d, weight, mean, recent)
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
-                                               self.config.kv_windows[layer], threads,
+                                               self.windows[layer], threads,
                                                self.config.attention_scale, mean, recent).view(n, heads * d)
         assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))
-        meta = step.torch[self.config.kv_windows[layer]]
+        meta = step.torch[self.windows[layer]]
         if meta.whole:  # the common all-decode step: no scatter needed
             return self._decode(meta.decodes[0], q, kc, vc).view(n, heads * d)
         out = torch.empty_like(q)

@@ -440,7 +440,7 @@ def dummy_model(cfg: ModelConfig, device: torch.device,
     from .rope import Rope
 
     # (one plain attention layer and a dense MLP, whatever the family's layers are)
-    plain = dataclasses.replace(cfg.family, moe=None, linear_attention=None, attn_output_gate=False,
+    plain = dataclasses.replace(cfg.family, moe=None, linear_attention=False, attn_output_gate=False,
                                 text_prefix="model.")
     tiny = dataclasses.replace(cfg, family=plain, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=1, head_dim=32,

@@ -69,11 +69,11 @@ class Family:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size): Gemma
     qk_norm: str | None = None  # per "head" (Qwen3, Gemma 3) or over the "full" projection (OLMo 2)
     moe: MoeNames | None = None  # a sparse MLP in every layer instead of the dense one
-    # Gated DeltaNet layers where layer_types says "linear_attention": "split" projections
-    # (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) or "fused" ones, interleaved per key
-    # head (Qwen3-Next: in_proj_qkvz, in_proj_ba). The loader reads whichever the checkpoint has
-    # (llama.cpp's converter writes Qwen3-Next's q|k|v and z apart, b and a still fused).
-    linear_attention: str | None = None
+    # Gated DeltaNet layers where layer_types says "linear_attention". Their projections come
+    # apart (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) or fused and interleaved per key
+    # head (Qwen3-Next: in_proj_qkvz, in_proj_ba; llama.cpp splits the first): the loader reads
+    # whichever the checkpoint has.
+    linear_attention: bool = False
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: attention * sigmoid(gate)
     text_prefix: str = "model."  # where the text model's tensors are (a multimodal checkpoint's)
 
@@ -82,7 +82,8 @@ LLAMA = Family("llama", "LlamaForCausalLM", "llama")
 QWEN_SHARED = MoeNames("mlp.gate", "mlp.experts", shared="mlp.shared_expert",
                        shared_gate="mlp.shared_expert_gate")
 # Qwen3-Next and Qwen3.5: (1 + w) norms (but linear_attn.norm's), qk-norm, a gated attention output.
-_HYBRID: dict[str, Any] = {"norm_plus_one": True, "qk_norm": "head", "attn_output_gate": True}
+_HYBRID: dict[str, Any] = {"linear_attention": True, "norm_plus_one": True, "qk_norm": "head",
+                          "attn_output_gate": True}
 FAMILIES = [
     LLAMA,
     Family("mistral", "MistralForCausalLM", None),
@@ -101,15 +102,13 @@ FAMILIES = [
            moe=MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")),
     Family("olmoe", "OlmoeForCausalLM", "olmoe", qk_norm="full", moe=MoeNames("mlp.gate", "mlp.experts")),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe", moe=QWEN_SHARED),
-    Family("qwen3_next", "Qwen3NextForCausalLM", "qwen3next", **_HYBRID, linear_attention="fused",
-           moe=QWEN_SHARED),
-    Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen35", **_HYBRID, linear_attention="split"),
-    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen35moe", **_HYBRID, linear_attention="split",
-           moe=QWEN_SHARED),
+    Family("qwen3_next", "Qwen3NextForCausalLM", "qwen3next", **_HYBRID, moe=QWEN_SHARED),
+    Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen35", **_HYBRID),
+    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen35moe", **_HYBRID, moe=QWEN_SHARED),
     # The published Qwen3.5 checkpoints: the text model beside a vision tower (not run: text only).
-    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", None, **_HYBRID, linear_attention="split",
+    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", None, **_HYBRID,
            text_prefix="model.language_model."),
-    Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", None, **_HYBRID, linear_attention="split",
+    Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", None, **_HYBRID,
            moe=QWEN_SHARED, text_prefix="model.language_model."),
 ]
 BY_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
@@ -170,8 +169,8 @@ class MoeConfig:
                              f"{hf['hidden_size']}) must be multiples of 8")
         # Mixtral and Qwen3.5 always renormalize the top-k weights; the others say so in the
         # config (Qwen3-Next's default: yes).
-        always = family.name == "mixtral" or family.linear_attention == "split"
-        norm = True if always else bool(hf.get("norm_topk_prob", family.linear_attention is not None))
+        always = family.name == "mixtral" or family.name.startswith("qwen3_5")
+        norm = True if always else bool(hf.get("norm_topk_prob", family.linear_attention))
         return cls(experts, top_k, size, norm, shared)
 
 
@@ -340,7 +339,7 @@ def _text_config(family: Family, hf: JSONObject) -> JSONObject:
 def _layer_types(family: Family, hf: JSONObject, layers: int) -> list[str]:
     """Each layer's kind: a hybrid family's "linear_attention" and "full_attention" (every
     `full_attention_interval`-th layer when the config lists none), else all full."""
-    if family.linear_attention is None:
+    if not family.linear_attention:
         return ["full_attention"] * layers
     interval = hf.get("full_attention_interval", 4)
     types = hf.get("layer_types") or [
