@@ -110,7 +110,7 @@ def test_make_model_writes_a_llama_gguf_both_kinds_of_reader_load(tmp_path, caps
     with Engine(model_path=str(path), max_total_tokens=512) as engine:
         info = engine.get_server_info()
         assert info["weights"]["layers.1.down"].startswith("int4/")
-        assert info["weights"]["lm_head"].startswith("int8/")
+        assert info["weights"]["lm_head"].startswith("q8_0/")  # the file's Q8_0 embedding, as stored
         out = engine.generate("Hello", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert out["meta_info"]["completion_tokens"] == 4
     capsys.readouterr()

@@ -230,8 +230,8 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(models, kind: str, tmp
     q8_path = write_gguf(models[kind], kind, tmp_path / "q8.gguf", "Q8_0")
     q8 = ModelRunner(q8_path, num_blocks=512, block_size=8, state_slots=16)
     kinds = q8.model.linear_kinds()
-    assert kinds["layers.3.o_proj"].startswith("int8")  # Q8_0 as stored
-    assert kind == "qwen2_moe" or kinds["layers.0.out_proj"].startswith("int8")
+    assert kinds["layers.3.o_proj"].startswith("q8_0")  # Q8_0 as stored
+    assert kind == "qwen2_moe" or kinds["layers.0.out_proj"].startswith("q8_0")
     together = _prefill_and_decode(q8, PROMPTS[:4])
     alone = _prefill_and_decode(q8, PROMPTS[2:3])
     assert torch.equal(alone[0][0], together[0][2]) and torch.equal(alone[1][0], together[1][2])

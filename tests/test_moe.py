@@ -263,7 +263,7 @@ def test_experts_stay_in_their_blocks(models):
     path = models["olmoe", "q4"]
     runner = ModelRunner(path, num_blocks=8)
     moe = runner.model.layers[0].moe
-    assert all(w.packed.dtype == torch.uint8 and w.record == 144 for w in moe.weights.values())
+    assert all(w.packed.dtype == torch.uint8 and w.format == 144 for w in moe.weights.values())
     in_file = sum(t.dims[0] * t.dims[1] * t.dims[2] * 18 // 32 for t in open_gguf(path).tensors
                   if t.name.startswith("blk.0.ffn_") and t.name.endswith("_exps.weight"))
     assert sum(w.nbytes for w in moe.weights.values()) == in_file

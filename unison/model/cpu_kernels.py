@@ -10,7 +10,8 @@ several torch ops, which at decode batch sizes cost more in dispatch than in ari
 csrc/lora.c adds LoRA adapters' updates to a linear's output, each row with its own adapter.
 csrc/moe.c runs a mixture of experts' MLP: routing, the experts grouped by the rows they got.
 csrc/gated_delta.c runs the Gated DeltaNet layers' convolution and recurrence over each request's
-state (Qwen3-Next, Qwen3.5).
+state (Qwen3-Next, Qwen3.5). csrc/bandwidth.c measures the memory's read speed, the bound of a
+decode step.
 
 The sources are plain C (no torch headers), so building takes about a second; the shared object
 is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flags and the CPU's
@@ -32,6 +33,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +45,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c",
-                                    "lora.c", "moe.c", "gated_delta.c")]
+                                    "lora.c", "moe.c", "gated_delta.c", "bandwidth.c")]
 HEADERS = [CSRC / "paged_attention_body.h", CSRC / "q8.h", CSRC / "simd_math.h", CSRC / "lora.h",
-           CSRC / "moe.h"]
+           CSRC / "moe.h", CSRC / "gguf_blocks.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 @functools.cache  # built and loaded once, on first use
@@ -203,6 +205,7 @@ class CpuKernels:
         lib.decoder_workspace_bytes.restype = _I64
         lib.decoder_forward.argtypes = [_PTR, _PTR]
         lib.decoder_forward.restype = _INT
+        lib.read_memory.argtypes, lib.read_memory.restype = [_PTR, _I64, _INT], ctypes.c_uint64
         for name in ("quant_kernel_best", "quant_kernel_path", "quant_kernel_amx_refused"):
             getattr(lib, name).argtypes, getattr(lib, name).restype = [], _INT
         lib.quant_kernel_select.argtypes, lib.quant_kernel_select.restype = [_INT], _INT
@@ -229,6 +232,20 @@ class CpuKernels:
         if self.lib.quant_kernel_select(QUANT_PATHS[name]) < 0:
             raise ValueError(f"UNISON_QUANT_KERNEL={name!r}: this CPU or build cannot run it "
                              f"(it can: {', '.join(self.supported_quant_paths())})")
+
+    def read_bandwidth(self, gib: float = 1.0, threads: int | None = None, trials: int = 5) -> float:
+        """The best of `trials` reads of a buffer of `gib` GiB (far past the caches), in GB/s, on
+        `threads` threads (default: torch's)."""
+        n = int(gib * 2**30) // 256 * 256
+        buf = torch.ones(n + 64, dtype=torch.uint8)
+        start = (-buf.data_ptr()) % 64  # aligned loads
+        threads = threads or torch.get_num_threads()
+        best = 0.0
+        for _ in range(trials):
+            t = time.perf_counter()
+            self.lib.read_memory(buf.data_ptr() + start, n, threads)
+            best = max(best, n / (time.perf_counter() - t) / 1e9)
+        return best
 
     @property
     def quant_path(self) -> str:
@@ -420,7 +437,7 @@ class CpuKernels:
         """The float32 rows `ids` of a quant.QuantWeight (embedding lookups)."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), weight.k)
-        self.lib.dequantize_columns(weight.record, weight.packed.data_ptr(), weight.kp, weight.k,
+        self.lib.dequantize_columns(weight.format, weight.packed.data_ptr(), weight.kp, weight.k,
                                     ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
 
@@ -435,7 +452,7 @@ class QuantPlan:
         self.out_cols = offsets[-1] + parts[-1].n_padded  # room for the last part's padding
         arr = ctypes.c_int64 * len(parts)
         self.parts = len(parts)
-        self.records = arr(*(p.record for p in parts))  # each part's format, as the kernel names it
+        self.records = arr(*(p.format for p in parts))  # each part's format, as the kernel names it
         self.weights = arr(*(p.packed.data_ptr() for p in parts))
         self.n_padded = arr(*(p.n_padded for p in parts))
         self.offsets = arr(*offsets)
@@ -521,7 +538,7 @@ class CompiledDecoder:
             len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, mlp, cfg.vocab_size, k_cache.shape[2], cfg.rms_norm_eps,
             cfg.attention_scale, model.embed_scale or 0.0, ACTIVATIONS[cfg.family.activation],
-            QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.record, embed.kp,
+            QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.format, embed.kp,
             embed.packed.data_ptr(), model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)
         self._keep = (layers, k_cache, v_cache, key_rounding)
         self._workspace = torch.empty(0, dtype=torch.uint8)

@@ -157,8 +157,23 @@ class DecoderModel:
         tensors = [self.norm] + [t for layer in self.layers for t in layer.small_tensors]
         total = sum(t.numel() * t.element_size() for t in tensors) + self.embed.nbytes
         linears = [x for layer in self.layers for x in layer.linears.values()]
-        tied = isinstance(self.lm_head, QuantLinear) and self.lm_head.parts[0] is self.embed.quant
-        return total + sum(_nbytes(x) for x in linears) + (0 if tied else _nbytes(self.lm_head))
+        head = 0 if self._head_is_embed() else _nbytes(self.lm_head)
+        return total + sum(_nbytes(x) for x in linears) + head
+
+    def _head_is_embed(self) -> bool:
+        """Whether the LM head runs on the embedding's own quantized table (one copy of it)."""
+        return isinstance(self.lm_head, QuantLinear) and self.lm_head.parts[0] is self.embed.quant
+
+    def step_bytes(self) -> int:
+        """Bytes of weights one decode step of one sequence reads (the bound on its speed is the
+        memory's bandwidth over this): every linear and norm, each mixture's router and top_k
+        experts, one row of the embedding (all of it where it is also the LM head)."""
+        total = self.weights_bytes()
+        moes = [x for layer in self.layers for x in layer.linears.values()
+                if isinstance(x, FloatMoe | QuantMoe)]
+        total -= sum(m.nbytes - m.step_nbytes for m in moes)
+        row = self.embed.nbytes // self.cfg.vocab_size
+        return total + row if self._head_is_embed() else total - self.embed.nbytes + row
 
     def linear_kinds(self) -> dict[str, str]:
         """What each linear (and the embedding) runs as: float32, int8, int4 or a mix."""
@@ -285,6 +300,8 @@ class _WeightGetter:
         self.quantization, self.from_gguf, self.kernels = quantization, from_gguf, kernels
         self.norm_plus_one = norm_plus_one
         self.shapes: dict[str, tuple[int, ...]] = {}  # every tensor fetched, by name
+        if quantization != "none":  # a GGUF type the kernels cannot run: refused before any is read
+            getattr(weights, "check_runnable", lambda: None)()
 
     def has(self, name: str) -> bool:
         return name in self.weights
@@ -338,7 +355,7 @@ class _WeightGetter:
         for name, b in zip(names, bits):
             assert b is not None  # the quantization mode quantizes every linear or none
             q = self.weights.quantized(name, b)
-            if parts and parts[-1].record == q.record and parts[-1].n % quant.TILE == 0:
+            if parts and parts[-1].format == q.format and parts[-1].n % quant.TILE == 0:
                 parts[-1] = quant.concat([parts[-1], q])  # one kernel call for same-kind parts
             else:
                 parts.append(q)

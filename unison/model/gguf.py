@@ -24,7 +24,7 @@ import torch
 
 from unison.json_types import JSONObject
 
-from . import quant
+from . import gguf_blocks, quant
 from .families import BY_ARCHITECTURE, BY_GGUF, Family
 from .quant import BlockQuant, QuantWeight
 
@@ -422,25 +422,38 @@ class GGUFWeights:
         return torch.from_numpy(w).reshape(self.shape(name))
 
     def quantized(self, name: str, bits: int) -> QuantWeight:
-        """The [n, k] tensor as the kernel's int4 or int8 blocks, converted a slice of rows at a
-        time: exactly for GGUF's 4-bit types (into either), Q5_0, Q5_1 and Q8_0 (into int8), else
-        requantized."""
+        """The [n, k] tensor for the kernels, converted a slice of rows at a time: a GGUF block
+        format as stored (gguf_blocks.py, whatever `bits`), Q4_0 / Q4_1 into int4 records exactly,
+        float tensors quantized to `bits`; any other type refused by name."""
         t = self._tensor(name)
         n, k = self.shape(name)
         rows = self._rows(t)
-        exact = _EXACT.get(t.type_name)
+        if t.type_name in gguf_blocks.FORMATS:
+            weight = gguf_blocks.pack(t.type_name, n, k, lambda r0, r1: np.ascontiguousarray(rows[r0:r1]))
+        elif t.type_name in quant.GGUF_INT4_TYPES:
+            decode = _q4_0 if t.type_name == "Q4_0" else _q4_1
+            wide = bits == 8  # (int8 asked for: the same values, widened)
 
-        def convert(r0: int, r1: int) -> BlockQuant:
-            raw = rows[r0:r1]
-            if exact is not None and bits >= exact[0]:  # 4-bit blocks widen to int8 exactly
-                bq = exact[1](np.ascontiguousarray(raw))
-                return bq if bq.bits == bits else BlockQuant(bits, bq.q.astype(np.int8), bq.d, bq.min())
-            return quant.QUANTIZERS[bits](_dequantize(t, raw))
+            def convert(r0: int, r1: int) -> BlockQuant:
+                bq = decode(np.ascontiguousarray(rows[r0:r1]))
+                return BlockQuant(8, bq.q.astype(np.int8), bq.d, bq.min()) if wide else bq
 
-        # Q4_0 keeps its 4.5 bits: its m (-8 d) is left out of the records, for the kernel to compute.
-        weight = quant.pack(n, k, bits, convert, symmetric=t.type_name == "Q4_0" and bits == 4)
+            # Q4_0 keeps its 4.5 bits: its m (-8 d) is left out of the records, for the kernel to compute.
+            weight = quant.pack(n, k, bits, convert, symmetric=t.type_name == "Q4_0" and not wide)
+        elif t.type_name in gguf_blocks.FLOAT_TYPES:
+            quantize = quant.QUANTIZERS[bits]
+            weight = quant.pack(n, k, bits, lambda r0, r1: quantize(_dequantize(t, rows[r0:r1])))
+        else:
+            raise gguf_blocks.refusal(t.name, t.type_name)
         self._release(t)
         return weight
+
+    def check_runnable(self) -> None:
+        """A ValueError naming the first tensor whose type the kernels cannot run (before anything
+        is converted)."""
+        for t in self.tensors.values():
+            if t.type_name not in gguf_blocks.RUNNABLE and t.type_name not in _NUMPY_TYPES:
+                raise gguf_blocks.refusal(t.name, t.type_name)
 
     def _release(self, t: _Tensor) -> None:
         """Drop the tensor's file pages from this process (they stay in the page cache), so the
@@ -502,7 +515,7 @@ def _dequantize(t: _Tensor, raw: np.ndarray) -> np.ndarray:
                          "cannot read; re-quantize the file to a common type (Q4_K, Q8_0, ...)") from None
 
 
-# ---- GGUF blocks -> kernel blocks, exactly ----------------------------------------------------
+# ---- Q4_0 / Q4_1 -> int4 records, exactly ----------------------------------------------------
 
 def _fp16(b: np.ndarray) -> np.ndarray:
     """[..., 2] uint8 -> [...] float16."""
@@ -522,53 +535,6 @@ def _q4_1(raw: np.ndarray) -> BlockQuant:  # d, m, 16 bytes of nibbles as Q4_0
     qs = b[..., 4:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(raw.shape[0], -1)
     return BlockQuant(4, q, _fp16(b[..., :2]), _fp16(b[..., 2:4]))
-
-
-def _q8_0(raw: np.ndarray) -> BlockQuant:
-    # d, 32 int8. The kernel takes -127..127: -128, which llama.cpp never writes, is clamped.
-    b = raw.reshape(raw.shape[0], -1, 34)
-    q = np.maximum(b[..., 2:].view(np.int8), -127).reshape(raw.shape[0], -1)
-    return BlockQuant(8, q, _fp16(b[..., :2]), None)
-
-
-def _q4_k(raw: np.ndarray) -> BlockQuant:
-    """256-element super-blocks of 8 sub-blocks: w = d * sc * q - dmin * mn per sub-block."""
-    from gguf.quants import Q4_K
-
-    rows = raw.shape[0]
-    b = raw.reshape(-1, 144)
-    d = _fp16(b[:, :2]).astype(np.float32)[:, None]
-    dmin = _fp16(b[:, 2:4]).astype(np.float32)[:, None]
-    sc, mn = Q4_K.get_scale_min(b[:, 4:16])
-    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 64 elements per 32 bytes: low nibbles first
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, -1)
-    scale = (d * sc.astype(np.float32)).astype(np.float16).reshape(rows, -1)
-    low = (-(dmin * mn.astype(np.float32))).astype(np.float16).reshape(rows, -1)
-    return BlockQuant(4, q, scale, low)
-
-
-def _q5(raw: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q5_0 / Q5_1 blocks: (their 5-bit values [rows, k] in 0..31, the block bytes)."""
-    b = raw.reshape(raw.shape[0], -1, size)
-    qs, qh = b[..., -16:], np.ascontiguousarray(b[..., -20:-16]).view("<u4")  # bit j: element j's 5th bit
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
-    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
-    return (low | (high.astype(np.int16) << 4)).reshape(raw.shape[0], -1), b
-
-
-def _q5_0(raw: np.ndarray) -> BlockQuant:  # d, qh, qs: w = d * (q - 16), widened to int8 exactly
-    q, b = _q5(raw, 22)
-    return BlockQuant(8, (q - 16).astype(np.int8), _fp16(b[..., :2]), None)
-
-
-def _q5_1(raw: np.ndarray) -> BlockQuant:  # d, m, qh, qs: w = d * q + m
-    q, b = _q5(raw, 24)
-    return BlockQuant(8, q.astype(np.int8), _fp16(b[..., :2]), _fp16(b[..., 2:4]))
-
-
-# GGUF type -> (the fewest bits that hold it exactly, its decoder)
-_EXACT = {"Q4_0": (4, _q4_0), "Q4_1": (4, _q4_1), "Q4_K": (4, _q4_k), "Q5_0": (8, _q5_0),
-          "Q5_1": (8, _q5_1), "Q8_0": (8, _q8_0)}
 
 
 # ---- the config and tokenizer as a directory ----------------------------------------------------

@@ -61,6 +61,13 @@ class FloatMoe:
         return sum(t.numel() * t.element_size() for t in (self.router, self.gate, self.up, self.down))
 
     @property
+    def step_nbytes(self) -> int:
+        """Bytes one row's step reads: the router and its top_k experts."""
+        experts = sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+        router = self.router.numel() * self.router.element_size()
+        return router + experts * self.cfg.top_k // self.cfg.num_experts
+
+    @property
     def kind(self) -> str:
         return str(self.gate.dtype).removeprefix("torch.")
 
@@ -76,7 +83,7 @@ class QuantMoe:
         self.weights = {"gate": gate, "up": up, "down": down}
 
         def linear(w: QuantWeight) -> cpu_kernels.ExpertLinearC:
-            return cpu_kernels.ExpertLinearC(w.record, w.packed.data_ptr(), w.n_padded, w.k)
+            return cpu_kernels.ExpertLinearC(w.format, w.packed.data_ptr(), w.n_padded, w.k)
 
         self.c = cpu_kernels.MoeLayerC(moe.num_experts, moe.top_k, gate.k, moe.intermediate_size,
                                        int(moe.norm_topk_prob), cpu_kernels.ACTIVATIONS[activation],
@@ -92,6 +99,12 @@ class QuantMoe:
     @property
     def nbytes(self) -> int:
         return self.router.numel() * 4 + sum(w.nbytes for w in self.weights.values())
+
+    @property
+    def step_nbytes(self) -> int:
+        """Bytes one row's step reads: the router and its top_k experts."""
+        experts = sum(w.nbytes for w in self.weights.values())
+        return self.router.numel() * 4 + experts * self.cfg.top_k // self.cfg.num_experts
 
     @property
     def kind(self) -> str:

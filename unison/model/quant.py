@@ -1,10 +1,9 @@
-"""Quantized weights for CPUs: conversion into the blocks csrc/quant_linear.c runs, and the layer.
+"""Quantized weights for CPUs: our int4 / int8 records for csrc/quant_linear.c, and the layer.
 
 A weight matrix [n, k] is held as blocks of 32 along k, w = d * q + m per block and output row:
 int4 (q in 0..15, fp16 d and m: 5 bits per weight) or int8 (q in -127..127, fp16 d and m: 9 bits).
-GGUF's own 4-bit types map onto either exactly (Q4_0, Q4_1; Q4_K up to the fp16 rounding of its
-sub-block scales) and Q8_0 onto int8; every other type is dequantized a slice of rows at a time
-and requantized to int8, so no tensor ever exists whole in float32.
+A float checkpoint is quantized into them; GGUF's Q4_0 and Q4_1 map onto int4 exactly, at their own
+bytes. GGUF's other block formats keep their own layout (gguf_blocks.py); a QuantWeight holds either.
 
 Why our own kernel: the kept int8 libraries (fbgemm's dynamic Linear, oneDNN's qlinear) take one
 activation scale per call, so a row's result depends on the rest of its batch; torch's weight-only
@@ -26,8 +25,12 @@ RECORD = {4: 160, 8: 288}  # bytes per (tile, block): see csrc/quant_linear.c
 # int4 records without m, where m = -8 d (GGUF's Q4_0): a Q4_0 file runs at its own 4.5 bits.
 # The kernels tell the formats apart by their record's size.
 INT4_SYM_RECORD = 144
-# GGUF types that map onto int4 exactly (Q4_K up to the fp16 rounding of its sub-block scales).
-GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# GGUF types the int4 records hold at their own bytes (the others: gguf_blocks.py).
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1")
+# GGUF block formats run as stored (gguf_blocks.py): format codes 4096 + the GGML type id.
+GGUF_FORMAT_BASE = 4096
+GGML_TYPE_IDS = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
+                 "IQ4_XS": 23}
 CHUNK_ELEMENTS = 1 << 20  # rows converted at a time: bounds the temporaries to a few MiB
 
 
@@ -57,21 +60,24 @@ class BlockQuant:
 
 @dataclass(slots=True)
 class QuantWeight:
-    """A [n, k] matrix packed for the kernel: uint8 records [n_padded / 8, kp / 32, record]."""
+    """A [n, k] matrix packed for the kernel: uint8 records [n_padded / 8, kp / 32, record], or
+    for a GGUF block format [n_padded / 8, k / its block, record] (gguf_blocks.py)."""
 
-    bits: int
+    bits: int  # int4 / int8; for a GGUF block format, its bits per weight rounded
     packed: torch.Tensor
     n: int
     k: int
+    gguf_type: str | None = None  # a GGUF block format run as stored (gguf_blocks.py), or our records
 
     @property
     def kind(self) -> str:
-        return f"int{self.bits}"
+        return self.gguf_type.lower() if self.gguf_type else f"int{self.bits}"
 
     @property
-    def record(self) -> int:
-        """Bytes per (tile, block) record, which names the format to the kernels."""
-        return self.packed.shape[-1]
+    def format(self) -> int:
+        """The format as the kernels name it: bytes per (tile, block) record for our records
+        (144, 160, 288), 4096 + the GGML type id for a GGUF block format."""
+        return GGUF_FORMAT_BASE + GGML_TYPE_IDS[self.gguf_type] if self.gguf_type else self.packed.shape[-1]
 
     @property
     def kp(self) -> int:
@@ -183,13 +189,14 @@ def quantize(w: torch.Tensor | np.ndarray, bits: int) -> QuantWeight:
 def concat(parts: Sequence[QuantWeight]) -> QuantWeight:
     """Rows of several matrices of the same kind and k (q, k, v into one QKV)."""
     first = parts[0]
-    assert all(p.record == first.record and p.k == first.k and p.n % TILE == 0 for p in parts[:-1])
-    return QuantWeight(first.bits, torch.cat([p.packed for p in parts]), sum(p.n for p in parts), first.k)
+    assert all(p.format == first.format and p.k == first.k and p.n % TILE == 0 for p in parts[:-1])
+    return QuantWeight(first.bits, torch.cat([p.packed for p in parts]), sum(p.n for p in parts), first.k,
+                       first.gguf_type)
 
 
 def stack(parts: Sequence[QuantWeight]) -> QuantWeight:
     """Matrices of one kind and shape as one weight [len(parts), ...] (a mixture's experts, each
     run on its own): `n` and `k` stay each matrix's."""
     first = parts[0]
-    assert all(p.record == first.record and p.n == first.n and p.k == first.k for p in parts)
-    return QuantWeight(first.bits, torch.stack([p.packed for p in parts]), first.n, first.k)
+    assert all(p.format == first.format and p.n == first.n and p.k == first.k for p in parts)
+    return QuantWeight(first.bits, torch.stack([p.packed for p in parts]), first.n, first.k, first.gguf_type)

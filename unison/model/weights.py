@@ -226,9 +226,10 @@ def resolve_quantization(mode: str, device: torch.device, from_gguf: bool, kerne
 
 
 def linear_bits(mode: str, source_type: str, *, head: bool, from_gguf: bool) -> int | None:
-    """Bits a weight runs at under the resolved `mode` (None: float). int4 keeps a GGUF's 4-bit
-    tensors at 4 bits and all its others at 8; a float checkpoint under int4 goes to 4 bits,
-    but its embedding and LM head to 8 (as llama.cpp's Q4_K_M keeps its output tensor wider)."""
+    """Bits a weight runs at under the resolved `mode` (None: float). A GGUF's block formats run
+    as stored whatever this says (gguf_blocks.py); int4 keeps its Q4_0 / Q4_1 at 4 bits and its
+    float tensors go to 8; a float checkpoint under int4 goes to 4 bits, but its embedding and LM
+    head to 8 (as llama.cpp's Q4_K_M keeps its output tensor wider)."""
     if mode == "none":
         return None
     if mode == "int8":

@@ -45,14 +45,15 @@ void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *a
 void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t kp, void *buf,
                     int num_threads);
 int64_t act16_bytes(int64_t rows, int64_t kp);
+int64_t quant_tile_bytes(int64_t format, int64_t kp);
 void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads);
 
 static int64_t kp_of(int64_t k) { return (k + QBLOCK - 1) / QBLOCK * QBLOCK; }
 static int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
 
-// Expert e's packed weight: tiles of 8 columns, each kp / 32 records.
+// Expert e's packed weight: tiles of 8 columns.
 static const uint8_t *expert_weight(const ExpertLinear *l, int64_t e) {
-    return l->w + e * (l->n / TILE) * (kp_of(l->k) / QBLOCK) * l->record;
+    return l->w + e * (l->n / TILE) * quant_tile_bytes(l->record, kp_of(l->k));
 }
 
 // ---- the workspace of one pass of `rows` rows ---------------------------------------------------
@@ -200,8 +201,8 @@ static void group_pairs(const MoeLayer *L, int64_t rows, Work *w, int64_t *n_up,
 // [c0, c0 + cols) of expert e's linear `l`, into `out` (row stride ldo) at those columns.
 static void expert_gemm(const ExpertLinear *l, int64_t e, int64_t c0, int64_t cols, const uint8_t *act,
                         int64_t start, int64_t count, float *out, int64_t ldo) {
-    const int64_t kp = kp_of(l->k), nb = kp / QBLOCK;
-    const uint8_t *wt = expert_weight(l, e) + (c0 / TILE) * nb * l->record;
+    const int64_t kp = kp_of(l->k);
+    const uint8_t *wt = expert_weight(l, e) + (c0 / TILE) * quant_tile_bytes(l->record, kp);
     quant_gemm(wt, l->record, cols, kp, (void *)(act + act16_bytes(start, kp)), count, out + start * ldo + c0, ldo, 1);
 }
 

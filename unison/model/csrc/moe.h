@@ -4,7 +4,7 @@
 #include <stdint.h>
 
 typedef struct {  // one projection of every expert: expert e's [n, k] weight packed as quant_linear.c's
-    int64_t record;  // the format, as quant_linear.c names it: bytes per record (int4: 160 or 144, int8: 288)
+    int64_t record;  // the format, as quant_linear.c names it (quant_tile_bytes)
     const uint8_t *w;  // expert 0's; the experts follow each other, each the same size
     int64_t n, k;  // n a multiple of 8
 } ExpertLinear;

@@ -23,7 +23,8 @@
 // The record's size names its format wherever a weight is passed (`record`). The third keeps a
 // Q4_0 file's experts and linears at the file's own 4.5 bits; m = -8 d is computed in float32,
 // exactly the float of the fp16 m the 160-byte record would hold (d times a power of two), so
-// both records of the same blocks give the same bits.
+// both records of the same blocks give the same bits. GGUF's other block formats (Q4_K, Q6_K,
+// Q8_0, ...) keep their own blocks: gguf_blocks.h, format codes 4096 + the GGML type id.
 //
 // The paths, chosen at run time (quant_kernel_select) by what the CPU reports:
 //   AVX2: int4 by maddubs on the activations' bytes (q = 256 h + l, h signed, l unsigned), or for
@@ -211,7 +212,8 @@ static inline float record_m(const uint8_t *rec, int64_t record, int col) {
 // da, sa = da * sum(q) (for the weights' min term) and l8 = 8 * sum(lo) (for the kernel's signed
 // low-byte weights), q itself as floats (qf, for the AVX2 many-row path), and q as int16 pairs in
 // the VNNI path's order (q2: pair 4c + j of a block is q[8c + j], q[8c + 4 + j], the two nibbles
-// of one packed weight byte). Columns k..kp (padding to a whole block) are 0.
+// of one packed weight byte), and per half block (16) sum(q) and sum(lo) (s16, l16: the offsets
+// of the GGUF block formats, gguf_blocks.h). Columns k..kp (padding to a whole block) are 0.
 typedef struct {
     int8_t *hi;
     uint8_t *lo;
@@ -219,6 +221,7 @@ typedef struct {
     int32_t *l8;
     float *qf;
     int16_t *q2;
+    int32_t *s16, *l16;
 } act16;
 
 static act16 act16_at(void *buf, int64_t rows, int64_t kp) {
@@ -231,11 +234,13 @@ static act16 act16_at(void *buf, int64_t rows, int64_t kp) {
     a.l8 = (int32_t *)(a.sa + rows * nb);
     a.qf = (float *)(a.l8 + rows * nb);
     a.q2 = (int16_t *)(a.qf + rows * kp);
+    a.s16 = (int32_t *)(a.q2 + rows * kp);
+    a.l16 = a.s16 + rows * (kp / 16);
     return a;
 }
 
 // Scratch bytes for the activations of a linear of `rows` rows.
-int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 8 + rows * (kp / QBLOCK) * 12; }
+int64_t act16_bytes(int64_t rows, int64_t kp) { return rows * kp * 8 + rows * (kp / QBLOCK) * 12 + rows * kp / 2; }
 
 #ifdef QL_AVX2
 // One whole block, 8 lanes at a time: the same values as the scalar loop below (cvtps rounds to
@@ -253,13 +258,13 @@ static inline void act16_block(const float *x, act16 a, int64_t at, int64_t rb) 
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
     const __m256i lim = _mm256_set1_epi32(32767), nlim = _mm256_set1_epi32(-32767), ff = _mm256_set1_epi32(0xff);
-    __m256i sum = _mm256_setzero_si256(), lows = _mm256_setzero_si256();
+    __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, lows[2] = {sum[0], sum[0]};
     for (int i = 0; i < 4; i++) {
         __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
         q = _mm256_max_epi32(_mm256_min_epi32(q, lim), nlim);
         const __m256i lo = _mm256_and_si256(q, ff);
-        sum = _mm256_add_epi32(sum, q);
-        lows = _mm256_add_epi32(lows, lo);
+        sum[i / 2] = _mm256_add_epi32(sum[i / 2], q);
+        lows[i / 2] = _mm256_add_epi32(lows[i / 2], lo);
         _mm256_storeu_ps(a.qf + at + 8 * i, _mm256_cvtepi32_ps(q));
         const __m128i pairs = _mm_or_si128(  // (q[j], q[4 + j]) as int16 pairs: the nibbles' order
             _mm_and_si128(_mm256_castsi256_si128(q), _mm_set1_epi32(0xffff)),
@@ -273,10 +278,16 @@ static inline void act16_block(const float *x, act16 a, int64_t at, int64_t rb) 
             a.lo[at + 8 * i + j] = (uint8_t)ls[j];
         }
     }
-    int32_t s8[8], l8[8], total = 0, low_total = 0;
-    _mm256_storeu_si256((__m256i *)s8, sum);
-    _mm256_storeu_si256((__m256i *)l8, lows);
-    for (int j = 0; j < 8; j++) total += s8[j], low_total += l8[j];
+    int32_t total = 0, low_total = 0;
+    for (int h = 0; h < 2; h++) {  // the halves' sums, then the block's
+        int32_t s8[8], l8[8], half = 0, low_half = 0;
+        _mm256_storeu_si256((__m256i *)s8, sum[h]);
+        _mm256_storeu_si256((__m256i *)l8, lows[h]);
+        for (int j = 0; j < 8; j++) half += s8[j], low_half += l8[j];
+        a.s16[2 * rb + h] = half;
+        a.l16[2 * rb + h] = low_half;
+        total += half, low_total += low_half;
+    }
     a.da[rb] = d;
     a.sa[rb] = d * (float)total;
     a.l8[rb] = 8 * low_total;
@@ -311,7 +322,10 @@ void quantize_act16(const float *x, int64_t x_stride, int64_t rows, int64_t k, i
                 a.q2[r * kp + k0 + (i / 8) * 8 + (i % 4) * 2 + (i % 8) / 4] = (int16_t)v;
                 sum += v;
                 lows += v & 0xff;
+                if (i == 15) a.s16[2 * (r * nb + b)] = sum, a.l16[2 * (r * nb + b)] = lows;
             }
+            a.s16[2 * (r * nb + b) + 1] = sum - a.s16[2 * (r * nb + b)];
+            a.l16[2 * (r * nb + b) + 1] = lows - a.l16[2 * (r * nb + b)];
             a.da[r * nb + b] = d;
             a.sa[r * nb + b] = d * (float)sum;
             a.l8[r * nb + b] = 8 * lows;
@@ -1039,6 +1053,13 @@ static AMX_TARGET int amx_linear(const uint8_t *w, int64_t record, int64_t n, in
 
 #define ROW_CHUNK 64  // rows whose activations stay in cache while every column tile passes them
 
+#include "gguf_blocks.h"
+
+// Bytes of one tile (8 columns) of a weight of format `format` over kp inputs.
+int64_t quant_tile_bytes(int64_t format, int64_t kp) {
+    return is_block_format(format) ? block_tile_bytes(format, kp) : kp / QBLOCK * format;
+}
+
 // The micro-kernel of the path without widening: tiles split among threads, rows in chunks.
 static void tile_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 all, int64_t m,
                         float *out, int64_t ldo, int num_threads) {
@@ -1084,6 +1105,10 @@ static void tile_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp,
 void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *act, int64_t m, float *out,
                 int64_t ldo, int num_threads) {
     const act16 all = act16_at(act, m, kp);
+    if (is_block_format(record)) {
+        block_linear(record, w, n, kp, all, m, out, ldo, num_threads);
+        return;
+    }
     const int path = quant_kernel_path();
     (void)path;  // (a build without AVX2 has one path)
     // Each widening path returns -1 without the memory for it: the next one gives the same numbers.
@@ -1131,6 +1156,10 @@ void quant_linear_parts(const float *x, int64_t x_stride, int64_t m, int64_t k, 
 // out [len(ids), k] = the float weights of columns ids (rows of the original [n, k] matrix).
 void dequantize_columns(int64_t record, const uint8_t *w, int64_t kp, int64_t k, const int64_t *ids,
                         int64_t count, float *out) {
+    if (is_block_format(record)) {
+        block_dequantize_columns(record, w, kp, k, ids, count, out);
+        return;
+    }
     const int64_t nb = kp / QBLOCK;
     for (int64_t i = 0; i < count; i++) {
         const int col = (int)(ids[i] % TILE);
