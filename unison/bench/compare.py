@@ -69,6 +69,16 @@ def offline(concurrency: int, gguf: str, input_len: int, output_len: int) -> flo
         return rate
 
 
+def bound(gguf: str, threads: int) -> tuple[float, int]:
+    """(the memory's read GB/s on `threads` threads, the bytes a decode step of `gguf` reads), by
+    `unison bench bandwidth` in its own process."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([*UNISON, "bench", "bandwidth", "--model-path", gguf, "--num-threads", str(threads),
+                        "--result-file", f.name], check=True, stdout=subprocess.DEVNULL)
+        out = json.loads(Path(f.name).read_text())
+        return out["read_gbps"], out["step_bytes"]
+
+
 def setups(args: argparse.Namespace, gguf: str, levels: list[int]) -> list[Setup]:
     llama = [args.llama_server, "-m", gguf, "-t", str(args.threads), "--host", "127.0.0.1",
              *shlex.split(args.llama_args)]
@@ -109,6 +119,15 @@ def main(args: argparse.Namespace) -> int:
         tpot = statistics.median(t for _, t in latencies[name, c])
         print(f"{name:<22}{c:>8}{', '.join(f'{t:.1f}' for t in tps):>34}{statistics.median(tps):>9.1f}"
               f"{ttft:>9.0f}{tpot:>9.1f}")
+    if 1 in levels:  # one stream against the memory's bound: the step's bytes over its time
+        gbps, step = bound(gguf, args.threads)
+        print(f"one stream's bound: a step reads {step / 2**20:.0f} MiB at {gbps:.1f} GB/s "
+              f"({step / gbps / 1e6:.1f} ms a token)")
+        for (name, c), lat in sorted(latencies.items()):
+            tpot = statistics.median(t for _, t in lat)
+            if c == 1 and tpot:
+                achieved = step / tpot / 1e6
+                print(f"  {name:<22} {achieved:5.1f} GB/s: {achieved / gbps:.2f} of the bound")
     return 0
 
 

@@ -6,7 +6,9 @@ of Llama 3.2 1B / 3B, of Qwen3-30B-A3B (a mixture of 128 experts, 8 per token), 
 Qwen3.5-35B-A3B (three Gated DeltaNet layers to one of gated attention, 256 experts, 8 per token,
 and a shared expert), random Q4_0 linears and experts, a Q8_0 embedding (tied to the LM head),
 float32 norms, router and DeltaNet parameters, and the embedded model's tokenizer, so both
-Unison and llama.cpp read it and any client can send it text. (The vocabulary is the embedded
+Unison and llama.cpp read it and any client can send it text. `--qtype` other than q4_0 writes
+the weights in F16 and, for a quantized type, has llama.cpp's own `llama-quantize` turn them into
+it (Q4_K_M: the file users download, with llama.cpp's choice of Q6_K tensors). (The vocabulary is the embedded
 tokenizer's 49,152, not Qwen3.5's 248,320: its LM head reads 0.1 GB a token less.) The weights
 are random bytes: what it generates is meaningless text, at the speed real weights of that size
 would run. Tensors are written one at a time, never all in memory.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,9 +80,10 @@ def embedded_gguf() -> GGUFReader:
 
 
 def write_model(shape: dict[str, int], out: Path, seed: int = 0,
-                renames: dict[str, str] | None = None) -> Path:
+                renames: dict[str, str] | None = None, float16: bool = False) -> Path:
     """Writes a model of `shape` (as SHAPES holds them) to `out`; returns `out`. `renames`: tokens
-    of the embedded vocabulary given other strings."""
+    of the embedded vocabulary given other strings. `float16`: the linears and the embedding in
+    F16 (for llama-quantize), else random Q4_0 / Q8_0 blocks."""
     from gguf import GGUFWriter
 
     s, rng, tokenizer = shape, np.random.default_rng(seed), embedded_gguf()
@@ -114,9 +118,11 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
         w.add_ssm_inner_size(s["v_heads"] * s["state"])
         w.add_full_attention_interval(4)
         w.add_rope_dimension_sections([11, 11, 10, 0])
-    w.add_file_type(2)  # mostly Q4_0
+    w.add_file_type(1 if float16 else 2)  # all F16, or mostly Q4_0
     _copy_tokenizer(w, tokenizer, renames)
     tensors = _tensors(s, vocab, head_dim)
+    if float16:
+        tensors = {n: (r, c, "F16" if k in ("Q4_0", "Q8_0") else k) for n, (r, c, k) in tensors.items()}
     for name, (rows, cols, kind) in tensors.items():
         _add_info(w, name, rows, cols, kind)
     w.write_header_to_file()
@@ -207,8 +213,9 @@ def _add_info(w: GGUFWriter, name: str, rows: int | tuple[int, int], cols: int, 
     if kind == "router" and rows == 1:  # the shared expert's gate: [1, hidden]
         shape = (1, cols)
     count = int(np.prod(shape))
-    if kind in ("F32", "router", "conv", "decay"):
-        w.add_tensor_info(name, shape, np.dtype(np.float32), count * 4)
+    if kind in ("F32", "router", "conv", "decay", "F16"):
+        dtype = np.dtype(np.float16 if kind == "F16" else np.float32)
+        w.add_tensor_info(name, shape, dtype, count * dtype.itemsize)
         return
     qtype = GGMLQuantizationType[kind]
     block, size = GGML_QUANT_SIZES[qtype]
@@ -221,6 +228,8 @@ def _data(rng: np.random.Generator, rows: int | tuple[int, int], cols: int, kind
         return _blocks(rng, rows[0] * rows[1], cols, kind).reshape(rows[0], rows[1], -1)
     if kind == "F32":
         return np.ones(rows * cols, np.float32)
+    if kind == "F16":  # the spread of the random Q4_0 blocks' values
+        return (rng.standard_normal((rows, cols), np.float32) * (0.5 / np.sqrt(cols))).astype(np.float16)
     if kind == "router":  # logits of spread ~1, so tokens spread over the experts
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
     if kind == "conv":  # the DeltaNet's short convolution
@@ -236,10 +245,25 @@ def main(args: argparse.Namespace) -> int:
         if args.layers < 1:
             raise SystemExit("--layers must be >= 1")
         shape["layers"] = args.layers
-    out = write_model(shape, Path(args.out), args.seed)
+    qtype, out = args.qtype.upper(), Path(args.out)
+    if qtype not in ("Q4_0", "F16") and args.llama_quantize is None:
+        raise SystemExit(f"--qtype {args.qtype} is made by llama.cpp's llama-quantize: "
+                         "pass --llama-quantize PATH")
+    if qtype in ("Q4_0", "F16"):
+        write_model(shape, out, args.seed, float16=qtype == "F16")
+    else:
+        f16 = out.with_name(out.stem + ".f16.gguf")
+        try:
+            write_model(shape, f16, args.seed, float16=True)
+            proc = subprocess.run([args.llama_quantize, str(f16), str(out), qtype], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"llama-quantize failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
+        finally:
+            f16.unlink(missing_ok=True)
     family = "Qwen3.5-MoE" if "v_heads" in shape else "Qwen3-MoE" if "experts" in shape else "Llama"
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB): {family} {args.size} shape, "
-          f"{shape['layers']} layers, random Q4_0 weights; serve it with: unison serve --model-path {out}")
+          f"{shape['layers']} layers, random {qtype} weights; serve it with: unison serve --model-path {out}")
     return 0
 
 
@@ -252,4 +276,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="fewer layers than the shape's (30b-a3b with 12: about 4.5 GB)")
     p.add_argument("--out", required=True, help="the .gguf file to write")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--qtype", default="q4_0",
+                   help="q4_0 (random blocks, the default), f16, or any type llama-quantize makes "
+                        "(q4_k_m, q5_k_m, q6_k, iq4_xs, ...: needs --llama-quantize)")
+    p.add_argument("--llama-quantize", default=None, metavar="PATH", help="llama.cpp's llama-quantize binary")
     p.set_defaults(func=main)

@@ -261,6 +261,11 @@ def report(ours: Json, base: dict[str, float], load_s: float) -> str:
     if ours.get("kv_events"):
         lines.append(f"KV events read by a subscriber: {ours['kv_events']['batches']} batches, "
                      f"{ours['kv_events']['events']} events")
+    if ours.get("read_gbps"):  # one stream: the step's bytes at its decode rate, against the memory's
+        gbps = ours["step_bytes"] * ours["decode_tok_s"] / 1e9
+        lines.append(f"one stream: a step reads {ours['step_bytes'] / 2**20:.0f} MiB; decode reads "
+                     f"{gbps:.1f} GB/s of the memory's {ours['read_gbps']:.1f} GB/s: "
+                     f"{gbps / ours['read_gbps']:.2f} of the bound")
     if "ceiling_s" in ours:
         tok_s = ours["output_tokens"] / ours["ceiling_s"]
         lines.append(f"linear-layer ceiling: {tok_s:.1f} output tok/s (the GEMMs alone take "
@@ -361,6 +366,7 @@ def main(args: argparse.Namespace) -> int:
             ours = {**rates, "kv_events": events}
         info = engine.server_info()
         ours["quantization"], ours["device"] = info.core.quantization, info.config.device
+        ours["step_bytes"] = info.core.step_bytes
         ours["spec_decode"] = msgspec.to_builtins(info.stats.spec_decode)
     finally:
         engine.shutdown()
@@ -369,6 +375,11 @@ def main(args: argparse.Namespace) -> int:
 
         ours["ceiling_s"] = ceiling.measure(args.model_path, shapes, args.num_threads,
                                             ours["quantization"])
+    one_stream = args.bench == "latency" or getattr(args, "num_prompts", 0) == 1
+    if one_stream and ours["device"] == "cpu" and ours["step_bytes"] and ours.get("decode_tok_s"):
+        from unison.bench import bandwidth
+
+        ours["read_gbps"] = bandwidth.measure(args.num_threads)
     base: dict[str, float] = {}
     if args.baseline == "hf":
         hf = HFBaseline(args.model_path, args.num_threads, args.quiet, ours["device"])

@@ -15,6 +15,7 @@ from unison.core.lora import LoraRegistry
 from unison.core.request import Request
 from unison.core.scheduler import Scheduler
 from unison.core.spec_decode import Drafter
+from unison.model.decoder import DecoderModel
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.runner import ModelRunner
 from unison.protocol import CoreInfo, EngineStats, LoraAdapterInfo, RequestInfo
@@ -50,6 +51,7 @@ class CoreReport:
             num_blocks=self.num_blocks, max_total_tokens=self.num_blocks * core.config.block_size,
             quantization=runner.quantization, kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
             weights=runner.model.linear_kinds(), weights_bytes=runner.model.weights_bytes(),
+            step_bytes=runner.model.step_bytes() if isinstance(runner.model, DecoderModel) else 0,
             max_queued_requests=core.config.max_queued_requests, task=core.task,
             embedding_size=runner.output_size, rerank_template=runner.rerank_template,
         )
