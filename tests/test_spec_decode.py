@@ -8,6 +8,7 @@ import json
 import math
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +16,7 @@ from tests.test_engine import wait_idle
 from unison import Engine
 from unison.bench.datasets import GROUNDED_KINDS, WORDS, grounded_prompt
 from unison.config import EngineConfig, SpeculativeConfig
-from unison.core.spec_decode import propose
+from unison.core.spec_decode import Drafter, propose
 from unison.protocol import GetServerInfo, ServerInfo
 from unison.server.metrics import render_metrics
 
@@ -218,3 +219,20 @@ def test_propose_takes_the_latest_longest_match():
     assert propose([5, 1, 2, 6, 4, 1, 2], k=3, n_max=4, n_min=2) == [6, 4, 1]
     assert propose([1, 2, 3, 4], k=3, n_max=3, n_min=2) == []  # no earlier match
     assert propose([4, 4, 4, 4], k=3, n_max=2, n_min=1) == [4]  # the match right before the end
+
+
+def test_draft_length_follows_acceptance():
+    """A request's next draft is one past what its last one kept, one longer after a draft kept
+    whole (up to k); two misses in a row pause its drafts."""
+    drafter = Drafter(SpeculativeConfig(**SPEC))  # k = 5
+    req = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 1, 2], drafts_resume_at=0, draft_length=0,
+                          draft_misses=0)
+    assert drafter.drafts([req], [10], 1, 0) == [[3, 4, 5, 6, 7]]
+    drafter.verified(req, [3, 4, 5, 6, 7], 1, 0)  # one kept
+    assert drafter.drafts([req], [10], 1, 1) == [[3, 4]]
+    drafter.verified(req, [3, 4], 2, 1)  # kept whole
+    assert drafter.drafts([req], [10], 1, 2) == [[3, 4, 5, 6]]
+    drafter.verified(req, [3, 4, 5, 6], 0, 2)
+    assert drafter.drafts([req], [10], 1, 3) == [[3]]
+    drafter.verified(req, [3], 0, 3)  # the second miss in a row
+    assert drafter.drafts([req], [10], 1, 4) == [[]]

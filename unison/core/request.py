@@ -50,6 +50,7 @@ class Request:
     grammar_started: bool = True  # False until params.grammar_after appeared in the output
     draft_misses: int = 0  # speculative decoding: drafts in a row with nothing accepted
     drafts_resume_at: int = 0  # ... and the step from which it drafts again after them
+    draft_length: int = 0  # the next draft's length, from the last one's acceptance (0: the most)
 
     @property
     def ready(self) -> bool:

@@ -26,7 +26,9 @@ from unison.protocol import ReqOutput, SpecDecodeStats
 # repeats nearby text; an unbounded search would cost a long request O(length) every step.
 SEARCH_WINDOW = 4096
 # A request whose drafts missed this many times in a row stops drafting for BACKOFF_STEPS steps:
-# text its context does not predict then costs almost nothing.
+# text its context does not predict then costs almost nothing. Between misses, each request's
+# draft length follows its acceptance: one past what its last draft kept, one longer after a
+# draft kept whole (up to num_speculative_tokens), so a rejected tail is short.
 MAX_MISSES = 2
 BACKOFF_STEPS = 8
 
@@ -58,9 +60,9 @@ class Drafter:
         c = self.config
         if batch_size > c.disable_by_batch_size:
             return [[] for _ in reqs]
-        return [propose(r.token_ids, min(c.num_speculative_tokens, room), c.prompt_lookup_max,
-                        c.prompt_lookup_min) if room > 0 and step >= r.drafts_resume_at else []
-                for r, room in zip(reqs, rooms)]
+        return [propose(r.token_ids, min(r.draft_length or c.num_speculative_tokens, room),
+                        c.prompt_lookup_max, c.prompt_lookup_min)
+                if room > 0 and step >= r.drafts_resume_at else [] for r, room in zip(reqs, rooms)]
 
     def verified(self, req: Request, draft: list[int], accepted: int, step: int) -> None:
         s = self.stats
@@ -70,6 +72,8 @@ class Drafter:
         for i in range(accepted):
             s.accepted_per_pos[i] += 1
         req.draft_misses = 0 if accepted else req.draft_misses + 1
+        whole = accepted == len(draft)
+        req.draft_length = min(self.config.num_speculative_tokens, accepted + 1 + whole)
         if req.draft_misses >= MAX_MISSES:
             req.drafts_resume_at, req.draft_misses = step + BACKOFF_STEPS, 0
 
