@@ -13,6 +13,7 @@ import pytest
 from unison import Engine, cli
 from unison.bench import ceiling
 from unison.bench.datasets import random_requests
+from unison.model.loader import default_gguf_path
 
 
 def test_ceiling_total_of_shapes():
@@ -142,3 +143,35 @@ def test_make_model_writes_a_qwen35_moe_gguf_as_llama_cpp_lays_it_out(tmp_path):
         want = theirs(torch.tensor([ids])).logits[0, -1]
     gap = (torch.log_softmax(ours, -1) - torch.log_softmax(want, -1)).abs().max().item()
     assert gap < 0.15, gap
+
+
+def test_bandwidth_bound_of_the_embedded_model(tmp_path, capsys):
+    """`bench bandwidth`: a read speed, and the bytes a decode step of the embedded model reads:
+    every weight as executed but the embedding, which is also its LM head (read whole)."""
+    from unison.model.runner import ModelRunner
+
+    out = tmp_path / "bound.json"
+    assert cli.main(["bench", "bandwidth", "--model-path", str(default_gguf_path()), "--gib", "0.125",
+                     "--trials", "2", "--result-file", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    model = ModelRunner(None, num_blocks=1).model
+    row = model.embed.nbytes // model.cfg.vocab_size
+    assert figures["read_gbps"] > 0.5 and figures["step_bytes"] == model.weights_bytes() + row
+    assert "one stream's bound" in capsys.readouterr().out
+
+
+def test_activations_round_per_row_and_block():
+    """`bench activations`' rounding: 32-blocks of each row to 8 or 16 bits around the block's
+    largest magnitude; a zero block stays zero."""
+    import torch
+
+    from unison.bench.activations import rounded
+
+    x = torch.randn(3, 70) * torch.logspace(-3, 3, 70)
+    x[1, 32:64] = 0
+    for bits, limit in ((8, 127), (16, 32767)):
+        y = rounded(x, bits)
+        blocks = torch.nn.functional.pad(x, (0, 26)).view(3, 3, 32).abs().amax(-1)
+        step = torch.repeat_interleave(blocks / limit, 32, dim=1)[:, :70]
+        assert y.shape == x.shape and ((y - x).abs() <= step / 2 * 1.0001 + 1e-12).all()
+        assert (y[1, 32:64] == 0).all()

@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     from unison.bench import (
+        activations,
         bandwidth,
         compare,
         embed,
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     bandwidth.add_parser(bench_sub)
+    activations.add_parser(bench_sub)
     speculative.add_parser(bench_sub)
     lora.add_parser(bench_sub)
     lora_runner.add_parser(bench_sub)

@@ -69,11 +69,12 @@ def offline(concurrency: int, gguf: str, input_len: int, output_len: int) -> flo
         return rate
 
 
-def bound(gguf: str, threads: int) -> tuple[float, int]:
-    """(the memory's read GB/s on `threads` threads, the bytes a decode step of `gguf` reads), by
-    `unison bench bandwidth` in its own process."""
+def bound(threads: int, gguf: str | None = None) -> tuple[float, int]:
+    """(the memory's read GB/s on `threads` threads, the bytes a decode step of `gguf` reads, 0
+    without one), by `unison bench bandwidth` in its own process."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([*UNISON, "bench", "bandwidth", "--model-path", gguf, "--num-threads", str(threads),
+        model = ["--model-path", gguf] if gguf else []
+        subprocess.run([*UNISON, "bench", "bandwidth", *model, "--num-threads", str(threads),
                         "--result-file", f.name], check=True, stdout=subprocess.DEVNULL)
         out = json.loads(Path(f.name).read_text())
         return out["read_gbps"], out["step_bytes"]
@@ -102,7 +103,10 @@ def main(args: argparse.Namespace) -> int:
     client = Client(args.input_len, args.output_len)
     rows: dict[tuple[str, int], list[float]] = {}  # output tok/s per run
     latencies: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (TTFT, TPOT) ms per run
+    bandwidths: list[float] = []  # measured beside each trial: the machine's share of memory varies
     for trial in range(args.trials):
+        if 1 in levels:
+            bandwidths.append(bound(args.threads)[0])
         for setup in setups(args, gguf, levels):
             for c, summary in measure_server(setup, client).items():
                 rows.setdefault((setup.name, c), []).append(summary["output_throughput"])
@@ -120,9 +124,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"{name:<22}{c:>8}{', '.join(f'{t:.1f}' for t in tps):>34}{statistics.median(tps):>9.1f}"
               f"{ttft:>9.0f}{tpot:>9.1f}")
     if 1 in levels:  # one stream against the memory's bound: the step's bytes over its time
-        gbps, step = bound(gguf, args.threads)
-        print(f"one stream's bound: a step reads {step / 2**20:.0f} MiB at {gbps:.1f} GB/s "
-              f"({step / gbps / 1e6:.1f} ms a token)")
+        step = bound(args.threads, gguf)[1]
+        gbps = statistics.median(bandwidths)
+        print(f"one stream's bound: a step reads {step / 2**20:.0f} MiB at {gbps:.1f} GB/s (the median of "
+              f"{', '.join(f'{b:.1f}' for b in bandwidths)}): {step / gbps / 1e6:.1f} ms a token")
         for (name, c), lat in sorted(latencies.items()):
             tpot = statistics.median(t for _, t in lat)
             if c == 1 and tpot:

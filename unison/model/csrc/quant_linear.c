@@ -658,28 +658,43 @@ static inline __attribute__((always_inline)) void pair_tile(
     for (int r = 0; r < nrows; r++) memcpy(out + r * ldo, acc[r], sizeof(float) * cols);
 }
 
-typedef void (*pair_rows_fn)(const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp,
-                             const float *da, const float *sa, float *out, int64_t ldo, int cols, int nrows);
+// A path's widened groups: `widen` fills a thread's wq and dm from a group of ntiles tiles of
+// format `record` at w, then `rows` runs `step` rows (or the last few) against them.
+typedef void (*widen_fn)(const uint8_t *w, int64_t record, int64_t nb, int ntiles, int32_t *wq, float *dm);
+typedef void (*pair_rows_fn)(int64_t record, const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2,
+                             int64_t kp, const float *da, const float *sa, float *out, int64_t ldo, int cols,
+                             int nrows);
+typedef struct {
+    widen_fn widen;
+    pair_rows_fn rows;
+    int step;
+    int dm_rows;  // floats per block and column after the pairs (d and m)
+    int64_t chunk_bytes;  // activations per chunk of rows: the chunk stays cached while the groups pass it
+} pair_kernel;
 
-static void avx2_pair_rows(const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp,
-                           const float *da, const float *sa, float *out, int64_t ldo, int cols, int nrows) {
+int64_t quant_tile_bytes(int64_t format, int64_t kp);
+
+static void avx2_pair_rows(int64_t record, const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2,
+                           int64_t kp, const float *da, const float *sa, float *out, int64_t ldo, int cols,
+                           int nrows) {
+    (void)record;
     if (nrows == 2)  // constant shapes: registers
         pair_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, cols, 2);
     else
         pair_tile(wq, dm, nb, q2, kp, da, sa, out, ldo, cols, 1);
 }
 
-// out [m, ldo] columns [0, n) for W of either kind, as quant_gemm: each thread widens a tile
-// group, then runs every `step` rows against it through `rows`. Returns 0, or -1 without the
-// memory (nothing written).
-static int pairs_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 a, int64_t m, float *out,
-                        int64_t ldo, int num_threads, pair_rows_fn rows, int step) {
+// out [m, ldo] columns [0, n) for W of format `record`, as quant_gemm: each thread widens a tile
+// group, then runs every `step` rows against it, by `pk`. Returns 0, or -1 without the memory
+// (nothing written).
+static int pairs_linear(const pair_kernel *pk, const uint8_t *w, int64_t record, int64_t n, int64_t kp, act16 a,
+                        int64_t m, float *out, int64_t ldo, int num_threads) {
     const int64_t nb = kp / QBLOCK, tiles = n / TILE, groups = (tiles + PAIR_TILES - 1) / PAIR_TILES;
-    const int64_t per_thread = nb * 18 * PAIR_COLS;  // 16 pair rows and d, m per block, 4 bytes each
+    const int64_t per_thread = nb * (16 + pk->dm_rows) * PAIR_COLS, tile_bytes = quant_tile_bytes(record, kp);
+    const int step = pk->step;
     int32_t *widened = aligned_alloc(64, sizeof(int32_t) * per_thread * num_threads);
     if (!widened) return -1;
-    // Rows in chunks whose activations stay in L2 while all of a thread's tile groups pass them.
-    int64_t chunk = (256 << 10) / (kp * 2);
+    int64_t chunk = pk->chunk_bytes / (kp * 2);
     chunk = chunk < 16 ? 16 : chunk / step * step;
 #pragma omp parallel num_threads(num_threads) if (groups > 1)
     {
@@ -691,11 +706,11 @@ static int pairs_linear(const uint8_t *w, int64_t record, int64_t n, int64_t kp,
 #pragma omp for schedule(static) nowait
             for (int64_t g = 0; g < groups; g++) {
                 const int ntiles = tiles - g * PAIR_TILES < PAIR_TILES ? (int)(tiles - g * PAIR_TILES) : PAIR_TILES;
-                widen_pairs(w + g * PAIR_TILES * nb * record, record, nb, ntiles, wq, dm);
+                pk->widen(w + g * PAIR_TILES * tile_bytes, record, nb, ntiles, wq, dm);
                 for (int64_t r = m0; r < m1; r += step) {
                     const int nr = m1 - r < step ? (int)(m1 - r) : step;
-                    rows(wq, dm, nb, a.q2 + r * kp, kp, a.da + r * nb, a.sa + r * nb, out + r * ldo + g * PAIR_COLS,
-                         ldo, ntiles * TILE, nr);
+                    pk->rows(record, wq, dm, nb, a.q2 + r * kp, kp, a.da + r * nb, a.sa + r * nb,
+                             out + r * ldo + g * PAIR_COLS, ldo, ntiles * TILE, nr);
                 }
             }
         }
@@ -753,8 +768,10 @@ static inline __attribute__((always_inline)) VNNI_TARGET void vnni_tile(
     }
 }
 
-static VNNI_TARGET void vnni_rows(const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2, int64_t kp,
-                                  const float *da, const float *sa, float *out, int64_t ldo, int cols, int nrows) {
+static VNNI_TARGET void vnni_rows(int64_t record, const int32_t *wq, const float *dm, int64_t nb, const int16_t *q2,
+                                  int64_t kp, const float *da, const float *sa, float *out, int64_t ldo, int cols,
+                                  int nrows) {
+    (void)record;
     const __mmask16 mask0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
     const __mmask16 mask1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
     switch (nrows) {  // constant shapes: registers, unrolled loops
@@ -1119,7 +1136,8 @@ void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *a
 #ifdef QL_VNNI
     if (path >= QL_PATH_VNNI) {
         const int64_t widen_from = record == INT8_RECORD ? INT8_PAIR_MIN_ROWS : VNNI_MIN_ROWS;
-        if (m >= widen_from && pairs_linear(w, record, n, kp, all, m, out, ldo, num_threads, vnni_rows, VNNI_ROWS) == 0)
+        static const pair_kernel vnni = {widen_pairs, vnni_rows, VNNI_ROWS, 2, 256 << 10};
+        if (m >= widen_from && pairs_linear(&vnni, w, record, n, kp, all, m, out, ldo, num_threads) == 0)
             return;
         if (record != INT8_RECORD) {
             vnni_narrow_linear(w, record, n, kp, all, m, out, ldo, num_threads);
@@ -1131,8 +1149,9 @@ void quant_gemm(const uint8_t *w, int64_t record, int64_t n, int64_t kp, void *a
     if (path == QL_PATH_AVX2 && record != INT8_RECORD && m >= INT4_FMA_MIN_ROWS &&
         fma_linear(record, w, n, kp, all.qf, kp, all.da, all.sa, m, out, ldo, num_threads) == 0)
         return;
+    static const pair_kernel avx2_pairs = {widen_pairs, avx2_pair_rows, PAIR_ROWS, 2, 256 << 10};
     if (path == QL_PATH_AVX2 && record == INT8_RECORD && m >= INT8_PAIR_MIN_ROWS &&
-        pairs_linear(w, record, n, kp, all, m, out, ldo, num_threads, avx2_pair_rows, PAIR_ROWS) == 0)
+        pairs_linear(&avx2_pairs, w, record, n, kp, all, m, out, ldo, num_threads) == 0)
         return;
 #endif
     tile_linear(w, record, n, kp, all, m, out, ldo, num_threads);
