@@ -4,7 +4,8 @@ Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, IQ4_NL and IQ4_XS tensors keep every stored 
 (csrc/gguf_blocks.h, which documents the records) computes with llama.cpp's own dequantized values,
 nothing rounded and nothing quantized a second time. Only the order of the bytes changes, so that a
 register holds 8 columns side by side. Q4_0 and Q4_1 already run at their own size on the int4
-records (quant.py); the types below neither are refused by name (RUNNABLE lists what runs).
+records (quant.py), float tensors are quantized; any other type is refused by name (RUNNABLE
+lists what runs), never requantized.
 """
 
 from __future__ import annotations
