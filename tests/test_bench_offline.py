@@ -175,3 +175,21 @@ def test_activations_round_per_row_and_block():
         step = torch.repeat_interleave(blocks / limit, 32, dim=1)[:, :70]
         assert y.shape == x.shape and ((y - x).abs() <= step / 2 * 1.0001 + 1e-12).all()
         assert (y[1, 32:64] == 0).all()
+
+
+def test_make_model_in_f16_for_llama_quantize(tmp_path):
+    """`make-model --qtype f16` (what llama-quantize is given): every linear, expert and the
+    embedding in F16, which Unison reads (quantized to int8 at load)."""
+    from gguf import GGUFReader
+
+    from unison.bench.model import write_model
+    from unison.model.runner import ModelRunner
+
+    shape = {"hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2, "head_dim": 16, "experts": 4, "top_k": 2,
+             "ffn": 32}
+    path = write_model(shape, tmp_path / "m.gguf", float16=True)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == types["token_embd.weight"] == "F16"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    runner = ModelRunner(path, num_blocks=4)
+    assert runner.model.linear_kinds()["layers.0.experts"].startswith("int8/")

@@ -224,12 +224,13 @@ def _add_info(w: GGUFWriter, name: str, rows: int | tuple[int, int], cols: int, 
 
 
 def _data(rng: np.random.Generator, rows: int | tuple[int, int], cols: int, kind: str) -> np.ndarray:
+    if kind == "F16":  # the spread of the random Q4_0 blocks' values
+        shape = (*rows, cols) if isinstance(rows, tuple) else (rows, cols)
+        return (rng.standard_normal(shape, np.float32) * (0.5 / np.sqrt(cols))).astype(np.float16)
     if isinstance(rows, tuple):  # experts: quantized, one matrix each
         return _blocks(rng, rows[0] * rows[1], cols, kind).reshape(rows[0], rows[1], -1)
     if kind == "F32":
         return np.ones(rows * cols, np.float32)
-    if kind == "F16":  # the spread of the random Q4_0 blocks' values
-        return (rng.standard_normal((rows, cols), np.float32) * (0.5 / np.sqrt(cols))).astype(np.float16)
     if kind == "router":  # logits of spread ~1, so tokens spread over the experts
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
     if kind == "conv":  # the DeltaNet's short convolution
