@@ -22,6 +22,9 @@
 //   AVX2: maddubs pairs, which saturate at 16 bits: u <= 63 fits (|63 * 128 * 2|, 255 * 63 * 2);
 //         u up to 255 is split into nibbles, u = 16 uh + ul, each product then fits.
 //   both then subtract o * sum(q) (act16's s16, l16 hold the per-half sums of q and of lo).
+// Those decode the blocks in registers for every 4 rows; from 8 rows, VNNI widens a group of 4
+// tiles once into int16 pairs of u - o and runs every row against it (quant_linear.c's
+// pairs_linear, by vpdpwssd: the same integers).
 //
 // The record of each format (8 columns; fp16 fields are 8 halves, column by column):
 //   nibbles (128 bytes per 32-block): byte 32c + 4 col + j holds k = 8c + j (low) and 8c + 4 + j
