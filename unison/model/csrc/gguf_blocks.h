@@ -123,9 +123,10 @@ typedef struct {
     float m[TILE];
 } block_values;
 
-// Block b (32 k) of a record, column by column.
-static void block_decode(int type, const uint8_t *rec, int b, block_values *v) {
-    for (int col = 0; col < TILE; col++) {
+// Block b (32 k) of a record, columns [col0, col1) (an embedding row needs one: a lookup decodes
+// only its own).
+static void block_decode(int type, const uint8_t *rec, int b, int col0, int col1, block_values *v) {
+    for (int col = col0; col < col1; col++) {
         const float d = half_at(rec + 2 * col);
         float s = d, m = 0.0f;
         for (int k = 0; k < QBLOCK; k++) {
@@ -179,7 +180,7 @@ static void block_dequantize_columns(int64_t format, const uint8_t *w, int64_t k
         const int col = (int)(ids[i] % TILE);
         const uint8_t *rec = w + ids[i] / TILE * block_tile_bytes(format, kp);
         for (int64_t b = 0; b < kp / QBLOCK; b++) {
-            block_decode(type, rec + b / per * f.record, (int)(b % per), &v);
+            block_decode(type, rec + b / per * f.record, (int)(b % per), col, col + 1, &v);
             for (int j = 0; j < QBLOCK && b * QBLOCK + j < k; j++) {
                 const float x = v.s[j / 16][col] * (float)((int)v.u[col][j] - f.offset);
                 out[i * k + b * QBLOCK + j] = f.has_min ? x + v.m[col] : x;
@@ -210,7 +211,7 @@ static void portable_block_tile(int type, const uint8_t *w, int64_t nsb, act16 a
     block_values v;
     for (int64_t s = 0; s < nsb; s++)
         for (int b = 0; b < per; b++) {
-            block_decode(type, w + s * f.record, b, &v);
+            block_decode(type, w + s * f.record, b, 0, TILE, &v);
             const int64_t kb = s * per + b;
             for (int r = 0; r < nrows; r++) {
                 const int64_t rb = r * nb + kb;
@@ -479,9 +480,8 @@ static VNNI_TARGET void block_widen(const uint8_t *w, int64_t format, int64_t nb
         for (int t = 0; t < PAIR_TILES; t++) {
             int32_t *o = wq + b * 16 * PAIR_COLS + t * TILE;
             float *d = dm + b * 3 * PAIR_COLS + t * TILE;
-            if (t >= ntiles) {  // past the last tile: zeros (its lanes are never stored)
-                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * PAIR_COLS), _mm256_setzero_si256());
-                for (int i = 0; i < 3; i++) _mm256_storeu_ps(d + i * PAIR_COLS, _mm256_setzero_ps());
+            if (t >= ntiles) {
+                zero_pair_tile(o, d, 3);
                 continue;
             }
             block_vec v;

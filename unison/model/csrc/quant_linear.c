@@ -590,6 +590,13 @@ static int fma_linear(int64_t record, const uint8_t *w, int64_t n, int64_t kp, c
 #define PAIR_ROWS 2  // AVX2: rows x 4 registers of int32 sums
 #define INT8_PAIR_MIN_ROWS 2  // int8 from 2 rows widens a group once (1B head: 2x at 4-16 rows)
 
+// A group's tile past its last: zeros in its 16 pair rows and dm_rows scale rows (its lanes are
+// never stored).
+static inline void zero_pair_tile(int32_t *o, float *d, int dm_rows) {
+    for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * PAIR_COLS), _mm256_setzero_si256());
+    for (int i = 0; i < dm_rows; i++) _mm256_storeu_ps(d + i * PAIR_COLS, _mm256_setzero_ps());
+}
+
 // wq [nb][16][32] int32 (pairs, lane = column), dm [nb][2][32] float (d, then m, per column).
 static void widen_pairs(const uint8_t *w, int64_t record, int64_t nb, int ntiles, int32_t *wq, float *dm) {
     const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0x0f0000);
@@ -597,10 +604,8 @@ static void widen_pairs(const uint8_t *w, int64_t record, int64_t nb, int ntiles
         for (int t = 0; t < PAIR_TILES; t++) {
             int32_t *o = wq + b * 16 * PAIR_COLS + t * TILE;
             float *d = dm + b * 2 * PAIR_COLS + t * TILE;
-            if (t >= ntiles) {  // past the last tile: zeros (its lanes are never stored)
-                for (int p = 0; p < 16; p++) _mm256_storeu_si256((__m256i *)(o + p * PAIR_COLS), _mm256_setzero_si256());
-                _mm256_storeu_ps(d, _mm256_setzero_ps());
-                _mm256_storeu_ps(d + PAIR_COLS, _mm256_setzero_ps());
+            if (t >= ntiles) {
+                zero_pair_tile(o, d, 2);
                 continue;
             }
             const uint8_t *rec = w + (t * nb + b) * record;
