@@ -27,7 +27,7 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 
 from unison.model.loader import resolve_model_dir  # noqa: E402
-from unison.registry import REGISTRY_DIR  # noqa: E402
+from unison.wire.registry import REGISTRY_DIR  # noqa: E402
 
 # Every process this run starts inherits the mark, so it is found even once orphaned (a core
 # whose launcher was killed), while other runs' processes on the same machine are left alone.

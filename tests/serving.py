@@ -23,7 +23,7 @@ import httpx
 import psutil
 
 from tests.utils import wait_until
-from unison import registry
+from unison.wire import registry
 
 FIGURES: dict[str, float] = {}  # seconds each fault took to handle, printed after each module
 

@@ -31,7 +31,9 @@ import zmq
 
 from tests.test_engine import PROMPTS, top_dicts, wait_idle
 from tests.utils import assert_greedy_close, wait_until
-from unison import Engine, EngineDeadError, protocol, registry
+from unison import Engine, EngineDeadError
+from unison.wire import messages as protocol
+from unison.wire import registry
 
 SPAWN = multiprocessing.get_context("spawn")
 if multiprocessing.parent_process() is None:

@@ -18,8 +18,8 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 
 from tests.serving import serve
-from unison.frontend.infill import STYLES, fim_tokens
-from unison.frontend.tokenizer import Tokenizer
+from unison.frontend.text.infill import STYLES, fim_tokens
+from unison.frontend.text.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -11,8 +11,8 @@ import typing
 import msgspec
 import pytest
 
-from unison import protocol
 from unison.core.controls import Controls
+from unison.wire import messages as protocol
 
 EXAMPLES = {  # one of each, for the types whose fields have no defaults
     protocol.UpdateWeights: protocol.UpdateWeights("/models/next"),

@@ -27,8 +27,8 @@ from tests.serving import free_port
 from tests.test_engine import PROMPTS
 from tests.utils import wait_until
 from unison import Engine
+from unison.deploy.replicas import Replicas
 from unison.model.loader import default_gguf_path
-from unison.server.replicas import Replicas
 
 pytest.importorskip("ray", reason="the data-parallel tests need the ray extra (make test installs it)")
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.frontend.detokenizer import IncrementalDetokenizer
-from unison.frontend.tokenizer import Tokenizer
+from unison.frontend.text.detokenizer import IncrementalDetokenizer
+from unison.frontend.text.tokenizer import Tokenizer
 
 TEXTS = [
     "👋🏽 café 日本語 ✓",

@@ -81,7 +81,7 @@ def parity_prompts(tok) -> list[str]:
 def hf_references() -> list[tuple[Path | None, list[list[int]], int]]:
     """The transformers references this module asks for: (GGUF, prompts, tokens) for
     hf_reference (tests/references.py computes them ahead of the tests, in the background)."""
-    from unison.frontend.tokenizer import Tokenizer  # inside: spawned children import this module
+    from unison.frontend.text.tokenizer import Tokenizer  # inside: spawned children import this module
     from unison.model.loader import resolve_model_dir
 
     tok = Tokenizer.from_dir(resolve_model_dir(None))

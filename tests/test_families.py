@@ -15,7 +15,7 @@ import torch
 
 from tests.utils import Blocks, assert_greedy_close, greedy, hf_reference, on_test_device
 from unison import Engine
-from unison.frontend.tokenizer import Tokenizer
+from unison.frontend.text.tokenizer import Tokenizer
 from unison.model.loader import resolve_model_dir
 from unison.model.runner import BatchItem, ModelRunner
 

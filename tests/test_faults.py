@@ -17,7 +17,8 @@ import pytest
 import zmq
 
 from tests.serving import FIGURES, Server, serve
-from unison import Engine, registry
+from unison import Engine
+from unison.wire import registry
 
 COMP = "/v1/completions"
 PROMPT = "Remember the passphrase zebra-4471 and tell me a story:"  # must never reach a log

@@ -16,13 +16,13 @@ import pytest
 
 from unison import Engine
 from unison.config import EngineConfig
-from unison.core import disk_cache
-from unison.core.disk_cache import MAGIC
 from unison.core.engine_core import EngineCore
-from unison.kv_events import DISK, MEDIUM, BlockRemoved, BlockStored, block_hashes
-from unison.kv_index import KVIndex
+from unison.core.kv import disk_cache
+from unison.core.kv.disk_cache import MAGIC
+from unison.deploy.kv_index import KVIndex
 from unison.model.loader import resolve_model_dir
-from unison.protocol import CoreSamplingParams, Generate
+from unison.wire.kv_events import DISK, MEDIUM, BlockRemoved, BlockStored, block_hashes
+from unison.wire.messages import CoreSamplingParams, Generate
 
 BS = 16
 PROMPT_BLOCKS = 12  # a prompt of 12 blocks and 5 tokens: two such do not fit in the pool together

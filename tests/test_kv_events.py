@@ -23,12 +23,12 @@ from unison import Engine
 from unison.bench.lora import write_adapter
 from unison.config import EngineConfig, KVEventsConfig
 from unison.core.engine_core import EngineCore
-from unison.core.kv_publisher import Publisher
+from unison.core.kv.publisher import Publisher
 from unison.core.weight_update import load_weights
-from unison.kv_events import LoadReport, block_hashes, offset_port
-from unison.kv_index import KVIndex
+from unison.deploy.kv_index import KVIndex
 from unison.model.loader import default_gguf_path
-from unison.protocol import CoreSamplingParams, Generate
+from unison.wire.kv_events import LoadReport, block_hashes, offset_port
+from unison.wire.messages import CoreSamplingParams, Generate
 
 # ---- vLLM's definitions (vllm/distributed/kv_events.py), as a subscriber that is not Unison has them
 

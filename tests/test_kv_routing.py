@@ -19,8 +19,8 @@ import pytest
 
 from tests.test_data_parallel import DPServer, _marked
 from tests.utils import wait_until
-from unison.kv_events import KVEventsInfo, LoadReport, block_hashes
-from unison.server.replicas import Replicas
+from unison.deploy.replicas import Replicas
+from unison.wire.kv_events import KVEventsInfo, LoadReport, block_hashes
 
 BS = 16
 
@@ -92,9 +92,9 @@ def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
     import zmq
 
     from unison.config import KVEventsConfig
-    from unison.core.kv_publisher import EventLog, Publisher
-    from unison.kv_events import KVEventBatch
-    from unison.kv_index import Feed, KVIndex
+    from unison.core.kv.publisher import EventLog, Publisher
+    from unison.deploy.kv_index import Feed, KVIndex
+    from unison.wire.kv_events import KVEventBatch
 
     async def run() -> None:
         ctx = zmq.Context()
@@ -138,7 +138,7 @@ def test_a_router_feed_catches_up_by_replay_and_follows_the_stream():
 
 
 def _stored(hashes):
-    from unison.kv_events import BlockStored
+    from unison.wire.kv_events import BlockStored
     return BlockStored(hashes, None, [], BS, None, "CPU")
 
 

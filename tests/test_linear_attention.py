@@ -556,9 +556,9 @@ def test_radix_cache_keeps_blocks_only_with_a_snapshot_and_matches_back_to_one()
     the deepest snapshot on its path; a split leaves the snapshot with the node that ends there;
     a full snapshot pool gives up its least recently used one (and the blocks only it made
     reachable); the pools stay whole throughout."""
-    from unison.core.block_pool import BlockPool
-    from unison.core.radix_cache import RadixCache
-    from unison.core.state_pool import StatePool
+    from unison.core.kv.block_pool import BlockPool
+    from unison.core.kv.radix_cache import RadixCache
+    from unison.core.kv.state_pool import StatePool
 
     pool, snapshots = BlockPool(32), StatePool(2, first=4)
     cache = RadixCache(pool, 4, snapshots=snapshots)

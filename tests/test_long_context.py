@@ -11,7 +11,7 @@ import torch
 from tests.test_model import tiny_model
 from unison.config import EngineConfig
 from unison.core.engine_core import EngineCore
-from unison.protocol import CoreSamplingParams, Generate
+from unison.wire.messages import CoreSamplingParams, Generate
 
 PROMPT_LEN, STEPS = 16384, 16
 

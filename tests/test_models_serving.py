@@ -16,8 +16,8 @@ import pytest
 from tests.models import gemma3_gguf, minilm_dir
 from tests.serving import ModelsServer, assert_openai_error, models_server
 from tests.utils import wait_until
+from unison.deploy.model_pool import check_name, find_models
 from unison.model.loader import default_gguf_path
-from unison.server.model_pool import check_name, find_models
 
 SMOL = default_gguf_path()
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
@@ -234,7 +234,7 @@ def test_lora_adapters_per_model(server, tmp_path):
 
 def test_a_load_past_its_timeout_stops_the_core_and_can_be_tried_again():
     from unison.config import EngineConfig
-    from unison.server.model_pool import ModelPool, ModelSource
+    from unison.deploy.model_pool import ModelPool, ModelSource
 
     config = EngineConfig.from_kwargs(num_threads=1)
     pool = ModelPool(config, [ModelSource("smol", str(SMOL))], frontends=1, models_max=1,

@@ -53,7 +53,7 @@ def test_a_cached_blocks_leading_tokens_are_copied_not_recomputed(model_dir):
     is the cold run's to the bit (in-process core: block ids are visible)."""
     from unison.config import EngineConfig
     from unison.core.engine_core import EngineCore
-    from unison.protocol import CoreSamplingParams, Generate
+    from unison.wire.messages import CoreSamplingParams, Generate
 
     def run(core: EngineCore, rid: str, tokens: list[int], n: int = 4) -> tuple[list[int], int]:
         core.add(b"fe", Generate(rid, tokens, CoreSamplingParams(max_new_tokens=n, ignore_eos=True,

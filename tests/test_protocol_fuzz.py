@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 import unison
 from tests.test_engine import wait_idle
-from unison import Engine, protocol, registry
+from unison import Engine
 from unison.sampling import BY_NAME, CORE_OPTIONS, Option
+from unison.wire import messages as protocol
+from unison.wire import registry
 
 FUZZ = settings(max_examples=60, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -243,7 +245,7 @@ def test_the_core_kept_serving(engine, raw):
 
 
 def test_server_binds_loopback_by_default(monkeypatch):
-    import unison.server.launch as launch
+    import unison.deploy.launch as launch
     from unison import cli
 
     seen = []

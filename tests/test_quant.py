@@ -14,7 +14,7 @@ from tests.utils import TEXTS, Blocks, assert_greedy_close, greedy
 from unison import Engine
 from unison.bench.datasets import QUIZ
 from unison.config import EngineConfig
-from unison.frontend.tokenizer import Tokenizer
+from unison.frontend.text.tokenizer import Tokenizer
 from unison.model import cpu_kernels, quant
 from unison.model.gguf import GGUFWeights
 from unison.model.loader import default_gguf_path

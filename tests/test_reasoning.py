@@ -11,7 +11,7 @@ import pytest
 
 from tests.serving import Server, serve
 from unison import Engine
-from unison.frontend.reasoning import ReasoningSplitter, Split, split_whole
+from unison.frontend.text.reasoning import ReasoningSplitter, Split, split_whole
 
 MODEL = "SmolLM2-135M-Instruct"  # the served name of the embedded model
 

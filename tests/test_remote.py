@@ -19,7 +19,7 @@ from tests.test_engine import PROMPTS
 from tests.utils import wait_until
 from unison import Engine, EngineDeadError, curve_keypair
 from unison.errors import InvalidParam
-from unison.protocol import Hello, UpdateTensors, encode
+from unison.wire.messages import Hello, UpdateTensors, encode
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 ENDLESS = {"max_new_tokens": 2000, "ignore_eos": True}

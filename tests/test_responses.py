@@ -179,8 +179,8 @@ def test_responses_bad_input_names_the_field(server, body: dict, param: str):
 # ---- the schema and call handling behind them, without a server ---------------------------------
 
 def test_schemas_are_strict_unless_they_say_otherwise():
-    from unison.frontend.structured import WHITESPACE, grammar_text
-    from unison.server.openai_protocol import ChatCompletionRequest
+    from unison.frontend.text.structured import WHITESPACE, grammar_text
+    from unison.server.apis.openai.bodies import ChatCompletionRequest
 
     inner, open_ = {"type": "object", "properties": {"b": {"type": "string"}}}, {"additionalProperties": True}
     schema = {"type": "object", "properties": {"a": inner, "c": {"type": "object", **open_}},
@@ -200,7 +200,7 @@ def test_schemas_are_strict_unless_they_say_otherwise():
 
 
 def test_required_calls_cut_by_max_tokens_keep_the_whole_ones():
-    from unison.server.openai_tools import plan_tools
+    from unison.server.pipeline.tools import plan_tools
 
     plan = plan_tools([WEATHER, TIME], "required", None, None)
     whole = '{"name": "get_weather", "parameters": {"city": "Paris"}}'

@@ -14,7 +14,7 @@ from unison import Engine, SamplingParams
 from unison.core.sampler import _typical
 from unison.errors import InvalidParam
 from unison.sampling import CORE_OPTIONS, OPTIONS, CoreSamplingParams, Option, core_problem
-from unison.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from unison.server.apis.openai.bodies import ChatCompletionRequest, CompletionRequest
 
 VOCAB = 1000
 # A value each option may take that differs from its default.

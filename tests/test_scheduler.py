@@ -5,11 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.core.block_pool import BlockPool
-from unison.core.radix_cache import RadixCache
+from unison.core.kv.block_pool import BlockPool
+from unison.core.kv.radix_cache import RadixCache
 from unison.core.request import Request
 from unison.core.scheduler import Scheduler
-from unison.protocol import CoreSamplingParams
+from unison.wire.messages import CoreSamplingParams
 
 BS = 2
 

@@ -17,8 +17,8 @@ from unison import Engine
 from unison.bench.datasets import GROUNDED_KINDS, WORDS, grounded_prompt
 from unison.config import EngineConfig, SpeculativeConfig
 from unison.core.spec_decode import Drafter, propose
-from unison.protocol import GetServerInfo, ServerInfo
 from unison.server.metrics import render_metrics
+from unison.wire.messages import GetServerInfo, ServerInfo
 
 # Drafts even in full batches, and from single-token matches: the tests are about exactness
 # (many drafts, many rejected), not about when drafting pays.

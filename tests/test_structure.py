@@ -1,10 +1,10 @@
 """The tree's import rules, its class sizes, and that frontend processes never load torch or
 transformers.
 
-The rules keep the layers apart: the frontend knows the protocol, not the core; the core knows
-no frontend; only the CLI starts a server; no module imports one that imports it back. A
-frontend that imported torch would take seconds and hundreds of MiB to start, and every HTTP
-worker is one.
+The rules keep the layers apart: the frontend knows the wire's messages, not the core; the core
+knows no frontend; the wire knows neither; only the CLI and the deployment start a server; no HTTP
+API imports another; no module imports one that imports it back. A frontend that imported torch
+would take seconds and hundreds of MiB to start, and every HTTP worker is one.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "unison"
 # Modules that run in frontend processes (the Engine's owner, attached Engines, HTTP workers).
-FRONTEND_SIDE = ["unison/__init__.py", "unison/engine.py", "unison/protocol.py", "unison/config.py",
-                 "unison/sampling.py", "unison/version.py", "unison/registry.py", "unison/errors.py",
-                 "unison/core_process.py",
-                 "unison/frontend", "unison/server"]
+FRONTEND_SIDE = ["unison/__init__.py", "unison/config.py", "unison/sampling.py", "unison/version.py",
+                 "unison/errors.py", "unison/json_types.py", "unison/api", "unison/wire", "unison/frontend",
+                 "unison/server", "unison/deploy"]
+# Every folder of the package: a layer (tests/test_structure.py holds each to its rules).
+LAYERS = {"api", "wire", "frontend", "frontend/text", "core", "core/kv", "model", "model/csrc", "server",
+          "server/pipeline", "server/apis", "server/ui", "deploy", "bench", "bench/data"}
 HEAVY = ("torch", "transformers")
 MAX_CLASS_LINES = 300  # a class past this holds more than one concept: split it along a seam
 
@@ -66,18 +68,46 @@ def _violations(files: list[Path], banned: tuple[str, ...], module_level_only: b
     return bad
 
 
-def test_frontend_imports_nothing_from_core_model_or_server():
-    assert _violations(_files("unison/frontend"), ("unison.core", "unison.model", "unison.server")) == []
+def test_every_folder_is_a_known_layer():
+    """A new folder is a new layer: add it to LAYERS, with its rules here and its line in
+    docs/architecture.md."""
+    apis = PACKAGE / "server" / "apis"  # one folder per API: test_no_http_api_imports_another's
+    folders = {str(d.relative_to(PACKAGE)) for d in PACKAGE.rglob("*") if d.is_dir()
+               and "__pycache__" not in d.parts and d.parent != apis}
+    assert folders == LAYERS
+    documented = (ROOT / "docs" / "architecture.md").read_text()
+    assert [f for f in sorted(LAYERS) if f"unison/{f}/" not in documented] == []
 
 
-def test_core_imports_nothing_from_frontend_or_server():
-    assert _violations(_files("unison/core"), ("unison.frontend", "unison.server")) == []
+def test_frontend_imports_nothing_from_core_model_server_or_deploy():
+    banned = ("unison.core", "unison.model", "unison.server", "unison.deploy", "unison.api")
+    assert _violations(_files("unison/frontend"), banned) == []
 
 
-def test_only_the_cli_imports_the_server():
+def test_core_imports_nothing_from_frontend_server_or_deploy():
+    banned = ("unison.frontend", "unison.server", "unison.deploy", "unison.api")
+    assert _violations(_files("unison/core"), banned) == []
+
+
+def test_the_wire_imports_no_layer_that_uses_it():
+    banned = ("unison.frontend", "unison.core", "unison.model", "unison.server", "unison.deploy",
+              "unison.api")
+    assert _violations(_files("unison/wire"), banned) == []
+
+
+def test_only_the_cli_and_the_deployment_import_the_server():
     outside = [f for f in _files("unison") if not f.is_relative_to(PACKAGE / "server")
-               and f != PACKAGE / "cli.py"]
+               and not f.is_relative_to(PACKAGE / "deploy") and f != PACKAGE / "cli.py"]
     assert _violations(outside, ("unison.server",)) == []
+
+
+def test_no_http_api_imports_another():
+    """Each API is one folder over the pipeline: none reads another's bodies or JSON."""
+    apis = [d for d in (PACKAGE / "server" / "apis").iterdir() if (d / "__init__.py").exists()]
+    assert {d.name for d in apis} >= {"openai", "anthropic", "ollama", "llama_server", "sglang"}
+    others = {d: tuple(f"unison.server.apis.{o.name}" for o in apis if o != d) for d in apis}
+    bad = [v for d in apis for v in _violations(_files(str(d.relative_to(ROOT))), others[d])]
+    assert bad == []
 
 
 def test_no_module_level_torch_or_transformers_on_the_frontend_side():
@@ -137,25 +167,25 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return next((c for c in map(visit, sorted(graph)) if c), None)
 
 
-def test_no_class_over_the_limit_in_the_core_frontend_or_model():
+def test_no_class_over_the_limit_anywhere():
     big = [f"{f.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-           for f in _files("unison/core", "unison/frontend", "unison/model")
+           for f in _files("unison")
            for node in ast.parse(f.read_text()).body
            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
     assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
 
 
 def test_find_cycle_finds_one_through_a_package_face():
-    graph = {"unison": {"unison.engine"}, "unison.engine": {"unison.protocol"},
-             "unison.protocol": {"unison"}, "unison.cli": {"unison"}}
-    assert find_cycle(graph) == ["unison", "unison.engine", "unison.protocol", "unison"]
-    assert find_cycle(graph | {"unison.protocol": set()}) is None
+    graph = {"unison": {"unison.api.engine"}, "unison.api.engine": {"unison.wire.messages"},
+             "unison.wire.messages": {"unison"}, "unison.cli": {"unison"}}
+    assert find_cycle(graph) == ["unison", "unison.api.engine", "unison.wire.messages", "unison"]
+    assert find_cycle(graph | {"unison.wire.messages": set()}) is None
 
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert {"unison.engine", "unison.version"} <= graph["unison"]  # the face is read too
-    assert "unison.server.errors" in graph["unison.server.native"]
+    assert {"unison.api.engine", "unison.version"} <= graph["unison"]  # the face is read too
+    assert "unison.server.errors" in graph["unison.server.apis.sglang.routes"]
     assert find_cycle(graph) is None
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from unison.frontend.tokenizer import Tokenizer
+from unison.frontend.text.tokenizer import Tokenizer
 
 STRINGS = [
     "",
@@ -206,7 +206,7 @@ def test_missing_tokenizer_json(tmp_path):
 
 def test_frontend_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, unison.frontend.tokenizer, unison.frontend.detokenizer\n"
+        "import sys, unison.frontend.text.tokenizer, unison.frontend.text.detokenizer\n"
         "bad = {'torch', 'transformers'} & set(sys.modules)\n"
         "assert not bad, bad"
     )

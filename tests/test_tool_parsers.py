@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from unison.frontend.tool_parsers import (
+from unison.frontend.text.tool_parsers import (
     PARSERS,
     HermesParser,
     Llama3JsonParser,

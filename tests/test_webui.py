@@ -27,9 +27,9 @@ from tests.serving import Server, serve
 from tests.utils import wait_until
 from unison import Engine
 from unison.cli import build_parser, main
-from unison.protocol import ServerInfo
 from unison.server.app import UI_DIR, create_app
 from unison.server.settings import ServeSettings, WorkerSettings
+from unison.wire.messages import ServerInfo
 
 KEY = "sk-unison-ui"
 MODEL = "SmolLM2-135M-Instruct"

@@ -1,7 +1,7 @@
 """Unison: an LLM inference engine with one engine core and many frontend processes."""
 
-from unison.core_process import curve_keypair
-from unison.engine import Engine
+from unison.api.core_process import curve_keypair
+from unison.api.engine import Engine
 from unison.errors import EngineDeadError
 from unison.frontend.sampling_params import SamplingParams
 from unison.version import __version__ as __version__

@@ -77,12 +77,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from unison.server.launch import serve
+    from unison.deploy.launch import serve
 
     settings = ServeSettings.from_args(args)
     settings.check()
     if settings.data_parallel:
-        from unison.server.data_parallel import import_ray
+        from unison.deploy.data_parallel import import_ray
 
         import_ray()  # not installed: say what to install, before anything starts
     paths = [*(args.model_path or []), *([args.model] if args.model is not None else [])]
@@ -100,8 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_models(args: argparse.Namespace, settings: ServeSettings, paths: list[str],
                   named: list[str]) -> int:
-    from unison.server.launch import serve_models
-    from unison.server.model_pool import find_models
+    from unison.deploy.launch import serve_models
+    from unison.deploy.model_pool import find_models
 
     if plain := [p for p in paths if p not in named]:
         raise ValueError(f"with several models each is given as --model NAME=PATH: {plain}")

@@ -207,9 +207,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
-        for name in DEFAULTS:
-            if getattr(self, name) is None:
-                setattr(self, name, DEFAULTS[name])
+        for f in fields(self):
+            if f.name in NONE_MEANS_DEFAULT and getattr(self, f.name) is None:
+                setattr(self, f.name, f.default)
         if self.chunked_prefill_size == -1:
             self.chunked_prefill_size = NO_CHUNKING
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -349,8 +349,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-DEFAULTS = {"max_running_requests": 64, "chunked_prefill_size": 512, "schedule_policy": "fcfs",
-            "quantization": "auto"}
+# Options whose None (SGLang's spelling of "the default") means the field's own default.
+NONE_MEANS_DEFAULT = ("max_running_requests", "chunked_prefill_size", "schedule_policy", "quantization")
 MAX_LORA_RANK = 256
 # lora_paths' dict keys: SGLang's (lora_name, lora_path, pinned) and vLLM's --lora-modules JSON's.
 LORA_MODULE_KEYS = {"lora_name", "lora_path", "pinned", "name", "path", "base_model_name"}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads when the command runs
     import torch
 
-    from unison.frontend.tokenizer import Tokenizer
+    from unison.frontend.text.tokenizer import Tokenizer
     from unison.model.runner import ModelRunner
 
 
@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from unison.bench.datasets import QUIZ
-    from unison.frontend.tokenizer import Tokenizer
+    from unison.frontend.text.tokenizer import Tokenizer
     from unison.model.runner import BatchItem, ModelRunner
 
     runner = ModelRunner(args.model_path, quantization="none", num_blocks=1024)

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from unison import Engine
-from unison.protocol import ServerInfo
+from unison.wire.messages import ServerInfo
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue

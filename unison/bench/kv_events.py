@@ -18,8 +18,8 @@ def main(args: argparse.Namespace) -> int:
     import zmq
 
     from unison.config import KVEventsConfig
-    from unison.core.kv_publisher import EventLog, Publisher
-    from unison.kv_events import block_hashes
+    from unison.core.kv.publisher import EventLog, Publisher
+    from unison.wire.kv_events import block_hashes
 
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
                          replay_endpoint="tcp://127.0.0.1:*")

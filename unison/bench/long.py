@@ -42,7 +42,7 @@ from unison.bench import Json
 from unison.bench.local_server import serving
 
 if TYPE_CHECKING:
-    from unison.frontend.tokenizer import Tokenizer
+    from unison.frontend.text.tokenizer import Tokenizer
 
 UNISON = [sys.executable, "-m", "unison.cli"]
 

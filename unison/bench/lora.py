@@ -25,7 +25,7 @@ from unison.bench.datasets import SampleRequest, random_requests
 from unison.bench.offline import add_engine_arguments, engine_options, token_ids, unison_throughput
 from unison.bench.speculative import decode_rate
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
-from unison.protocol import ServerInfo
+from unison.wire.messages import ServerInfo
 
 # model/lora.py's LORA_TARGETS, spelled here: importing that module imports torch, and the CLI
 # imports this one for its --help.

@@ -26,7 +26,7 @@ from unison import Engine
 from unison.bench import Json
 from unison.bench.datasets import SampleRequest, random_ids, random_requests, sharegpt_requests
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
-from unison.protocol import GetStepShapes
+from unison.wire.messages import GetStepShapes
 
 if TYPE_CHECKING:  # loaded by the runs that need them
     from torch import Tensor
@@ -293,8 +293,8 @@ def _subscriber(engine: Engine, attach: bool) -> Iterator[dict[str, int]]:
     import msgspec
     import zmq
 
-    from unison.kv_events import KVEventBatch
-    from unison.kv_index import KVIndex
+    from unison.deploy.kv_index import KVIndex
+    from unison.wire.kv_events import KVEventBatch
 
     info = engine.server_info().core.kv_events
     if info is None:

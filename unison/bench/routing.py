@@ -23,7 +23,7 @@ from collections.abc import Callable
 from unison.bench import Json
 from unison.bench.datasets import SampleRequest
 from unison.bench.local_server import free_port
-from unison.protocol import ServerInfo
+from unison.wire.messages import ServerInfo
 
 READY_S = 300.0
 

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from unison import registry
 from unison.bench import Json
 from unison.bench.local_server import free_port
-from unison.protocol import ServerInfo
+from unison.wire import registry
+from unison.wire.messages import ServerInfo
 
 if TYPE_CHECKING:  # loaded when the soak runs
     import httpx

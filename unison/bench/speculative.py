@@ -30,7 +30,7 @@ from unison.bench.offline import (
     unison_throughput,
 )
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
-from unison.protocol import ServerInfo
+from unison.wire.messages import ServerInfo
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}

@@ -13,8 +13,8 @@ import sys
 
 import msgspec
 
-from unison import registry
-from unison.protocol import CoreArgs
+from unison.wire import registry
+from unison.wire.messages import CoreArgs
 
 PR_SET_PDEATHSIG = 1
 
@@ -31,7 +31,7 @@ def main() -> int:
                         format="%(asctime)s unison.core[%(process)d] %(levelname)s %(message)s")
     try:
         from unison.core.engine_core import EngineCore
-        from unison.core.server import CoreServer
+        from unison.core.loop import CoreLoop
         from unison.model.loader import resolve_model_dir
 
         # The model is resolved here (a GGUF converted into the cache once), not in the owner:
@@ -39,7 +39,7 @@ def main() -> int:
         model_dir = str(resolve_model_dir(args.config.model_path))
         core = EngineCore(args.config, model_dir)
         core.runner.warmup()
-        server = CoreServer(args, core)
+        loop = CoreLoop(args, core)
     except BaseException as e:
         # The owner shows this text: tell what failed, not only that something did.
         error_file = os.path.join(args.runtime_dir, "startup_error")
@@ -48,8 +48,8 @@ def main() -> int:
         logging.getLogger("unison.core").exception("the core failed to start")
         registry.unlink(args.registry_path)
         return 1
-    server.publish()
-    server.serve_forever()
+    loop.publish()
+    loop.serve_forever()
     return 0
 
 

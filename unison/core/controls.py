@@ -17,7 +17,7 @@ from unison.core.frontends import Caller, Frontend, Frontends
 from unison.core.metrics import StepShapes
 from unison.core.request import Request
 from unison.core.weight_update import WeightUpdate
-from unison.protocol import (
+from unison.wire.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
     CheckIntegrity,
@@ -49,7 +49,7 @@ log = logging.getLogger("unison.core")
 
 
 class ControlHost(Protocol):
-    """What the controls act on: the core server's parts (CoreServer is one; declared here so the
+    """What the controls act on: the core loop's parts (CoreLoop is one; declared here so the
     controls need not import the server that imports them)."""
 
     args: CoreArgs

@@ -12,24 +12,24 @@ from typing import cast
 import torch
 
 from unison.config import EngineConfig
-from unison.core.block_pool import BlockPool
-from unison.core.disk_cache import open_disk_cache
 from unison.core.grammar import GrammarGate, advance
-from unison.core.kv_publisher import EventLog
+from unison.core.kv.block_pool import BlockPool
+from unison.core.kv.disk_cache import open_disk_cache
+from unison.core.kv.publisher import EventLog
+from unison.core.kv.radix_cache import RadixCache
+from unison.core.kv.state_pool import StatePool
 from unison.core.lora import LoraRegistry
 from unison.core.metrics import LatencyMetrics
-from unison.core.radix_cache import RadixCache
 from unison.core.report import CoreReport
 from unison.core.request import Request, check_generate
 from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter, add_drafts, verify
-from unison.core.state_pool import StatePool
 from unison.model.encoder_config import DecoderPooling, DecoderReranker, encoder_task, model_task
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.loader import default_gguf_path
 from unison.model.runner import BatchItem, ModelRunner
-from unison.protocol import EngineStats, Generate, ReqOutput
+from unison.wire.messages import EngineStats, Generate, ReqOutput
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
 

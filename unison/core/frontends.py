@@ -19,7 +19,7 @@ import zmq
 
 from unison.config import EngineConfig
 from unison.core.engine_core import EngineCore
-from unison.protocol import ReqOutput, StepOutputs, ToFrontend, encode
+from unison.wire.messages import ReqOutput, StepOutputs, ToFrontend, encode
 
 log = logging.getLogger("unison.core")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from unison.protocol import LoraAdapterInfo
+from unison.wire.messages import LoraAdapterInfo
 
 if TYPE_CHECKING:
     from unison.model.runner import ModelRunner

@@ -11,7 +11,7 @@ import bisect
 import os
 from collections import Counter
 
-from unison.protocol import HistogramData
+from unison.wire.messages import HistogramData
 
 BUCKETS = {  # upper bounds in seconds, as vLLM's
     "time_to_first_token_seconds": (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),

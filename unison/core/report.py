@@ -10,7 +10,7 @@ from typing import Protocol
 import msgspec
 
 from unison.config import EngineConfig
-from unison.core.block_pool import BlockPool
+from unison.core.kv.block_pool import BlockPool
 from unison.core.lora import LoraRegistry
 from unison.core.request import Request
 from unison.core.scheduler import Scheduler
@@ -18,7 +18,7 @@ from unison.core.spec_decode import Drafter
 from unison.model.decoder import DecoderModel
 from unison.model.encoder_runner import EncoderRunner
 from unison.model.runner import ModelRunner
-from unison.protocol import CoreInfo, EngineStats, LoraAdapterInfo, RequestInfo
+from unison.wire.messages import CoreInfo, EngineStats, LoraAdapterInfo, RequestInfo
 
 
 class ReportedCore(Protocol):

@@ -7,13 +7,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from unison.protocol import CoreSamplingParams, Generate
 from unison.sampling import MAX_TOP_LOGPROBS, core_problem
+from unison.wire.messages import CoreSamplingParams, Generate
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from unison.core.radix_cache import Node
+    from unison.core.kv.radix_cache import Node
 
 
 @dataclass(slots=True, eq=False)

@@ -13,7 +13,7 @@ import torch
 
 from unison.core.grammar import apply_masks
 from unison.core.request import Request
-from unison.protocol import ReqOutput
+from unison.wire.messages import ReqOutput
 
 Sampled = list[tuple[int, Request, ReqOutput]]  # rows to sample: (logits row, request, its output)
 

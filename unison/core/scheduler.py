@@ -28,12 +28,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from unison.config import POLICIES
-from unison.core.block_pool import BlockPool
-from unison.core.disk_cache import DiskCache
-from unison.core.kv_cache_manager import KVCacheManager
-from unison.core.radix_cache import RadixCache
+from unison.core.kv.block_pool import BlockPool
+from unison.core.kv.cache_manager import KVCacheManager
+from unison.core.kv.disk_cache import DiskCache
+from unison.core.kv.radix_cache import RadixCache
+from unison.core.kv.state_pool import StatePool
 from unison.core.request import Request
-from unison.core.state_pool import StatePool
 
 LORA_PATIENCE = 16  # times a request may be passed over for the adapter limit
 

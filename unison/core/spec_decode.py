@@ -20,7 +20,7 @@ from unison.config import SpeculativeConfig
 from unison.core.request import Request
 from unison.core.sampler import Sampled
 from unison.core.scheduler import ScheduledItem, Scheduler
-from unison.protocol import ReqOutput, SpecDecodeStats
+from unison.wire.messages import ReqOutput, SpecDecodeStats
 
 # Where to look for a match: the last this many tokens of the sequence. Input-grounded work
 # repeats nearby text; an unbounded search would cost a long request O(length) every step.

@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 from typing import cast
 
-from unison.core.disk_cache import weights_key
 from unison.core.engine_core import EngineCore
 from unison.core.frontends import Caller
+from unison.core.kv.disk_cache import weights_key
 from unison.core.request import Request
 from unison.model.runner import ModelRunner
 from unison.model.weights import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
-from unison.protocol import OpResult, UpdateTensors, UpdateWeights
+from unison.wire.messages import OpResult, UpdateTensors, UpdateWeights
 
 log = logging.getLogger("unison.core")
 

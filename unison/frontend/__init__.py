@@ -3,7 +3,7 @@
 Nothing here imports torch or transformers: a frontend must start in well under a second.
 """
 
-from unison.frontend.detokenizer import IncrementalDetokenizer
-from unison.frontend.tokenizer import Tokenizer
+from unison.frontend.text.detokenizer import IncrementalDetokenizer
+from unison.frontend.text.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]

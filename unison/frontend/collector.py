@@ -16,8 +16,8 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from unison.frontend.detokenizer import TokenIds
 from unison.frontend.request import ReqState, finish_reason_dict
+from unison.frontend.text.detokenizer import TokenIds
 from unison.json_types import JSONObject
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from unison.errors import EngineDeadError
-from unison.protocol import (
+from unison.wire.messages import (
     Ack,
     ControlReply,
     Goodbye,
@@ -32,7 +32,7 @@ from unison.protocol import (
     decode_to_frontend,
     encode,
 )
-from unison.registry import pid_alive
+from unison.wire.registry import pid_alive
 
 if TYPE_CHECKING:
     from zmq.utils.monitor import _MonitorMessage  # the type recv_monitor_message returns

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 
 from unison.frontend.request import ReqState
-from unison.protocol import Abort, ReqOutput
+from unison.wire.messages import Abort, ReqOutput
 
 log = logging.getLogger("unison.frontend")
 

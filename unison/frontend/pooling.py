@@ -18,8 +18,8 @@ from unison.json_types import JSONObject
 
 if TYPE_CHECKING:
     from unison.frontend.collector import Collector
-    from unison.frontend.tokenizer import Tokenizer
-    from unison.protocol import CoreInfo
+    from unison.frontend.text.tokenizer import Tokenizer
+    from unison.wire.messages import CoreInfo
 
 # What a pooling call may hold, as OpenAI's /v1/embeddings: inputs per call.
 MAX_INPUTS = 2048

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import msgspec
 
 from unison.errors import EngineOverloadedError, UnknownAdapterError
-from unison.frontend.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
 from unison.frontend.sampling_params import SamplingParams
-from unison.frontend.tokenizer import Tokenizer
+from unison.frontend.text.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
+from unison.frontend.text.tokenizer import Tokenizer
 from unison.json_types import JSONObject
-from unison.protocol import ReqOutput
+from unison.wire.messages import ReqOutput
 
 Logprob = tuple[float | None, int, None]  # (logprob, token id, token text), as sglang.Engine
 

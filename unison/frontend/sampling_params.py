@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, fields
 
 from unison.errors import InvalidParam
-from unison.frontend.structured import grammar_text
+from unison.frontend.text.structured import grammar_text
 from unison.json_types import JSONObject
 from unison.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, OPTIONS, CoreSamplingParams
 

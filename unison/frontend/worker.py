@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-from unison import registry
 from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam, check_encodable
 from unison.frontend.collector import Collector, running_loop
@@ -29,8 +28,10 @@ from unison.frontend.generate_args import GenerateArgs
 from unison.frontend.pooling import expect_task
 from unison.frontend.request import GenerateRequest, PromptRequest, ReqState
 from unison.frontend.sampling_params import SamplingParams
-from unison.frontend.tokenizer import Tokenizer
-from unison.protocol import (
+from unison.frontend.text.tokenizer import Tokenizer
+from unison.sampling import MAX_TOP_LOGPROBS
+from unison.wire import registry
+from unison.wire.messages import (
     Abort,
     Control,
     ControlReply,
@@ -44,7 +45,6 @@ from unison.protocol import (
     ToCore,
     Welcome,
 )
-from unison.sampling import MAX_TOP_LOGPROBS
 
 ATTACH_TIMEOUT = 5.0  # an attaching frontend talks to a core that is up already
 

@@ -24,12 +24,12 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from unison.deploy.replicas import Replicas
 from unison.errors import EngineDeadError, EngineOverloadedError, InvalidParam
-from unison.server import anthropic, llama_server, native, ollama, openai, pooling_routes, responses
+from unison.server.apis import ROUTERS
 from unison.server.errors import HTTPError, error_kind, error_response, field_path
-from unison.server.openai_format import invalid_param
-from unison.server.openai_protocol import generation_defaults
-from unison.server.replicas import Replicas
+from unison.server.pipeline.inputs import generation_defaults
+from unison.server.pipeline.start import invalid_param
 from unison.server.settings import ServeSettings, WorkerSettings
 
 log = logging.getLogger("unison.server")
@@ -72,13 +72,8 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
     if not embedded:
         app.add_middleware(Gate, api_key=serve.api_key, max_body=max_body_of(serve), ui=not serve.disable_ui)
     add_error_handlers(app)
-    app.include_router(openai.router)
-    app.include_router(pooling_routes.router)
-    app.include_router(responses.router)
-    app.include_router(anthropic.router)
-    app.include_router(ollama.router)
-    app.include_router(llama_server.router)
-    app.include_router(native.router)
+    for router in ROUTERS:
+        app.include_router(router)
     if not serve.disable_ui and not embedded:
         add_ui(app)
     return app
@@ -124,7 +119,7 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidParam)
     async def _invalid(request: Request, e: InvalidParam):
         path = request.url.path
-        err = invalid_param(e, openai=path.startswith("/v1/"), chat=path == "/v1/chat/completions")
+        err = invalid_param(e, input_names=path.startswith("/v1/"), chat=path == "/v1/chat/completions")
         return error_response(err.status, err.message, param=err.param, path=path)
 
     @app.exception_handler(jinja2.TemplateError)

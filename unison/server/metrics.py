@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from unison.protocol import HistogramData, ServerInfo, SpecDecodeStats
+from unison.wire.messages import HistogramData, ServerInfo, SpecDecodeStats
 
 PREFIX = "unison:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

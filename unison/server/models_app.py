@@ -31,15 +31,15 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from starlette.types import Message, Receive, Scope, Send
 
+from unison.deploy.model_pool import unknown_model
 from unison.errors import EngineDeadError
-from unison.protocol import GetServerInfo, LoraAdapterInfo, ServerInfo
-from unison.server import pool_protocol as pp
 from unison.server.app import ENV, Gate, add_error_handlers, add_ui, create_app, max_body_of
 from unison.server.errors import HTTPError, error_response
 from unison.server.metrics import CONTENT_TYPE, render_metrics
-from unison.server.model_pool import unknown_model
 from unison.server.settings import WorkerSettings
 from unison.version import __version__
+from unison.wire import pool as pp
+from unison.wire.messages import GetServerInfo, LoraAdapterInfo, ServerInfo
 
 log = logging.getLogger("unison.server")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import msgspec
 
-ROUTINGS = ("least_loaded", "prefix", "kv")  # see replicas.py
+ROUTINGS = ("least_loaded", "prefix", "kv")  # how a worker picks a replica (deploy/replicas.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,7 @@ class ServeSettings:
         if self.model_load_timeout <= 0:
             raise ValueError(f"--model-load-timeout must be > 0, got {self.model_load_timeout}")
         if self.tool_call_parser is not None:
-            from unison.frontend.tool_parsers import get_parser
+            from unison.frontend.text.tool_parsers import get_parser
 
             get_parser(self.tool_call_parser)  # an unknown name fails here, not at the first request
 

@@ -1,0 +1,1 @@
+from unison.server.apis.anthropic.routes import router as router

@@ -1,0 +1,1 @@
+from unison.server.apis.llama_server.routes import router as router

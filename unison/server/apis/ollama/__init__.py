@@ -1,0 +1,1 @@
+from unison.server.apis.ollama.routes import router as router

@@ -1,0 +1,1 @@
+from unison.server.apis.sglang.routes import router as router
