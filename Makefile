@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unison-installed
 TEST_STAMP := $(VENV)/.unison-test-installed
 
-.PHONY: install browser serve test soak lint clean device-check device-wheels
+.PHONY: install browser serve test test-fast soak lint clean device-check device-wheels
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ test: $(TEST_STAMP) browser
 	$(PY) -m tests.models
 	$(PY) -m mypy
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The fast loop: tests/unit/ only (no process started: kernels, models in-process, parsers, the
+# structure rules), about a minute on 2 cores.
+test-fast: $(TEST_STAMP)
+	$(PY) -m tests.models
+	$(PY) -m pytest -q -n 2 --dist loadfile tests/unit
 
 # 2,000 requests from 64 clients through 4 workers: minutes, not run by CI
 soak: $(TEST_STAMP)

@@ -163,7 +163,7 @@ def pytest_collection_finish(session):
     # Under xdist every worker collects every test: one warmer (the first worker's) is enough.
     if os.environ.get("UNISON_TEST_NO_WARMER") != "1" \
             and os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
-        start_warmer(sorted({f"tests.{Path(item.module.__file__).stem}" for item in session.items
+        start_warmer(sorted({item.module.__name__ for item in session.items
                              if any(hasattr(getattr(item, "module", None), hook) for hook in WARM_HOOKS)}))
 
 

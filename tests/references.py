@@ -13,7 +13,7 @@ background process at the lowest priority that computes the references of the se
 CPU time the other tests leave idle. A test that needs one waits for it, or, when the warmer holds
 it too long (starved by other work on the machine), stops the warmer and computes it itself.
 
-    python -m tests.references tests.test_engine ...   # the warmer, by hand
+    python -m tests.references tests.e2e.test_engine ...   # the warmer, by hand
 """
 
 from __future__ import annotations

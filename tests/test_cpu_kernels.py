@@ -408,3 +408,19 @@ def test_fused_ops_match_torch_ops():
     for act in ("silu", "gelu_tanh"):
         torch.testing.assert_close(kernels.act_mul(gate_up, act), TorchOps.act_mul(gate_up.clone(), act),
                                    rtol=2e-6, atol=2e-6)
+
+
+def test_ctypes_mirrors_have_the_c_structs_layout(monkeypatch):
+    """Checked on every load; a mirror missing a field (or with one the C struct lacks) is named."""
+    import ctypes
+
+    lib = cpu_kernels.load().lib
+    cpu_kernels.check_struct_layout(lib)
+
+    class Short(ctypes.Structure):
+        _fields_ = [("parts", ctypes.c_int64), ("records", ctypes.c_void_p)]
+
+    mirrors = cpu_kernels.struct_mirrors()
+    monkeypatch.setattr(cpu_kernels, "struct_mirrors", lambda: {**mirrors, "QLinear": Short})
+    with pytest.raises(RuntimeError, match=r"QLinear: C 80, ctypes 16.*QLinear.bias: C 72, ctypes None"):
+        cpu_kernels.check_struct_layout(lib)

@@ -354,5 +354,5 @@ def test_two_engine_processes_hash_alike_and_a_silent_subscriber_changes_nothing
             m.drain()
             assert not m.blocks
     assert hashes[0] == hashes[1] and hashes[0]
-    whole = len(ids) // BS  # the prompt's whole blocks: the README's recipe gives their hashes
+    whole = len(ids) // BS  # the prompt's whole blocks: docs/scaling.md's recipe gives their hashes
     assert hashes[0][0][:whole] == block_hashes(ids, BS)

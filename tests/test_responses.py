@@ -200,11 +200,13 @@ def test_schemas_are_strict_unless_they_say_otherwise():
 
 
 def test_required_calls_cut_by_max_tokens_keep_the_whole_ones():
+    from unison.frontend.request import LengthFinish
+    from unison.server.apis.openai.render import finish_reason
     from unison.server.pipeline.tools import plan_tools
 
     plan = plan_tools([WEATHER, TIME], "required", None, None)
     whole = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-    message, finish = plan.output().final(f'[{whole}, {{"name": "get_ti', "length")
-    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"] and finish == "length"
-    message, _ = plan.output().final('[{"name": "get_wea', "length")
-    assert message["content"] == '[{"name": "get_wea' and "tool_calls" not in message  # nothing whole
+    _, calls, ends_in_call = plan.output().final(f'[{whole}, {{"name": "get_ti')
+    assert [c.name for c in calls] == ["get_weather"] and finish_reason(LengthFinish(9), ends_in_call) == "length"
+    content, calls, _ = plan.output().final('[{"name": "get_wea')
+    assert content == '[{"name": "get_wea' and not calls  # nothing whole

@@ -744,7 +744,8 @@ def test_chat_template_option_replaces_the_models(small_queue_server, server):
 
 
 def test_generation_config_defaults_fill_unset_fields(tmp_path):
-    from unison.server.apis.openai.bodies import CompletionRequest, generation_defaults
+    from unison.server.apis.openai.bodies import CompletionRequest
+    from unison.server.pipeline.inputs import generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.3, "top_k": 20, "max_new_tokens": 8, "bos_token_id": 1}))

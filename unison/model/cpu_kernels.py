@@ -56,10 +56,12 @@ def load() -> CpuKernels | None:
     if os.environ.get("UNISON_CPU_KERNELS", "1") == "0":
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(build())))
+        lib = ctypes.CDLL(str(build()))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("CPU kernels unavailable (%s): using torch ops", e)
         return None
+    check_struct_layout(lib)
+    return CpuKernels(lib)
 
 
 def build(defines: tuple[str, ...] = ()) -> Path:
@@ -499,6 +501,33 @@ class DStepC(ctypes.Structure):
                 ("logits", _PTR), ("num_threads", _INT), ("attention_threads", _INT), ("lora_row", _PTR),
                 ("lora", _PTR), ("recent_k", _PTR), ("recent_v", _PTR), ("twin_k", _PTR), ("twin_v", _PTR),
                 ("twin_layer", _I64), ("twin_slots", _PTR), ("first_row", _PTR), ("twin", _PTR)]
+
+
+def struct_mirrors() -> dict[str, type[ctypes.Structure]]:
+    """The C structs the kernels take (by their C names) and their ctypes mirrors."""
+    from unison.model.lora import LoraLinearC, LoraPartC
+
+    return {"QLinear": QLinearC, "ExpertLinear": ExpertLinearC, "MoeLayer": MoeLayerC, "DLayer": DLayerC,
+            "DModel": DModelC, "DStep": DStepC, "RecentRows": RecentRowsC, "LoraPart": LoraPartC,
+            "LoraLinear": LoraLinearC}
+
+
+def check_struct_layout(lib: ctypes.CDLL) -> None:
+    """Each ctypes mirror has its C struct's size, fields and offsets (csrc/decoder.c's
+    struct_layout): a field added on one side only would otherwise be read at the wrong place."""
+    lib.struct_layout.argtypes, lib.struct_layout.restype = [ctypes.c_char_p, _I64], _I64
+    out = ctypes.create_string_buffer(1 << 14)
+    assert lib.struct_layout(out, len(out)) < len(out)
+    c = dict(entry.split("=") for entry in out.value.decode().split(";") if entry)
+    wrong = []
+    for name, mirror in struct_mirrors().items():
+        ours = {f"{name}.{f[0]}": str(getattr(mirror, f[0]).offset) for f in mirror._fields_}
+        ours[name] = str(ctypes.sizeof(mirror))
+        theirs = {k: v for k, v in c.items() if k == name or k.startswith(name + ".")}
+        wrong += [f"{k}: C {theirs.get(k)}, ctypes {ours.get(k)}" for k in sorted(ours.keys() | theirs.keys())
+                  if ours.get(k) != theirs.get(k)]
+    if wrong:
+        raise RuntimeError(f"ctypes mirrors disagree with the C structs: {wrong}")
 
 
 def _qlinear(plan: QuantPlan, bias: torch.Tensor | None) -> QLinearC:

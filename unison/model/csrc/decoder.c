@@ -10,6 +10,8 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "lora.h"
@@ -209,4 +211,47 @@ int decoder_forward(const DModel *m, const DStep *s) {
     }
     if (s->logit_rows > 0) linear(&m->lm_head, rows, s->logit_rows, s->logits, &b, t);
     return 0;
+}
+
+// ---- the structs' layout, for cpu_kernels.py's ctypes mirrors to check when the library loads ---
+
+#define LAYOUT(X)                                                                                      \
+    X(QLinear, parts) X(QLinear, records) X(QLinear, weights) X(QLinear, n_padded) X(QLinear, offsets)  \
+    X(QLinear, k) X(QLinear, kp) X(QLinear, n) X(QLinear, out_cols) X(QLinear, bias)                    \
+    X(ExpertLinear, record) X(ExpertLinear, w) X(ExpertLinear, n) X(ExpertLinear, k)                    \
+    X(MoeLayer, experts) X(MoeLayer, top_k) X(MoeLayer, hidden) X(MoeLayer, inter)                      \
+    X(MoeLayer, norm_topk) X(MoeLayer, activation) X(MoeLayer, router) X(MoeLayer, gate)                \
+    X(MoeLayer, up) X(MoeLayer, down)                                                                   \
+    X(DLayer, qkv) X(DLayer, o_proj) X(DLayer, gate_up) X(DLayer, down) X(DLayer, input_norm)           \
+    X(DLayer, post_attention_norm) X(DLayer, pre_mlp_norm) X(DLayer, post_mlp_norm) X(DLayer, q_norm)   \
+    X(DLayer, k_norm) X(DLayer, rope) X(DLayer, window) X(DLayer, k_cache) X(DLayer, v_cache)           \
+    X(DLayer, key_weight) X(DLayer, key_mean) X(DLayer, moe)                                            \
+    X(DModel, layers) X(DModel, hidden) X(DModel, heads) X(DModel, kv_heads) X(DModel, head_dim)        \
+    X(DModel, intermediate) X(DModel, vocab) X(DModel, block_size) X(DModel, eps)                       \
+    X(DModel, attention_scale) X(DModel, embed_scale) X(DModel, activation) X(DModel, qk_norm)          \
+    X(DModel, kv_dtype) X(DModel, embed_record) X(DModel, embed_kp) X(DModel, embed) X(DModel, norm)    \
+    X(DModel, lm_head) X(DModel, layer)                                                                 \
+    X(DStep, rows) X(DStep, ids) X(DStep, cos) X(DStep, sin) X(DStep, slots) X(DStep, tables)           \
+    X(DStep, row_seq) X(DStep, row_len) X(DStep, table_stride) X(DStep, logit_rows)                     \
+    X(DStep, logit_index) X(DStep, workspace) X(DStep, logits) X(DStep, num_threads)                    \
+    X(DStep, attention_threads) X(DStep, lora_row) X(DStep, lora) X(DStep, recent_k) X(DStep, recent_v) \
+    X(DStep, twin_k) X(DStep, twin_v) X(DStep, twin_layer) X(DStep, twin_slots) X(DStep, first_row)     \
+    X(DStep, twin)                                                                                      \
+    X(RecentRows, k) X(RecentRows, v) X(RecentRows, k_twins) X(RecentRows, v_twins)                     \
+    X(RecentRows, first_row) X(RecentRows, twin)                                                        \
+    X(LoraPart, a) X(LoraPart, b) X(LoraPart, rank) X(LoraPart, n) X(LoraPart, offset)                  \
+    X(LoraLinear, parts) X(LoraLinear, part)
+#define SIZES(X) X(QLinear) X(ExpertLinear) X(MoeLayer) X(DLayer) X(DModel) X(DStep) X(RecentRows) \
+    X(LoraPart) X(LoraLinear)
+
+// "Struct=size;Struct.field=offset;..." into out (cap bytes); returns the length it needs.
+int64_t struct_layout(char *out, int64_t cap) {
+    int64_t n = 0;
+#define LAYOUT_SIZE(S) n += snprintf(out + (n < cap ? n : cap), n < cap ? (size_t)(cap - n) : 0, \
+                                     #S "=%zu;", sizeof(S));
+#define LAYOUT_FIELD(S, f) n += snprintf(out + (n < cap ? n : cap), n < cap ? (size_t)(cap - n) : 0, \
+                                         #S "." #f "=%zu;", offsetof(S, f));
+    SIZES(LAYOUT_SIZE)
+    LAYOUT(LAYOUT_FIELD)
+    return n;
 }
