@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,11 @@ def test_vllm_spellings_parse_to_ours():
 def test_serve_refuses_clearly(argv, message, capsys):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_options_page_is_made_from_the_parser():
+    """docs/options.md is `unison options`' output: regenerate it when an option changes."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "options.md"
+    assert page.read_text() == cli.options_markdown(), "run: unison options > docs/options.md"
+    row = "| `--max-running-requests` | requests decoded together at most (default: 64) |"
+    assert row in page.read_text()

@@ -207,6 +207,7 @@ def test_required_calls_cut_by_max_tokens_keep_the_whole_ones():
     plan = plan_tools([WEATHER, TIME], "required", None, None)
     whole = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     _, calls, ends_in_call = plan.output().final(f'[{whole}, {{"name": "get_ti')
-    assert [c.name for c in calls] == ["get_weather"] and finish_reason(LengthFinish(9), ends_in_call) == "length"
+    assert [c.name for c in calls] == ["get_weather"]
+    assert finish_reason(LengthFinish(9), ends_in_call) == "length"
     content, calls, _ = plan.output().final('[{"name": "get_wea')
     assert content == '[{"name": "get_wea' and not calls  # nothing whole

@@ -9,14 +9,12 @@ from collections.abc import Iterator
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from unison.compat import ENGINE_ALIASES
 from unison.config import HELP, EngineConfig
 from unison.server.settings import ServeSettings, add_serve_options
 
 _SERVE_OWN = {"model_path", "tokenizer_worker_num"}  # spelled out by each command
 MODELS_OPTIONS = ("models_max", "idle_unload_s", "preload", "model_load_timeout")  # serve's, several models
-# vLLM's spellings beside ours (SGLang's are ours), so either ecosystem's command lines run.
-ALIASES = {"model_path": ["--model"], "context_length": ["--max-model-len"], "lora_paths": ["--lora-modules"],
-           "max_loras_per_batch": ["--max-loras"], "max_loaded_loras": ["--max-cpu-loras"]}
 
 
 def add_engine_options(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
@@ -24,15 +22,16 @@ def add_engine_options(parser: argparse.ArgumentParser, many_models: bool = Fals
     `--model NAME=PATH` may be repeated (`unison serve`'s several models)."""
     group = parser.add_argument_group("engine options")
     if many_models:
-        group.add_argument("--model-path", *ALIASES["model_path"], action="append", default=None,
+        group.add_argument("--model-path", *ENGINE_ALIASES["model_path"], action="append", default=None,
                            help=HELP["model_path"] + "; NAME=PATH, repeated: serve several models")
     else:
-        group.add_argument("--model-path", *ALIASES["model_path"], default=None, help=HELP["model_path"])
+        group.add_argument("--model-path", *ENGINE_ALIASES["model_path"], default=None,
+                           help=HELP["model_path"])
     hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
         if f.name in _SERVE_OWN:
             continue
-        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
+        flags = [f"--{f.name.replace('_', '-')}", *ENGINE_ALIASES.get(f.name, [])]
         if hints[f.name] is bool:
             group.add_argument(*flags, action="store_const", const=True, default=None, help=HELP[f.name])
             continue
@@ -127,6 +126,26 @@ def _serve_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
 
 
+def _serve_arguments(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument("model", nargs="?", default=None, help="the model (as --model-path)")
+    srv.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
+                     help="HTTP worker processes, each a frontend of the one engine core")
+    add_serve_options(srv)
+    add_engine_options(srv, many_models=True)
+
+
+def options_markdown() -> str:
+    """docs/options.md: `unison serve`'s options, made from the same declarations as its parser
+    (tests/unit/test_cli.py keeps the file current)."""
+    parser = argparse.ArgumentParser(prog="unison serve", add_help=False)
+    _serve_arguments(parser)
+    rows = [f"| {', '.join(f'`{s}`' for s in a.option_strings)} | {(a.help or '').replace('|', '/')} |"
+            for a in parser._actions if a.option_strings]
+    return ("# Options\n\n`unison serve`'s flags, made by `unison options`. Every engine option is also a "
+            "keyword argument of\n`Engine(...)`, its name in underscores (`--max-running-requests` is "
+            "`max_running_requests`).\n\n| flag | what it does |\n|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unison", description="Unison LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,12 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    srv.add_argument("model", nargs="?", default=None, help="the model (as --model-path)")
-    srv.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
-                     help="HTTP worker processes, each a frontend of the one engine core")
-    add_serve_options(srv)
-    add_engine_options(srv, many_models=True)
+    _serve_arguments(srv)
     srv.set_defaults(func=_serve)
+
+    options = sub.add_parser("options", help="every option of `unison serve` as a Markdown table "
+                                             "(docs/options.md)")
+    options.set_defaults(func=lambda args: print(options_markdown(), end="") or 0)
 
     from unison.bench import (
         activations,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from unison.compat import NO_EFFECT, SGLANG_ONLY_POLICIES, SGLANG_OPTIONS, SGLANG_SPECULATION
 from unison.json_types import JSONObject
 
 if TYPE_CHECKING:
@@ -360,37 +361,11 @@ TASKS = ("auto", "generate", "embed", "rerank")
 EIGHT_BIT_KV = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # read by the C attention kernel only
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", *EIGHT_BIT_KV)
 POLICIES = ("fcfs", "lpm", "fair", "random")
-SGLANG_ONLY_POLICIES = ("dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# sglang.Engine options accepted for compatibility, with the only values that mean something here.
-NO_EFFECT = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "disable_cuda_graph": (True, False),
-             "trust_remote_code": (True, False)}  # no model code is ever run from a checkpoint
 # --reasoning-parser's names, the peers' spellings, onto the two behaviours frontend/reasoning.py has.
 REASONING_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "deepseek-r1": "deepseek_r1",
                      "qwq": "deepseek_r1"}
-# sglang.Engine's NGRAM speculation options -> SpeculativeConfig's.
-SGLANG_SPECULATION = {"speculative_num_draft_tokens": "num_speculative_tokens",
-                      "speculative_ngram_min_match_window_size": "prompt_lookup_min",
-                      "speculative_ngram_max_match_window_size": "prompt_lookup_max"}
-# sglang.Engine options Unison does not have: named in the refusal, so a port knows what to drop.
-SGLANG_OPTIONS = frozenset("""
-tokenizer_path tokenizer_mode skip_server_warmup revision served_model_name chat_template
-completion_template is_embedding enable_multimodal host port api_key ep_size nnodes node_rank
-dist_init_addr attention_backend prefill_attention_backend decode_attention_backend sampling_backend
-grammar_backend enable_torch_compile torch_compile_max_bs cuda_graph_max_bs cuda_graph_bs
-enable_mixed_chunk enable_dp_attention speculative_draft_model_path
-speculative_num_steps speculative_eagle_topk
-lora_backend max_prefill_tokens page_size
-stream_interval watchdog_timeout download_dir base_gpu_id gpu_id_step enable_metrics
-show_time_cost decode_log_interval enable_memory_saver allow_auto_truncate tool_call_parser
-json_model_override_args preferred_sampling_params enable_deterministic_inference
-num_continuous_decode_steps torchao_config enable_p2p_check disaggregation_mode
-enable_hierarchical_cache schedule_conservativeness cpu_offload_gb kv_cache_dtype_override
-constrained_json_whitespace_pattern model_loader_extra_config enable_custom_logit_processor
-weight_version load_balance_method disable_overlap_schedule enable_two_batch_overlap
-enable_cache_report file_storage_path enable_nan_detection triton_attention_reduce_in_fp32
-hybrid_kvcache_ratio swa_full_tokens_ratio modelopt_quant impl
-""".split())
+
 
 
 # One line of help per option: the CLI shows it (`unison serve --help`); a test checks each has one.

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from unison.api.core_process import CoreProcess
 from unison.api.engine_controls import EngineControls, expect
+from unison.compat import SGLANG_METHODS, SGLANG_NO_EFFECT, SGLANG_UNSUPPORTED
 from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam
 from unison.frontend import pooling
@@ -387,40 +388,6 @@ async def _aitems(follow: AsyncIterator[list[int]], collector: Collector) -> Asy
             yield item
 
 
-# sglang.Engine.generate's arguments for what Unison does not have (images and audio,
-# custom logit processors, hidden states, sessions, disaggregation), with their defaults: given
-# anything else, the call is refused by name. Tracing and routing hints change no result and
-# are taken as given.
-SGLANG_UNSUPPORTED = {
-    "image_data": None, "audio_data": None, "video_data": None, "mm_hashes": None,
-    "mm_content_hashes": None, "custom_logit_processor": None,
-    "require_reasoning": False, "return_hidden_states": False, "return_routed_experts": False,
-    "routed_experts_start_len": 0, "bootstrap_host": None, "bootstrap_port": None,
-    "bootstrap_room": None, "disagg_prefill_dp_rank": None, "session_params": None,
-    "session_id": None, "cache_salt": None,
-}
-SGLANG_NO_EFFECT = {"external_trace_header", "kv_router_hint", "routed_dp_rank", "data_parallel_rank"}
-
-
-_NO_TP = ("Unison runs one process per engine core, with no torch.distributed group; use "
-          "update_weights_from_tensor (same host) or update_weights_from_disk")
-SGLANG_METHODS = {
-    **dict.fromkeys(["open_session", "close_session"], "sessions are not supported"),
-    **dict.fromkeys(["start_profile", "stop_profile"],
-                    "profile the core process (get_server_info()['core_pid']) with py-spy or perf"),
-    **dict.fromkeys(["start_expert_distribution_record", "stop_expert_distribution_record",
-                     "dump_expert_distribution_record"], "the experts' routing is not recorded"),
-    **dict.fromkeys(["init_weights_update_group", "destroy_weights_update_group",
-                     "update_weights_from_distributed", "update_weights_from_ipc", "collective_rpc"],
-                    _NO_TP),
-    "get_weights_by_name": "weights live in the core process, packed for its kernels",
-    "load_lora_adapter_from_tensors": "adapters load from a PEFT directory: save_pretrained() it and "
-                                      "use load_lora_adapter",
-    **dict.fromkeys(["release_memory_occupation", "resume_memory_occupation"],
-                    "the KV cache and weights stay allocated (there is no memory saver)"),
-    "freeze_gc": "not needed: the frontends hold few long-lived objects",
-    **dict.fromkeys(["save_remote_model", "save_sharded_model"], "the weights are read, never written"),
-}
 
 
 def _generate_args(prompt: Prompt, sampling_params: SamplingArg, input_ids: InputIds, image_data: object,

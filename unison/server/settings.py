@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 
 import msgspec
 
+from unison.compat import SERVE_ALIASES
+
 ROUTINGS = ("least_loaded", "prefix", "kv")  # how a worker picks a replica (deploy/replicas.py)
 
 
@@ -104,7 +106,6 @@ HELP = {
     "preload": "several models: load these at start",
     "model_load_timeout": "several models: how long a request waits for its model to load (seconds)",
 }
-ALIASES = {"data_parallel_size": ["--dp-size"], "disable_ui": ["--no-webui"]}  # vLLM's, SGLang's
 CHOICES = {"routing": ROUTINGS}
 
 
@@ -112,7 +113,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     """One --flag per ServeSettings field."""
     hints = typing.get_type_hints(ServeSettings)
     for f in fields(ServeSettings):
-        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
+        flags = [f"--{f.name.replace('_', '-')}", *SERVE_ALIASES.get(f.name, [])]
         if hints[f.name] is bool:
             parser.add_argument(*flags, dest=f.name, action="store_true", help=HELP[f.name])
             continue
