@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import conftest  # pytest's own instance (tests.conftest would be a second copy of the module)
 import httpx
 import psutil
 
+from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
 from tests.utils import wait_until
 from unison.wire import registry
 

@@ -20,8 +20,10 @@ def _is_python(args: object) -> bool:
     return argv[0] == sys.executable or first.startswith("python")
 
 
-@pytest.fixture(autouse=True)
-def no_process_started(monkeypatch):
+@pytest.fixture(scope="module", autouse=True)
+def no_process_started():
+    """Module-scoped, so that it is in place before the module's own fixtures start anything."""
+
     def execute_child(self, args, *rest, **kwargs):
         if _is_python(args):
             raise AssertionError(f"a unit test started {args!r}: move it to tests/e2e/")
@@ -30,5 +32,7 @@ def no_process_started(monkeypatch):
     def start(self):
         raise AssertionError("a unit test started a multiprocessing process: move it to tests/e2e/")
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", execute_child)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", execute_child)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", start)
+        yield

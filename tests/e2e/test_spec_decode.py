@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_engine import wait_idle
+from tests.e2e.test_engine import wait_idle
 from unison import Engine
 from unison.bench.datasets import GROUNDED_KINDS, WORDS, grounded_prompt
 from unison.config import EngineConfig, SpeculativeConfig

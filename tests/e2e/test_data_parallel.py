@@ -17,14 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import conftest  # pytest's own instance (tests.conftest would be a second copy of the module)
 import httpx
 import openai
 import psutil
 import pytest
 
+from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
+from tests.e2e.test_engine import PROMPTS
 from tests.serving import free_port
-from tests.test_engine import PROMPTS
 from tests.utils import wait_until
 from unison import Engine
 from unison.deploy.replicas import Replicas

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.e2e.test_quant import INVARIANCE_PROMPTS
 from tests.serving import assert_openai_error, serve
-from tests.test_quant import INVARIANCE_PROMPTS
 from tests.utils import wait_until
 from unison import Engine
 from unison.bench.lora import TARGETS, write_adapter

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_attach import AttachedProcess
-from tests.test_engine import PROMPTS, wait_idle
+from tests.e2e.test_attach import AttachedProcess
+from tests.e2e.test_engine import PROMPTS, wait_idle
 from tests.utils import wait_until
 from unison import Engine
 from unison.config import EngineConfig

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.adapters import make_adapter, peft_reference
-from tests.test_model import prompt_ids
+from tests.unit.test_model import prompt_ids
 from tests.utils import Blocks, assert_greedy_close, top_logprobs
 from unison.model import cpu_kernels
 from unison.model.families import ModelConfig
@@ -369,7 +369,7 @@ def test_every_family_matches_peft_and_both_forwards_agree(kind: str, tmp_path: 
     post norms): float logits as PEFT's, and int4 steps with an adapter bit-identical on the
     compiled and the Python forward."""
     from tests.adapters import peft_model
-    from tests.test_model import assert_logits_close, tiny_model
+    from tests.unit.test_model import assert_logits_close, tiny_model
 
     tiny_model(kind, tmp_path / "model")
     adapter = make_adapter(tmp_path / "lora", rank=4, seed=5, model_dir=tmp_path / "model")

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import unison
-from tests.test_engine import wait_idle
+from tests.e2e.test_engine import wait_idle
 from unison import Engine
 from unison.sampling import BY_NAME, CORE_OPTIONS, Option
 from unison.wire import messages as protocol

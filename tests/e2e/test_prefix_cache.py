@@ -3,7 +3,7 @@ where both eviction and preemption happen."""
 
 from __future__ import annotations
 
-from tests.test_engine import PROMPTS, top_dicts, wait_idle
+from tests.e2e.test_engine import PROMPTS, top_dicts, wait_idle
 from tests.utils import assert_greedy_close
 from unison import Engine
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_model import tiny_model
+from tests.unit.test_model import tiny_model
 from unison.config import EngineConfig
 from unison.core.engine_core import EngineCore
 from unison.wire.messages import CoreSamplingParams, Generate

@@ -29,7 +29,7 @@ import psutil
 import pytest
 import zmq
 
-from tests.test_engine import PROMPTS, top_dicts, wait_idle
+from tests.e2e.test_engine import PROMPTS, top_dicts, wait_idle
 from tests.utils import assert_greedy_close, wait_until
 from unison import Engine, EngineDeadError
 from unison.wire import messages as protocol

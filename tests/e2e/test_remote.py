@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from tests.test_engine import PROMPTS
+from tests.e2e.test_engine import PROMPTS
 from tests.utils import wait_until
 from unison import Engine, EngineDeadError, curve_keypair
 from unison.errors import InvalidParam

@@ -12,12 +12,12 @@ import os
 import signal
 import time
 
-import conftest
 import httpx
 import msgspec
 import pytest
 
-from tests.test_data_parallel import DPServer, _marked
+from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
+from tests.e2e.test_data_parallel import DPServer, _marked
 from tests.utils import wait_until
 from unison.deploy.replicas import Replicas
 from unison.wire.kv_events import KVEventsInfo, LoadReport, block_hashes

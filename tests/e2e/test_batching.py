@@ -3,7 +3,7 @@ lengths, with prefill chunked small and a KV pool so small that preemption happe
 
 from __future__ import annotations
 
-from tests.test_engine import PROMPTS, top_dicts, wait_idle
+from tests.e2e.test_engine import PROMPTS, top_dicts, wait_idle
 from tests.utils import assert_greedy_close
 from unison import Engine
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_quant import reference_matmul
+from tests.unit.test_quant import reference_matmul
 from unison.model import cpu_kernels, gguf_blocks
 from unison.model.gguf import GGUFWeights
 

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import conftest  # pytest's own instance (tests.conftest would be a second copy of the module)
 import psutil
 import pytest
 from fastapi.testclient import TestClient
 
+from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
 from tests.serving import Server, serve
 from tests.utils import wait_until
 from unison import Engine
