@@ -9,14 +9,19 @@ from unison.json_types import JSONObject
 from unison.server.pipeline.inputs import ChatInput, ChatMessage, Strict, TextInput
 
 
-class _OpenAIFields(BaseModel):
-    stream: bool = False
-    stream_options: JSONObject | None = None
-    # Standard fields that do not change the output: accepted and ignored.
+class IgnoredFields(BaseModel):
+    """OpenAI's standard fields that do not change the output: accepted and ignored (nothing is
+    stored)."""
+
     user: str | None = None
     metadata: JSONObject | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+
+class _OpenAIFields(IgnoredFields):
+    stream: bool = False
+    stream_options: JSONObject | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
 
     @property

@@ -15,10 +15,11 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from unison.frontend.text.tool_parsers import ToolCallDelta
 from unison.json_types import JSONObject
+from unison.server.apis.openai.bodies import IgnoredFields
 from unison.server.errors import HTTPError
 from unison.server.pipeline.inputs import ChatInput
 from unison.server.pipeline.output import hit_length
@@ -29,7 +30,7 @@ router = APIRouter()
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(IgnoredFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -44,14 +45,10 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     stream: bool = False
     previous_response_id: str | None = None
-    # Accepted, with no effect here: nothing is stored, reasoning effort is the model's own.
-    store: bool | None = None
+    # Accepted, with no effect here: reasoning effort is the model's own.
     reasoning: JSONObject | None = None
-    metadata: JSONObject | None = None
-    user: str | None = None
     include: list[str] | None = None
     truncation: str | None = None
-    service_tier: str | None = None
 
     def to_chat(self) -> ChatInput:
         if self.previous_response_id is not None:

@@ -97,22 +97,20 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    started = await start_completion(body, request)
-    out = Renderer(started, chat=False, rid=f"cmpl-{uuid.uuid4().hex}", top_n=body.logprobs or 0,
-                   tokens_as_ids=body.return_tokens_as_token_ids)
-    return await _respond(request, started, out, body.stream, body.include_usage)
+    return await _respond(request, await start_completion(body, request), body, "cmpl", body.logprobs)
 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request):
-    started = await start_chat(body, request)
-    out = Renderer(started, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}", top_n=body.top_logprobs or 0,
+    return await _respond(request, await start_chat(body, request), body, "chatcmpl", body.top_logprobs)
+
+
+async def _respond(request: Request, started: Started, body: CompletionRequest | ChatCompletionRequest,
+                   kind: str, top_n: int | None):
+    out = Renderer(started, chat=kind == "chatcmpl", rid=f"{kind}-{uuid.uuid4().hex}", top_n=top_n or 0,
                    tokens_as_ids=body.return_tokens_as_token_ids)
-    return await _respond(request, started, out, body.stream, body.include_usage)
-
-
-async def _respond(request: Request, started: Started, out: Renderer, streaming: bool, include_usage: bool):
-    if streaming:
-        return stream(started.collector, out.chunks, lambda: [out.usage_chunk()] if include_usage else [])
+    if body.stream:
+        tail = (lambda: [out.usage_chunk()]) if body.include_usage else list
+        return stream(started.collector, out.chunks, tail)
     await wait(request, started.collector)
     return out.final()
