@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,6 +15,12 @@ if TYPE_CHECKING:
 
 Option = TypeVar("Option", bound="DataclassInstance")  # an option's dataclass (SpeculativeConfig, ...)
 
+
+
+def option(default: Any, help: str) -> Any:  # Any: the field's own type, as dataclasses' field() gives
+    """An option's field with its one line of help (its CLI flag's, its row in docs/options.md):
+    the default, the type and the help declared together, once."""
+    return field(default=default, metadata={"help": help})
 
 @dataclass
 class SpeculativeConfig:
@@ -137,74 +143,113 @@ class LoraModule:
 
 @dataclass
 class EngineConfig:
-    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    tokenizer_worker_num: int = 1  # frontends that may be attached at once, the in-process one included
+    model_path: str | None = option(None, "HF directory or GGUF file (default: the embedded "
+                                          "SmolLM2-135M-Instruct GGUF)")
+    tokenizer_worker_num: int = option(1, "frontend processes (HTTP workers) that may attach, the owner's "
+                                          "included")
     # What the model serves: "auto" takes it from the model (a BertModel embeds, a cross-encoder
     # reranks, a decoder generates); naming another task than the model's is refused at start.
-    task: str = "auto"
-    device: str = "cpu"
-    dtype: str = "auto"  # fp32 on CPU; the checkpoint's dtype (or bf16) on CUDA
-    load_format: str = "auto"  # "dummy": a tiny random model with the real tokenizer (benchmarks)
+    task: str = option("auto", "auto (from the model), generate, embed (sentence embeddings) or rerank (a "
+                               "cross-encoder)")
+    device: str = option("cpu", "cpu or cuda[:N]")
+    dtype: str = option("auto", "auto (fp32 on CPU, the checkpoint's dtype or bf16 on CUDA), float32, "
+                                "float16, bfloat16")
+    load_format: str = option("auto", "auto, or dummy: a tiny random model with the real tokenizer "
+                                      "(benchmarks)")
     # Linear weights on CPU: "auto" runs a GGUF at its own size (Q4_* as int4 blocks, the rest as
     # int8) and an HF checkpoint in float; "none" is the float reference; "int8" / "int4" quantize.
-    quantization: str = "auto"
+    quantization: str = option("auto", "linear weights: auto (a GGUF at its own size), none (float), int8, "
+                                       "int4")
     # KV cache elements: "auto" is float16 beside quantized weights on CPU, else the model's dtype.
-    kv_cache_dtype: str = "auto"
-    num_threads: int | None = None  # torch threads in the core; frontends stay single-threaded
-    context_length: int | None = None  # None: the model's own limit
-    block_size: int = 16  # tokens per KV block
-    max_total_tokens: int | None = None  # KV capacity in tokens; None: from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # None: a quarter of free memory (at most 8 GiB) on CPU
-    max_running_requests: int = 64  # SGLang's None: this default
-    max_queued_requests: int | None = None  # waiting requests, engine-wide; past it: refused at once
-    chunked_prefill_size: int = 512  # a step's token budget: long prompts prefill in chunks (-1: never)
-    disable_radix_cache: bool = False  # the prefix cache reuses the KV of shared prompt prefixes
+    kv_cache_dtype: str = option("auto", "KV cache elements: auto (float16 beside quantized weights), "
+                                         "float32, float16, bfloat16, int8 (llama.cpp's q8_0 blocks: 1.88x "
+                                         "float16's tokens; CPU), fp8_e4m3 (or fp8) and fp8_e5m2 (vLLM's: 2x "
+                                         "the tokens, scale 1.0; CPU)")
+    # (frontends stay single-threaded)
+    num_threads: int | None = option(None, "torch threads in the core (default: torch's choice)")
+    context_length: int | None = option(None, "longest prompt + output in tokens (default: the model's own "
+                                              "limit)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    max_total_tokens: int | None = option(None, "KV-cache capacity in tokens (default: from "
+                                                "kv_cache_memory_gb)")
+    kv_cache_memory_gb: float | None = option(None, "KV-cache memory (default: a quarter of free memory, at "
+                                                    "most 8 GiB, on CPU)")
+    # SGLang's None means this default (as for the other NONE_MEANS_DEFAULT options)
+    max_running_requests: int = option(64, "requests decoded together at most")
+    max_queued_requests: int | None = option(None, "waiting requests the engine holds, across all frontends; "
+                                                   "past it a request is refused at once (HTTP 503)")
+    # a step's token budget; -1 (SGLang's): a prompt is never chunked
+    chunked_prefill_size: int = option(512, "tokens per step: longer prompts are prefilled in chunks")
+    disable_radix_cache: bool = option(False, "turn off the prefix cache that reuses shared prompt prefixes' "
+                                              "KV")
     # The prefix cache's disk tier: cached blocks are also written under this directory, read back
     # on a prefix hit (after a restart too), kept to kv_cache_disk_gb (least recently used go).
-    kv_cache_dir: str | None = None
-    kv_cache_disk_gb: float = 16.0
+    kv_cache_dir: str | None = option(None, "the prefix cache's disk tier: cached KV blocks are kept in files"
+                                            " here and read back on a prefix hit, across restarts of the same"
+                                            " model")
+    kv_cache_disk_gb: float = option(16.0, "the disk tier's size; past it the least recently used blocks are "
+                                           "removed")
     # A hybrid model's prefix cache keeps its linear-attention state at each cached prompt's end
     # and every this many tokens of a prompt (a hit resumes from the longest prefix with one).
-    state_snapshot_interval: int = 2048
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match) | fair (round-robin over frontends)
+    state_snapshot_interval: int = option(2048, "a linear-attention model's prefix cache keeps its state at "
+                                                "each cached prompt's end and every this many prompt tokens")
+    schedule_policy: str = option("fcfs", "fcfs, lpm (longest cached prefix first), fair (round-robin over "
+                                          "frontends) or random")
     # A frontend that has not processed its outputs for this long, or this many steps' worth,
     # has its requests aborted: the core never waits for a stalled frontend. The age is the bound
     # that matters; the count only caps what the core holds for a frontend that stopped reading.
     # It must stay far above the steps in a scheduling hiccup: a small model steps every few ms,
     # and a count of 64 took a busy frontend's 0.3 s pause for a stall.
-    frontend_max_lag_s: float = 2.0
-    frontend_max_unacked: int = 4096
-    startup_timeout: float = 300.0  # seconds to wait for the core to load the model
-    log_level: str = "warning"
+    frontend_max_lag_s: float = option(2.0, "a frontend this far behind its outputs has its requests aborted")
+    frontend_max_unacked: int = option(4096, "... or this many steps' outputs behind")
+    startup_timeout: float = option(300.0, "seconds to wait for the core to load the model")
+    log_level: str = option("warning", "debug, info, warning, error or critical")
     # SGLang's options, with SGLang's meaning:
-    random_seed: int | None = None  # seeds the draw of each unseeded request's sampling seed
+    random_seed: int | None = option(None, "seeds the sampling seed drawn for each request that gives none "
+                                           "(reproducible runs)")
     # Memory for weights + KV cache, as a fraction of the machine's (the GPU's on CUDA); the KV
     # cache gets what is left of it once the weights are loaded. None: kv_cache_memory_gb's rule.
-    mem_fraction_static: float | None = None
-    skip_tokenizer_init: bool = False  # token ids in, token ids out; no tokenizer is loaded
-    stream_output: bool = False  # streams yield only what is new (disjoint segments), not all so far
+    mem_fraction_static: float | None = option(None, "weights + KV cache as a fraction of memory (SGLang's); "
+                                                     "the KV cache gets the rest after the weights")
+    skip_tokenizer_init: bool = option(False, "no tokenizer: prompts are input_ids, outputs output_ids only")
+    stream_output: bool = option(False, "streamed items carry only what is new, not everything so far")
     # Remote frontends: "tcp://HOST:PORT" (port * for any) makes the core also accept frontends
     # over TCP, each authenticated by ZMQ CURVE with one of the trusted client public keys (Z85).
-    listen: str | None = None
-    trusted_client_keys: tuple[str, ...] = ()
-    heartbeat_timeout_s: float = 3.0  # over TCP: a side silent this long is dead (no pidfds there)
+    listen: str | None = option(None, "tcp://HOST:PORT: also accept frontends over TCP, authenticated with "
+                                      "ZMQ CURVE")
+    trusted_client_keys: tuple[str, ...] = option((), "the CURVE public keys (Z85) of the remote frontends "
+                                                      "allowed to attach")
+    # over TCP there are no pidfds: silence is the only sign that a side died
+    heartbeat_timeout_s: float = option(3.0, "over TCP, a frontend or core silent this long is dead")
     # A thinking model's <think> section returned apart (the OpenAI routes' reasoning_content):
     # qwen3 | deepseek_r1 (aliases deepseek-r1, qwq); see frontend/reasoning.py.
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = option(None, "return a thinking model's <think> section apart as "
+                                                "reasoning_content: qwen3, deepseek_r1 (deepseek-r1, qwq)")
     # Speculative decoding (vLLM's option; SGLang's speculative_algorithm="NGRAM" maps onto it): a
     # SpeculativeConfig, or its dict / JSON text. None: plain decoding.
-    speculative_config: SpeculativeConfig | str | None = None
+    speculative_config: SpeculativeConfig | str | None = option(
+        None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}' "
+              "(outputs stay bit-identical)")
     # LoRA adapters (SGLang's and vLLM's options): loaded in the core, used from every frontend.
-    enable_lora: bool = False  # lora_paths turns it on too, as in SGLang
+    # lora_paths turns enable_lora on too, as in SGLang.
+    enable_lora: bool = option(False, "serve LoRA adapters (load_lora_adapter, lora_path, model=<adapter>)")
     # Loaded at start: "name=path", a path, or {"lora_name", "lora_path", "pinned"} (or its JSON).
-    lora_paths: tuple[str, ...] = ()
-    max_loras_per_batch: int = 8  # distinct adapters in one step (the base model not counted)
-    max_lora_rank: int = 64
-    max_loaded_loras: int | None = None  # past it, idle unpinned adapters are evicted (LRU); None: no limit
+    lora_paths: tuple[str, ...] = option((), "adapters loaded at start: name=path (or a path, or JSON with "
+                                             "lora_name, lora_path, pinned)")
+    # (the base model not counted)
+    max_loras_per_batch: int = option(8, "distinct LoRA adapters in one step")
+    max_lora_rank: int = option(64, "the largest adapter rank that may be loaded")
+    max_loaded_loras: int | None = option(None, "adapters kept loaded; past it idle unpinned ones are "
+                                                "evicted, least recently used first (default: no limit)")
     # KV-cache events and load reports over ZMQ (vLLM's and SGLang's option): a KVEventsConfig, or
     # its dict / JSON text. None: nothing is published.
-    kv_events_config: KVEventsConfig | str | None = None
-    data_parallel_rank: int = 0  # this core's rank among data-parallel replicas (vLLM's)
+    kv_events_config: KVEventsConfig | str | None = option(None, "publish KV-cache events and load reports "
+                                                                 "over ZMQ, vLLM's format, as JSON, e.g. "
+                                                                 "'{\"enable_kv_cache_events\": true, "
+                                                                 "\"endpoint\": \"tcp://*:5557\", "
+                                                                 "\"replay_endpoint\": \"tcp://*:5558\"}'")
+    data_parallel_rank: int = option(0, "this core's rank among data-parallel replicas (set by the launcher; "
+                                        "offsets the KV events' ports)")
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.
@@ -369,63 +414,7 @@ REASONING_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "deepseek-r
 
 
 # One line of help per option: the CLI shows it (`unison serve --help`); a test checks each has one.
-HELP = {
-    "model_path": "HF directory or GGUF file (default: the embedded SmolLM2-135M-Instruct GGUF)",
-    "tokenizer_worker_num": "frontend processes (HTTP workers) that may attach, the owner's included",
-    "task": "auto (from the model), generate, embed (sentence embeddings) or rerank (a cross-encoder)",
-    "device": "cpu or cuda[:N]",
-    "dtype": "auto (fp32 on CPU, the checkpoint's dtype or bf16 on CUDA), float32, float16, bfloat16",
-    "load_format": "auto, or dummy: a tiny random model with the real tokenizer (benchmarks)",
-    "quantization": "linear weights: auto (a GGUF at its own size), none (float), int8, int4",
-    "kv_cache_dtype": "KV cache elements: auto (float16 beside quantized weights), float32, float16, "
-                      "bfloat16, int8 (llama.cpp's q8_0 blocks: 1.88x float16's tokens; CPU), "
-                      "fp8_e4m3 (or fp8) and fp8_e5m2 (vLLM's: 2x the tokens, scale 1.0; CPU)",
-    "num_threads": "torch threads in the core (default: torch's choice)",
-    "context_length": "longest prompt + output in tokens (default: the model's own limit)",
-    "block_size": "tokens per KV-cache block",
-    "max_total_tokens": "KV-cache capacity in tokens (default: from kv_cache_memory_gb)",
-    "kv_cache_memory_gb": "KV-cache memory (default: a quarter of free memory, at most 8 GiB, on CPU)",
-    "max_running_requests": "requests decoded together at most",
-    "max_queued_requests": "waiting requests the engine holds, across all frontends; past it a "
-                           "request is refused at once (HTTP 503)",
-    "chunked_prefill_size": "tokens per step: longer prompts are prefilled in chunks",
-    "disable_radix_cache": "turn off the prefix cache that reuses shared prompt prefixes' KV",
-    "kv_cache_dir": "the prefix cache's disk tier: cached KV blocks are kept in files here and read "
-                    "back on a prefix hit, across restarts of the same model",
-    "kv_cache_disk_gb": "the disk tier's size; past it the least recently used blocks are removed",
-    "state_snapshot_interval": "a linear-attention model's prefix cache keeps its state at each cached "
-                               "prompt's end and every this many prompt tokens",
-    "schedule_policy": "fcfs, lpm (longest cached prefix first), fair (round-robin over frontends) "
-                       "or random",
-    "frontend_max_lag_s": "a frontend this far behind its outputs has its requests aborted",
-    "frontend_max_unacked": "... or this many steps' outputs behind",
-    "startup_timeout": "seconds to wait for the core to load the model",
-    "log_level": "debug, info, warning, error or critical",
-    "random_seed": "seeds the sampling seed drawn for each request that gives none (reproducible runs)",
-    "mem_fraction_static": "weights + KV cache as a fraction of memory (SGLang's); the KV cache "
-                           "gets the rest after the weights",
-    "skip_tokenizer_init": "no tokenizer: prompts are input_ids, outputs output_ids only",
-    "stream_output": "streamed items carry only what is new, not everything so far",
-    "listen": "tcp://HOST:PORT: also accept frontends over TCP, authenticated with ZMQ CURVE",
-    "trusted_client_keys": "the CURVE public keys (Z85) of the remote frontends allowed to attach",
-    "heartbeat_timeout_s": "over TCP, a frontend or core silent this long is dead",
-    "reasoning_parser": "return a thinking model's <think> section apart as reasoning_content: qwen3, "
-                        "deepseek_r1 (deepseek-r1, qwq)",
-    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
-                          "\"num_speculative_tokens\": 5}' (outputs stay bit-identical)",
-    "enable_lora": "serve LoRA adapters (load_lora_adapter, lora_path, model=<adapter>)",
-    "lora_paths": "adapters loaded at start: name=path (or a path, or JSON with lora_name, lora_path, "
-                  "pinned)",
-    "max_loras_per_batch": "distinct LoRA adapters in one step",
-    "max_lora_rank": "the largest adapter rank that may be loaded",
-    "max_loaded_loras": "adapters kept loaded; past it idle unpinned ones are evicted, least recently "
-                        "used first (default: no limit)",
-    "kv_events_config": "publish KV-cache events and load reports over ZMQ, vLLM's format, as JSON, "
-                        "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
-                        "\"replay_endpoint\": \"tcp://*:5558\"}'",
-    "data_parallel_rank": "this core's rank among data-parallel replicas (set by the launcher; offsets "
-                          "the KV events' ports)",
-}
+HELP = {f.name: f.metadata['help'] for f in fields(EngineConfig) if 'help' in f.metadata}
 
 
 def _check(ok: bool, name: str, rule: str) -> None:

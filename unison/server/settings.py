@@ -14,33 +14,53 @@ from dataclasses import dataclass, fields
 import msgspec
 
 from unison.compat import SERVE_ALIASES
+from unison.config import option
 
 ROUTINGS = ("least_loaded", "prefix", "kv")  # how a worker picks a replica (deploy/replicas.py)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServeSettings:
-    """`unison serve`'s own options (HELP below says what each does; the engine's are EngineConfig's)."""
+    """`unison serve`'s own options, each with its help (the engine's are EngineConfig's)."""
 
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    tool_call_parser: str | None = None
-    generation_config: str = "auto"
-    chat_template: str | None = None
-    max_request_bytes: int | None = None
-    data_parallel_size: int = 1
-    ray_address: str | None = None
-    routing: str = "least_loaded"
-    disable_ui: bool = False
-    extra_frontends: int = 0
-    enable_auto_tool_choice: bool = False
-    models_dir: str | None = None
-    models_max: int = 4
-    idle_unload_s: float | None = None
-    preload: tuple[str, ...] = ()
-    model_load_timeout: float = 600.0
+    host: str = option("127.0.0.1", "interface to listen on")
+    port: int = option(30000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (/health and /metrics stay open)")
+    served_model_name: str | None = option(None, "the model's name in the API (default: its file or folder "
+                                                 "name)")
+    tool_call_parser: str | None = option(None, "how tool_choice \"auto\" reads calls in the model's text: "
+                                                "hermes (Qwen2.5/3, alias qwen25), llama3_json (alias llama3)"
+                                                " or qwen3_coder (Qwen3-Coder, Qwen3.5's XML calls)")
+    generation_config: str = option("auto", "request defaults: auto (the model's generation_config.json), "
+                                            "vllm (none) or a folder holding one; its max_new_tokens caps "
+                                            "every request")
+    chat_template: str | None = option(None, "a Jinja chat template (a file, or the template itself) over the"
+                                             " model's")
+    max_request_bytes: int | None = option(None, "largest request body (default: 32 MiB); past it: 413")
+    data_parallel_size: int = option(1, "engine cores behind one address, each in a Ray actor (needs "
+                                        "unison[ray])")
+    ray_address: str | None = option(None, "an existing Ray cluster for the replicas (left running); default:"
+                                           " a local Ray instance, started and stopped with the server")
+    routing: str = option("least_loaded", "which replica takes a request: least_loaded (engine-wide, from the"
+                                          " replicas' load reports), prefix (a hash of the prompt's first "
+                                          "characters) or kv (the most of the prompt's blocks cached, from "
+                                          "the replicas' KV events, weighed against load)")
+    disable_ui: bool = option(False, "no web page at / (chat, and the engine with its frontends)")
+    extra_frontends: int = option(0, "frontends that may attach beside the HTTP workers, e.g. an Engine in "
+                                     "another process: Engine.attach_tokenizer_worker(<server pid>)")
+    enable_auto_tool_choice: bool = option(False, "vLLM's flag, accepted: tool_choice \"auto\" works "
+                                                  "whenever a parser is set")
+    models_dir: str | None = option(None, "serve every model in this folder (each .gguf file, and each folder"
+                                          " with a config.json, named by its file or folder name), each on "
+                                          "its own engine core started on first use; --model NAME=PATH "
+                                          "(repeatable) adds one")
+    models_max: int = option(4, "several models: engine cores loaded at once; past it the least recently used"
+                                " idle one is stopped")
+    idle_unload_s: float | None = option(None, "several models: stop a model's core after this many seconds "
+                                               "without requests (default: never)")
+    preload: tuple[str, ...] = option((), "several models: load these at start")
+    model_load_timeout: float = option(600.0, "several models: how long a request waits for its model to load"
+                                              " (seconds)")
 
     @property
     def data_parallel(self) -> bool:
@@ -74,38 +94,7 @@ class ServeSettings:
         return cls(**{**values, "preload": tuple(values["preload"])})
 
 
-HELP = {
-    "host": "interface to listen on",
-    "port": "port to listen on",
-    "api_key": "require 'Authorization: Bearer KEY' (/health and /metrics stay open)",
-    "served_model_name": "the model's name in the API (default: its file or folder name)",
-    "tool_call_parser": 'how tool_choice "auto" reads calls in the model\'s text: hermes (Qwen2.5/3, '
-                        "alias qwen25), llama3_json (alias llama3) or qwen3_coder (Qwen3-Coder, "
-                        "Qwen3.5's XML calls)",
-    "generation_config": "request defaults: auto (the model's generation_config.json), vllm (none) or a "
-                         "folder holding one; its max_new_tokens caps every request",
-    "chat_template": "a Jinja chat template (a file, or the template itself) over the model's",
-    "max_request_bytes": "largest request body (default: 32 MiB); past it: 413",
-    "data_parallel_size": "engine cores behind one address, each in a Ray actor (needs unison[ray])",
-    "ray_address": "an existing Ray cluster for the replicas (left running); default: a local Ray "
-                   "instance, started and stopped with the server",
-    "routing": "which replica takes a request: least_loaded (engine-wide, from the replicas' load "
-               "reports), prefix (a hash of the prompt's first characters) or kv (the most of the "
-               "prompt's blocks cached, from the replicas' KV events, weighed against load)",
-    "disable_ui": "no web page at / (chat, and the engine with its frontends)",
-    "extra_frontends": "frontends that may attach beside the HTTP workers, e.g. an Engine in another "
-                       "process: Engine.attach_tokenizer_worker(<server pid>)",
-    "enable_auto_tool_choice": "vLLM's flag, accepted: tool_choice \"auto\" works whenever a parser is set",
-    "models_dir": "serve every model in this folder (each .gguf file, and each folder with a config.json, "
-                  "named by its file or folder name), each on its own engine core started on first use; "
-                  "--model NAME=PATH (repeatable) adds one",
-    "models_max": "several models: engine cores loaded at once; past it the least recently used idle one "
-                  "is stopped",
-    "idle_unload_s": "several models: stop a model's core after this many seconds without requests "
-                     "(default: never)",
-    "preload": "several models: load these at start",
-    "model_load_timeout": "several models: how long a request waits for its model to load (seconds)",
-}
+HELP = {f.name: f.metadata['help'] for f in fields(ServeSettings) if 'help' in f.metadata}
 CHOICES = {"routing": ROUTINGS}
 
 
