@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from unison.api.hub import locate_config
 from unison.compat import ENGINE_ALIASES
 from unison.config import HELP, EngineConfig
 from unison.server.settings import ServeSettings, add_serve_options
 
+QUIET_HELP = "no download progress and fewer log lines"
 _SERVE_OWN = {"model_path", "tokenizer_worker_num"}  # spelled out by each command
 MODELS_OPTIONS = ("models_max", "idle_unload_s", "preload", "model_load_timeout")  # serve's, several models
 
@@ -29,7 +31,7 @@ def add_engine_options(parser: argparse.ArgumentParser, many_models: bool = Fals
                            help=HELP["model_path"])
     hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
-        if f.name in _SERVE_OWN:
+        if f.name in _SERVE_OWN or "help" not in f.metadata:  # (not an option: set by the engine)
             continue
         flags = [f"--{f.name.replace('_', '-')}", *ENGINE_ALIASES.get(f.name, [])]
         if hints[f.name] is bool:
@@ -54,7 +56,8 @@ def _generate(args: argparse.Namespace) -> int:
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     if args.seed is not None:
         params["sampling_seed"] = args.seed
-    with Engine(**engine_options(args)) as engine:
+    opts = engine_options(args) | ({"log_level": "error"} if args.quiet else {})
+    with Engine(**opts) as engine:
         prompt, ids = args.prompt, None
         if args.chat:  # the template writes its own special tokens: no second BOS
             text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -123,13 +126,34 @@ def _serve_config(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--skip-tokenizer-init is for the Python Engine: the server's routes "
                          "tokenize and detokenize")
     opts.setdefault("log_level", "info")
-    return EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
+    config = EngineConfig.from_kwargs(tokenizer_worker_num=args.tokenizer_worker_num, **opts)
+    return locate_config(config, quiet=args.quiet)  # a Hugging Face id, resolved before anything starts
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from unison.api.hub import locate
+
+    found = locate(args.name, args.revision, args.download_dir, args.quiet)
+    print(found.path)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from unison.api.hub import cached_models
+
+    rows = cached_models(args.download_dir)
+    if not rows:
+        print("no model Unison can run is in the Hugging Face cache (unison pull NAME brings one)")
+    for row in rows:
+        print(f"{row.repo:48s} {row.size / 2**30:8.2f} GiB  {row.kind}")
+    return 0
 
 
 def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("model", nargs="?", default=None, help="the model (as --model-path)")
     srv.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
                      help="HTTP worker processes, each a frontend of the one engine core")
+    srv.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     add_serve_options(srv)
     add_engine_options(srv, many_models=True)
 
@@ -157,12 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     add_engine_options(gen)
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _serve_arguments(srv)
     srv.set_defaults(func=_serve)
+
+    pull = sub.add_parser("pull", help="download a Hugging Face model (owner/name[:TAG][@revision]) "
+                                       "without serving it; print its local path")
+    pull.add_argument("name")
+    pull.add_argument("--revision", default=None, help=HELP["revision"])
+    pull.add_argument("--download-dir", default=None, help=HELP["download_dir"])
+    pull.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    pull.set_defaults(func=_pull)
+
+    models = sub.add_parser("models", help="the models in the Hugging Face cache that Unison can run, "
+                                           "with their sizes")
+    models.add_argument("--download-dir", default=None, help=HELP["download_dir"])
+    models.set_defaults(func=_models)
 
     options = sub.add_parser("options", help="every option of `unison serve` as a Markdown table "
                                              "(docs/options.md)")
@@ -218,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ConnectionRefusedError) as e:
+    except (ValueError, FileNotFoundError, PermissionError, ConnectionRefusedError) as e:
         print(f"unison: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

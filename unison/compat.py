@@ -23,14 +23,14 @@ SGLANG_SPECULATION = {"speculative_num_draft_tokens": "num_speculative_tokens",
                       "speculative_ngram_max_match_window_size": "prompt_lookup_max"}
 # sglang.Engine options Unison does not have: named in the refusal, so a port knows what to drop.
 SGLANG_OPTIONS = frozenset("""
-tokenizer_path tokenizer_mode skip_server_warmup revision served_model_name chat_template
+tokenizer_mode skip_server_warmup served_model_name chat_template
 completion_template is_embedding enable_multimodal host port api_key ep_size nnodes node_rank
 dist_init_addr attention_backend prefill_attention_backend decode_attention_backend sampling_backend
 grammar_backend enable_torch_compile torch_compile_max_bs cuda_graph_max_bs cuda_graph_bs
 enable_mixed_chunk enable_dp_attention speculative_draft_model_path
 speculative_num_steps speculative_eagle_topk
 lora_backend max_prefill_tokens page_size
-stream_interval watchdog_timeout download_dir base_gpu_id gpu_id_step enable_metrics
+stream_interval watchdog_timeout base_gpu_id gpu_id_step enable_metrics
 show_time_cost decode_log_interval enable_memory_saver allow_auto_truncate tool_call_parser
 json_model_override_args preferred_sampling_params enable_deterministic_inference
 num_continuous_decode_steps torchao_config enable_p2p_check disaggregation_mode

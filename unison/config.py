@@ -143,8 +143,14 @@ class LoraModule:
 
 @dataclass
 class EngineConfig:
-    model_path: str | None = option(None, "HF directory or GGUF file (default: the embedded "
-                                          "SmolLM2-135M-Instruct GGUF)")
+    model_path: str | None = option(None, "HF directory, GGUF file, or Hugging Face id owner/name[:TAG]"
+                                          "[@revision] (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    # A Hugging Face id is resolved once, by the process that starts the core (api/hub.py):
+    revision: str | None = option(None, "the Hugging Face revision (branch, tag or commit) of a model "
+                                        "named by its id (default: main)")
+    download_dir: str | None = option(None, "where Hugging Face downloads go (default: huggingface_hub's "
+                                            "cache, HF_HOME)")
+    tokenizer_path: str | None = option(None, "the tokenizer's HF directory or id, when not the model's")
     tokenizer_worker_num: int = option(1, "frontend processes (HTTP workers) that may attach, the owner's "
                                           "included")
     # What the model serves: "auto" takes it from the model (a BertModel embeds, a cross-encoder
@@ -250,6 +256,10 @@ class EngineConfig:
                                                                  "\"replay_endpoint\": \"tcp://*:5558\"}'")
     data_parallel_rank: int = option(0, "this core's rank among data-parallel replicas (set by the launcher; "
                                         "offsets the KV events' ports)")
+    # Set when model_path was a Hugging Face id, by the process that resolved it (not options):
+    # the id as given, and the commit it resolved to (get_server_info shows both).
+    model_repo: str | None = None
+    model_commit: str | None = None
 
     def __post_init__(self) -> None:
         # SGLang's spellings: None for "the default", -1 for "no chunking", its dtype aliases.

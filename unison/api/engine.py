@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from unison.api.core_process import CoreProcess
 from unison.api.engine_controls import EngineControls, expect
+from unison.api.hub import locate_config
 from unison.compat import SGLANG_METHODS, SGLANG_NO_EFFECT, SGLANG_UNSUPPORTED
 from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam
@@ -140,7 +141,9 @@ class Engine(EngineControls):
         """Start an engine core and attach this process's frontend. `listen="tcp://HOST:PORT"`
         (with `trusted_client_keys`) lets remote frontends attach too; the core's CURVE key is
         `curve_secret_key`, or a fresh one (its public half: `server_key`)."""
-        self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
+        # A Hugging Face id becomes a local path here, once, before the core starts.
+        self.config = locate_config(config, quiet=config.log_level in ("error", "critical"))
         self._h = _Handle()
         self._finalizer = weakref.finalize(self, _Handle.close, self._h)
         try:

@@ -82,8 +82,8 @@ class EngineCore:
         assert not isinstance(spec, str)  # EngineConfig parsed it
         self.drafter = None if spec is None else Drafter(spec)
         self.requests: dict[str, Request] = {}  # rid -> request; rids are unique engine-wide
-        self.model_dir = model_dir
-        self.grammar = GrammarGate(model_dir, self.runner.vocab_size, self.eos_token_ids)
+        self.model_dir, self.tokenizer_dir = model_dir, config.tokenizer_path or model_dir  # (SGLang's)
+        self.grammar = GrammarGate(self.tokenizer_dir, self.runner.vocab_size, self.eos_token_ids)
         self.holding = False  # a weight update waits: new requests queue, unadmitted, until it is done
         self.counts = EngineStats()  # the running totals; report.stats() adds the live ones
         self.latency = LatencyMetrics()

@@ -298,7 +298,7 @@ class CoreLoop:
         files: dict[str, bytes] = {}
         if reason is None and msg.want_files:
             try:
-                files = tokenizer_files(self.core.model_dir)
+                files = tokenizer_files(self.core.tokenizer_dir)
             except OSError as e:
                 reason = f"the core could not read the tokenizer's files to send: {e}"
         if reason:

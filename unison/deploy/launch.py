@@ -160,6 +160,8 @@ def _run_uvicorn(settings: WorkerSettings, workers: int, log_level: str) -> None
 def _model_name(settings: ServeSettings, config: EngineConfig) -> str:
     if settings.served_model_name is not None:
         return settings.served_model_name
+    if config.model_repo is not None:  # the Hugging Face id as the user gave it
+        return config.model_repo
     if config.model_path is None:
         return "SmolLM2-135M-Instruct"
     return os.path.basename(os.path.normpath(config.model_path))

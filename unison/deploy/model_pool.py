@@ -33,6 +33,7 @@ from pathlib import Path
 import zmq
 
 from unison.api.core_process import CoreProcess
+from unison.api.hub import is_repo_id, locate_config
 from unison.config import EngineConfig
 from unison.model.encoder_config import model_task
 from unison.wire import pool as pp
@@ -81,7 +82,7 @@ def find_models(models_dir: str | None, named: list[str]) -> list[ModelSource]:
     if (twice := sorted({n for n in names if names.count(n) > 1})):
         raise ValueError(f"model names given twice: {twice}")
     for s in sources:
-        if not Path(s.path).expanduser().exists():
+        if not Path(s.path).expanduser().exists() and not is_repo_id(s.path):
             raise FileNotFoundError(f"model {s.name!r}: path {s.path!r} does not exist")
     return sources
 
@@ -297,6 +298,7 @@ class ModelPool:
         log.warning("loading model %r from %s", name, slot.source.path)
         core = None
         try:
+            config = locate_config(config, quiet=True)  # a Hugging Face id: downloaded on first use
             with self.lock:  # close() stops what is starting: nothing starts after it looked
                 if self.stopping.is_set():
                     raise RuntimeError("the server is stopping")
