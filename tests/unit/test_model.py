@@ -344,7 +344,7 @@ def test_missing_path():
 def test_a_split_gguf_is_refused_naming_the_merge(tmp_path: Path):
     part = tmp_path / "Big-Q4_K_M-00001-of-00003.gguf"
     part.write_bytes(b"GGUF")
-    with pytest.raises(ValueError, match=r"part 1 of a GGUF split in 3: .* llama-gguf-split --merge"):
+    with pytest.raises(ValueError, match=r"part 1 of a GGUF split in 3: .* `llama-gguf-split --merge"):
         resolve_model_dir(part)
 
 
