@@ -9,7 +9,9 @@ request (linear_attention.py) and whose attention layers gate their output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import sys
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -123,7 +125,7 @@ class DecoderModel:
         # A layer's index in the KV cache (attention layers) or in the state pool (linear ones)
         self.kv_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
         self.linear_index = {layer: i for i, layer in enumerate(cfg.linear_layers)}
-        self.layers = [self._layer(get, i) for i in range(cfg.num_hidden_layers)]
+        self.layers = [self._layer(get, i) for i in _loading(cfg.num_hidden_layers)]
         self.weight_shapes = get.shapes  # what replacement weights must match (a reload)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
@@ -473,3 +475,12 @@ def dummy_model(cfg: ModelConfig, device: torch.device,
     shapes |= {f"model.layers.0.{name}.weight": (64,) for name in cfg.family.norms.values()}
     weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
     return tiny, DecoderModel(tiny, DictWeights(weights), device, dtype)
+
+
+def _loading(layers: int) -> Iterable[int]:
+    """The layers' indices, with a progress bar on a terminal when the core logs at info (`unison
+    serve`'s default; `--quiet` and the Engine's default log less)."""
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() and logging.getLogger("unison.core").isEnabledFor(logging.INFO)
+    return tqdm(range(layers), desc="loading layers", unit="layer", disable=not show, leave=False)
