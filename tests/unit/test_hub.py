@@ -4,6 +4,7 @@ repositories, offline use with and without the cache, a download resumed, and wh
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,37 @@ def test_pull_and_models_on_the_command_line(stand_in: StandInHub, capsys):
     rows = capsys.readouterr().out.splitlines()
     assert [r.split()[0] for r in rows] == ["org/Tiny-GGUF", "org/tiny"]
     assert rows[0].endswith("gguf: Q4_K_M") and rows[1].endswith("safetensors")
+
+
+def test_a_tokenizer_named_by_its_id_is_taken_alone(stand_in: StandInHub):
+    """SGLang's tokenizer_path, given as an id: its tokenizer and config files, never its weights."""
+    stand_in.add("org/tiny", SAFETENSORS_REPO)
+    config = EngineConfig(model_path="/models/local.gguf", tokenizer_path="org/tiny",
+                          download_dir=stand_in.cache)
+    located = hub.locate_config(config, quiet=True)
+    folder = Path(located.tokenizer_path)
+    assert located.model_path == "/models/local.gguf" and located.model_repo is None
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json", "generation_config.json",
+                                                               "tokenizer.json", "tokenizer_config.json",
+                                                               "chat_template.jinja"])
+    stand_in.add("org/no-tokenizer", {"config.json": CONFIG, "model.safetensors": b"w"})
+    with pytest.raises(ValueError, match="org/no-tokenizer: no tokenizer"):
+        hub.locate_config(dataclasses.replace(config, tokenizer_path="org/no-tokenizer"), quiet=True)
+
+
+def test_a_download_reports_its_progress_to_the_model_pool(stand_in: StandInHub, monkeypatch):
+    """What the web page shows while a pool model named by its id loads: the share downloaded."""
+    from unison.deploy.model_pool import ModelSource, _Slot
+
+    monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 250)
+    stand_in.add("org/tiny", SAFETENSORS_REPO)
+    heard: list[tuple[int, int]] = []
+    found = hub.locate("org/tiny", download_dir=stand_in.cache, quiet=True,
+                       progress=lambda done, total: heard.append((done, total)))
+    total = sum(len(SAFETENSORS_REPO[f]) for f in found.files)
+    assert {t for _, t in heard} == {total} and heard[-1] == (total, total)
+    assert [d for d, _ in heard] == sorted(d for d, _ in heard) and len(heard) > 8  # chunk by chunk
+    slot = _Slot(ModelSource("tiny", "org/tiny"), 0, "generate", state="loading", progress=0.42)
+    assert slot.row().progress == 0.42
+    slot.state = "loaded"
+    assert slot.row().progress is None

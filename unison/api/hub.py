@@ -56,9 +56,14 @@ def is_repo_id(value: str | None) -> bool:
     return REPO_ID.fullmatch(value) is not None
 
 
-def locate_config(config: EngineConfig, quiet: bool = False) -> EngineConfig:
+Progress = Callable[[int, int], None]  # (bytes downloaded, bytes in all)
+
+
+def locate_config(config: EngineConfig, quiet: bool = False,
+                  progress: Progress | None = None) -> EngineConfig:
     """The config with its model (and tokenizer_path) made local when given as Hub names; as it
-    is otherwise. Refused, naming the repository and what was tried, before any process starts."""
+    is otherwise. Refused, naming the repository and what was tried, before any process starts.
+    `progress` hears the model's download as it goes (the model pool's web page shows it)."""
     if is_repo_id(config.tokenizer_path):
         assert config.tokenizer_path is not None  # (a repo id)
         tokenizer = locate(config.tokenizer_path, config.revision, config.download_dir, quiet,
@@ -67,13 +72,13 @@ def locate_config(config: EngineConfig, quiet: bool = False) -> EngineConfig:
     if not is_repo_id(config.model_path):
         return config
     assert config.model_path is not None  # (a repo id)
-    found = locate(config.model_path, config.revision, config.download_dir, quiet)
+    found = locate(config.model_path, config.revision, config.download_dir, quiet, progress=progress)
     return dataclasses.replace(config, model_path=str(found.path), model_repo=found.repo,
                                model_commit=found.commit)
 
 
 def locate(name: str, revision: str | None = None, download_dir: str | None = None, quiet: bool = False,
-           tokenizer_only: bool = False) -> Located:
+           tokenizer_only: bool = False, progress: Progress | None = None) -> Located:
     """Download (or find in the cache) what serving `name` needs."""
     from huggingface_hub import constants
 
@@ -90,13 +95,17 @@ def locate(name: str, revision: str | None = None, download_dir: str | None = No
         return _from_cache(name, repo, tag, rev, download_dir, tokenizer_only)
     chosen = _choose(name, listing, tag, tokenizer_only, lambda f: _fetch(repo, f, rev, download_dir))
     say(f"{name}: taking {', '.join(chosen)} (commit {commit[:12]})")
-    paths = []
+    paths, total, done = [], sum(listing.get(f) or 0 for f in chosen), 0
     with _progress_bars(not quiet and sys.stderr.isatty()):
         for f in chosen:
-            size = listing.get(f)
+            size = listing.get(f) or 0
             if not sys.stderr.isatty():
                 say(f"downloading {f}" + (f" ({size / 2**20:.1f} MiB)" if size else ""))
-            paths.append(_fetch(repo, f, rev, download_dir))
+            bar = None if progress is None else _reporting(progress, done, total)
+            paths.append(_fetch(repo, f, rev, download_dir, bar))
+            done += size
+            if progress is not None:
+                progress(done, total)  # (a file already in the cache makes no bar)
     return _located(name, commit, chosen, paths)
 
 
@@ -195,11 +204,28 @@ def _gguf_files(name: str, files: Mapping[str, int | None], models: list[str], t
                      + f": the tags found are {found} (as {name.split(':')[0]}:TAG)")
 
 
-def _fetch(repo: str, filename: str, rev: str, download_dir: str | None) -> Path:
+def _fetch(repo: str, filename: str, rev: str, download_dir: str | None, bar: type | None = None) -> Path:
     from huggingface_hub import constants, hf_hub_download
 
     return Path(hf_hub_download(repo, filename, revision=rev, cache_dir=download_dir,
-                                endpoint=constants.ENDPOINT))
+                                endpoint=constants.ENDPOINT, tqdm_class=bar))
+
+
+def _reporting(progress: Progress, before: int, total: int) -> type:
+    """A tqdm class for hf_hub_download whose updates reach `progress` (shown as a bar or not)."""
+    from tqdm.auto import tqdm
+
+    class Reporting(tqdm):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            self.seen = 0
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self.seen += int(n or 0)  # counted here: a disabled bar counts nothing
+            progress(before + self.seen, total)
+            return super().update(n)
+
+    return Reporting
 
 
 def _from_cache(name: str, repo: str, tag: str | None, rev: str, download_dir: str | None,

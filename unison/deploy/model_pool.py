@@ -118,6 +118,7 @@ class _Slot:
     last_used: float = 0.0
     error: str | None = None
     failed_signature: tuple | None = None  # the files as they were when the load failed
+    progress: float | None = None  # loading a Hugging Face id: its download's share done (a thread writes it)
     waiters: list[tuple[Reply, int | None]] = dataclasses.field(default_factory=list)  # (reply, holder)
 
     def row(self) -> pp.ModelRow:
@@ -125,7 +126,8 @@ class _Slot:
         return pp.ModelRow(self.source.name, self.source.path, self.state, self.task,
                            core.pid if core else None,
                            str(core.registry_path) if core and core.registry_path else None,
-                           len(self.holders), self.last_used, self.error)
+                           len(self.holders), self.last_used, self.error,
+                           self.progress if self.state == "loading" else None)
 
     def live_holders(self) -> set[int]:
         self.holders = {pid for pid in self.holders if registry.pid_alive(pid)}
@@ -280,7 +282,7 @@ class ModelPool:
         reply(slot.row(), 200, "")
 
     def _start_load(self, slot: _Slot) -> None:
-        slot.state, slot.error = "loading", None
+        slot.state, slot.error, slot.progress = "loading", None, None
         # data_parallel_rank: a numbered KV-events port is offset by it, as among replicas
         config = dataclasses.replace(self.config, model_path=slot.source.path,
                                      tokenizer_worker_num=self.frontends, data_parallel_rank=slot.index)
@@ -298,7 +300,9 @@ class ModelPool:
         log.warning("loading model %r from %s", name, slot.source.path)
         core = None
         try:
-            config = locate_config(config, quiet=True)  # a Hugging Face id: downloaded on first use
+            # A Hugging Face id: downloaded on first use, its progress on the web page
+            config = locate_config(config, quiet=True, progress=lambda done, total: setattr(
+                slot, "progress", done / total if total else None))
             with self.lock:  # close() stops what is starting: nothing starts after it looked
                 if self.stopping.is_set():
                     raise RuntimeError("the server is stopping")

@@ -62,6 +62,7 @@ class ModelRow(msgspec.Struct, frozen=True):
     holders: int = 0  # HTTP workers with requests in flight there
     last_used: float = 0.0  # time.time() of the last Acquire or Release
     error: str | None = None  # why its last load failed, or why its core exited
+    progress: float | None = None  # loading: the share of its Hugging Face download done (None: unknown)
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -150,7 +150,9 @@ export class EngineView {
     this.drawn = this.model;
     $("models").tBodies[0].replaceChildren(...models.map((m) => {
       const tr = document.createElement("tr");
-      tr.append(cell("td", m.name), cell("td", m.state), cell("td", m.task), cell("td", m.core_pid ?? ""),
+      // a model of the pool named by its Hugging Face id shows its download while it loads
+      const state = m.state === "loading" && m.progress != null ? `loading ${Math.floor(m.progress * 100)} %` : m.state;
+      tr.append(cell("td", m.name), cell("td", state), cell("td", m.task), cell("td", m.core_pid ?? ""),
         cell("td", m.holders), cell("td", m.error ?? ""));
       if (m.server_info) {
         tr.className = m.name === this.model ? "picked" : "pickable";
