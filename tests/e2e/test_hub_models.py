@@ -16,7 +16,7 @@ import pytest
 
 from tests.hub import StandInHub, point_at
 from tests.serving import serve
-from tests.unit.test_model import tiny_model
+from tests.unit.test_model import split_gguf, tiny_model
 from unison import Engine
 from unison.model.loader import default_gguf_path, resolve_model_dir
 
@@ -33,10 +33,14 @@ def stand_in(monkeypatch, tmp_path: Path):
         yield server
 
 
-def test_an_engine_named_by_a_gguf_repository_serves_the_file_and_says_whence(stand_in: StandInHub):
+def test_an_engine_named_by_a_gguf_repository_serves_the_file_and_says_whence(stand_in: StandInHub,
+                                                                             tmp_path: Path):
     gguf = default_gguf_path()
     commit = stand_in.add("org/SmolLM2-GGUF", {"SmolLM2-135M-Instruct-Q4_1.gguf": gguf.read_bytes(),
                                                "README.md": b"# the embedded model"})
+    split_gguf(gguf, tmp_path, max_tensors=100)  # the same model in parts, as big models come
+    stand_in.add("org/Split-GGUF", {p.name.replace("model-", "SmolLM2-Q4_1-"): p.read_bytes()
+                                    for p in tmp_path.glob("model-*.gguf")})
     with Engine(model_path=str(gguf), num_threads=1) as local:
         want = local.generate("The capital of France is", PARAMS)["output_ids"]
     with Engine(model_path="org/SmolLM2-GGUF:q4_1", download_dir=stand_in.cache, num_threads=1) as named:
@@ -44,6 +48,9 @@ def test_an_engine_named_by_a_gguf_repository_serves_the_file_and_says_whence(st
         info = named.get_server_info()
     assert info["model_repo"] == "org/SmolLM2-GGUF:q4_1" and info["model_commit"] == commit
     assert Path(info["model_path"]).name == "SmolLM2-135M-Instruct-Q4_1.gguf"
+    with Engine(model_path="org/Split-GGUF:Q4_1", download_dir=stand_in.cache, num_threads=1) as split:
+        assert split.generate("The capital of France is", PARAMS)["output_ids"] == want
+        assert Path(split.get_server_info()["model_path"]).name.startswith("SmolLM2-Q4_1-00001-of-")
 
 
 def test_serve_names_the_model_as_the_user_did(stand_in: StandInHub, tmp_path: Path):

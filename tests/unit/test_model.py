@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -341,11 +342,49 @@ def test_missing_path():
         resolve_model_dir("/no/such/model.gguf")
 
 
-def test_a_split_gguf_is_refused_naming_the_merge(tmp_path: Path):
-    part = tmp_path / "Big-Q4_K_M-00001-of-00003.gguf"
-    part.write_bytes(b"GGUF")
-    with pytest.raises(ValueError, match=r"part 1 of a GGUF split in 3: .* `llama-gguf-split --merge"):
-        resolve_model_dir(part)
+def split_gguf(src: Path, out: Path, max_tensors: int) -> Path:
+    """`src` written again as llama-gguf-split writes it: parts of at most `max_tensors` tensors,
+    the metadata in the first. Returns the first part."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out / "model.gguf", arch, split_max_tensors=max_tensors)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return min(out.glob("model-00001-of-*.gguf"))
+
+
+def test_a_split_gguf_reads_as_the_whole_file(tmp_path: Path, monkeypatch):
+    """A model downloaded in parts (the Hub's big GGUFs): the first part names them all; every
+    tensor is the whole file's, byte for byte. A later part, or a missing one, is refused by name."""
+    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path / "cache"))
+    whole = default_gguf_path()
+    first = split_gguf(whole, tmp_path, max_tensors=100)
+    parts = sorted(tmp_path.glob("model-0000*-of-*.gguf"))
+    assert len(parts) >= 2 and parts[0] == first
+    a, b = GGUFWeights(whole), GGUFWeights(first)
+    assert a.tensors.keys() == b.tensors.keys()
+    assert {t.part for t in b.tensors.values()} == set(range(len(parts)))  # every part holds some
+    assert all(np.array_equal(a.tensors[k].data, b.tensors[k].data) for k in a.tensors)
+    assert json.loads((resolve_model_dir(first) / "config.json").read_text())["num_hidden_layers"] == 30
+    with pytest.raises(ValueError, match=r"model-00002-of-0000\d.gguf is part 2 of a split GGUF: name its "
+                                         r"first part \(model-00001-of-0000\d.gguf\)"):
+        GGUFWeights(parts[1])
+    parts[-1].unlink()
+    with pytest.raises(FileNotFoundError, match=r"the split GGUF's parts \['model-0000\d-of-0000\d.gguf'\] "
+                                                r"are not beside it"):
+        GGUFWeights(first)
 
 
 def test_not_a_gguf_file(tmp_path: Path, monkeypatch):

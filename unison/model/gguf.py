@@ -156,6 +156,25 @@ def _parse_header(buf: mmap.mmap) -> GGUFHeader:
     return GGUFHeader(fields, [TensorInfo(n, t, tuple(d), start + o) for n, t, d, o in infos])
 
 
+SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # llama-gguf-split's parts
+
+
+def split_parts(path: Path) -> list[Path]:
+    """A split GGUF's parts in order, from its first part's name (a whole file: itself). The
+    first part holds the metadata; every part holds some of the tensors."""
+    m = SPLIT_NAME.search(path.name)
+    if m is None:
+        return [path]
+    if m[1] != "00001":
+        raise ValueError(f"{path.name} is part {int(m[1])} of a split GGUF: name its first part "
+                         f"({path.name[:m.start()]}-00001-of-{m[2]}.gguf)")
+    stem = path.name[:m.start()]
+    parts = [path.with_name(f"{stem}-{i:05d}-of-{m[2]}.gguf") for i in range(1, int(m[2]) + 1)]
+    if missing := [p.name for p in parts if not p.is_file()]:
+        raise FileNotFoundError(f"{path.name}: the split GGUF's parts {missing} are not beside it")
+    return parts
+
+
 def open_gguf(path: Path) -> GGUFHeader:
     """The header of the GGUF file `path`, or ValueError naming the file when it is not one."""
     with open(path, "rb") as f:
@@ -317,6 +336,7 @@ class _Tensor:
     offset: int
     n_bytes: int
     data: np.ndarray  # a view of the mmap: typed for float / int types, else [rows, row bytes]
+    part: int = 0  # the file it is in, of a split GGUF's parts
 
 
 class GGUFWeights:
@@ -326,7 +346,9 @@ class GGUFWeights:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path)
-        header = open_gguf(self.path)
+        parts = split_parts(self.path)  # [path], or a split GGUF's parts in order
+        headers = [open_gguf(p) for p in parts]
+        header = GGUFHeader(headers[0].fields, [t for h in headers for t in h.tensors])  # as one file
         config = config or hf_config(header)
         arch, family = _field(header, "general.architecture"), gguf_family(header)
         # llama.cpp permutes q/k rows for its rope on llama only (the others use NeoX rope).
@@ -336,12 +358,12 @@ class GGUFWeights:
         self._norm_minus_one = arch == "gemma3" or arch in _HYBRID_ARCHS
         self._heads = {"attn_q": config["num_attention_heads"],
                        "attn_k": config["num_key_value_heads"]} if permute else {}
-        self._map = np.memmap(self.path, mode="r")
+        self._maps = [np.memmap(p, mode="r") for p in parts]
         self.tensors: dict[str, _Tensor] = {}
         self.rope_freqs: np.ndarray | None = None  # llama 3.1+ rope scaling, per-frequency divisors
         # A Qwen3.5 file's multi-token-prediction blocks come after the decoder's: not run
         mtp_from = config["num_hidden_layers"] if _field(header, f"{arch}.nextn_predict_layers") else None
-        for info in header.tensors:
+        for part, info in ((i, info) for i, h in enumerate(headers) for info in h.tensors):
             in_block = _BLOCK_RE.match(info.name)
             if mtp_from is not None and in_block and int(in_block[1]) >= mtp_from:
                 continue
@@ -363,10 +385,10 @@ class GGUFWeights:
                                      f"{kind.name} blocks of {block}")
                 shape = (*shape[:-1], shape[-1] // block * type_size)
             n_bytes = n * type_size // block
-            if info.offset + n_bytes > len(self._map):
-                raise ValueError(f"GGUF tensor {info.name!r} runs past the end of {self.path} (truncated?)")
-            data = self._map[info.offset: info.offset + n_bytes].view(dtype).reshape(shape)
-            tensor = _Tensor(info.name, kind.name, info.dims, info.offset, n_bytes, data)
+            if info.offset + n_bytes > len(self._maps[part]):
+                raise ValueError(f"GGUF tensor {info.name!r} runs past the end of {parts[part]} (truncated?)")
+            data = self._maps[part][info.offset: info.offset + n_bytes].view(dtype).reshape(shape)
+            tensor = _Tensor(info.name, kind.name, info.dims, info.offset, n_bytes, data, part)
             if info.name == "rope_freqs.weight":
                 self.rope_freqs = np.array(data, dtype=np.float32)
             elif (m := _EXPERT_RE.fullmatch(info.name)) and family.moe is not None:
@@ -458,7 +480,7 @@ class GGUFWeights:
     def _release(self, t: _Tensor) -> None:
         """Drop the tensor's file pages from this process (they stay in the page cache), so the
         file is never resident beside its converted weights."""
-        mm = getattr(self._map, "_mmap", None)
+        mm = getattr(self._maps[t.part], "_mmap", None)
         if mm is None:
             return
         start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
@@ -476,7 +498,7 @@ def _split_experts(t: _Tensor, layer: int, proj: str, family: Family) -> dict[st
     experts, per_expert = t.dims[2], t.n_bytes // t.dims[2]
     assert family.moe is not None  # (a mixture-of-experts family's tensors)
     return {family.moe.expert(layer, e, proj): _Tensor(
-        f"{t.name}[{e}]", t.type_name, t.dims[:2], t.offset + e * per_expert, per_expert, t.data[e])
+        f"{t.name}[{e}]", t.type_name, t.dims[:2], t.offset + e * per_expert, per_expert, t.data[e], t.part)
         for e in range(experts)}
 
 

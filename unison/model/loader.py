@@ -7,7 +7,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,10 +43,6 @@ def model_file(model_path: str | os.PathLike | None) -> Path:
     path = default_gguf_path() if model_path is None else Path(model_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
-    if (split := re.search(r"-(\d{5})-of-(\d{5})\.gguf$", path.name)) and split[2] != "00001":
-        raise ValueError(f"{path.name} is part {int(split[1])} of a GGUF split in {int(split[2])}: Unison "
-                         "reads whole files; merge the parts with llama.cpp's `llama-gguf-split --merge "
-                         f"{path.name} merged.gguf`")
     return path
 
 
