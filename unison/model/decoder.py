@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -477,10 +478,15 @@ def dummy_model(cfg: ModelConfig, device: torch.device,
     return tiny, DecoderModel(tiny, DictWeights(weights), device, dtype)
 
 
-def _loading(layers: int) -> Iterable[int]:
-    """The layers' indices, with a progress bar on a terminal when the core logs at info (`unison
-    serve`'s default; `--quiet` and the Engine's default log less)."""
+def _loading(layers: int) -> Iterator[int]:
+    """The layers' indices, shown when the core logs at info (`unison serve`'s default; `--quiet`
+    and the Engine's default log less): a progress bar on a terminal, else one line at the end."""
     from tqdm import tqdm
 
-    show = sys.stderr.isatty() and logging.getLogger("unison.core").isEnabledFor(logging.INFO)
-    return tqdm(range(layers), desc="loading layers", unit="layer", disable=not show, leave=False)
+    log = logging.getLogger("unison.core")
+    shown, bar = log.isEnabledFor(logging.INFO), sys.stderr.isatty()
+    t0 = time.monotonic()
+    yield from tqdm(range(layers), desc="loading layers", unit="layer", disable=not (shown and bar),
+                    leave=False)
+    if shown and not bar:
+        log.info("loaded %d layers in %.1f s", layers, time.monotonic() - t0)
