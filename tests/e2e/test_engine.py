@@ -32,7 +32,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engine():
     # A short step budget forces long prompts through chunked prefill. The float32 reference
-    # path: greedy outputs are compared with transformers' (tests/test_quant.py has the rest).
+    # path: greedy outputs are compared with transformers' (tests/unit/test_quant.py has the rest).
     with Engine(chunked_prefill_size=64, max_running_requests=32, quantization="none") as e:
         yield e
 

@@ -20,7 +20,7 @@ from unison.model.loader import resolve_model_dir
 from unison.model.runner import BatchItem, ModelRunner
 
 NEW_TOKENS = 24
-QUANTIZED_GAP = 0.15  # tests/test_quant.py's bound for quantized weights against float32
+QUANTIZED_GAP = 0.15  # tests/unit/test_quant.py's bound for quantized weights against float32
 LONG = ("The history of the printing press begins in the fifteenth century, when movable type "
         "changed how books were made, sold and read across Europe. ") * 30  # > 600 tokens
 GEMMA_TEXTS = [

@@ -243,7 +243,7 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(models, kind: str, tmp
             want = torch.log_softmax(ref(torch.tensor([PROMPTS[2]])).logits[0, -1], -1)
         gap = (torch.log_softmax(together[0][2], -1) - want).abs().max().item()
         print(f"[figure] {kind} Q8_0 GGUF against the same blocks in float: largest logprob gap {gap:.3f}")
-        assert gap < 0.15  # tests/test_quant.py's bound for the 16-bit activations on quantized weights
+        assert gap < 0.15  # tests/unit/test_quant.py's bound for the 16-bit activations on quantized weights
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])

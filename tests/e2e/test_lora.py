@@ -2,7 +2,7 @@
 
 The adapters are PEFT's file format with seeded random weights (bench lora's writer: no model to
 build, so a module's adapters take a second), made once per module. The model side (the kernel,
-the PEFT reader, parity with transformers + PEFT on adapters PEFT made) is tests/test_lora_model.py.
+the PEFT reader, parity with transformers + PEFT on adapters PEFT made) is tests/unit/test_lora_model.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from unison.model.runner import BatchItem, ModelRunner
 KERNELS = cpu_kernels.load()
 VOCAB = 49152  # the embedded tokenizer's, which the GGUFs carry: the engine tests send text
 NEW_TOKENS = 8
-QUANTIZED_GAP = 0.15  # tests/test_quant.py's bound for quantized weights
+QUANTIZED_GAP = 0.15  # tests/unit/test_quant.py's bound for quantized weights
 # kind -> (transformers config class, its MoE options, GGUF architecture)
 KINDS = {
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,

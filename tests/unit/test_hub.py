@@ -212,3 +212,22 @@ def test_a_download_reports_its_progress_to_the_model_pool(stand_in: StandInHub,
     assert slot.row().progress == 0.42
     slot.state = "loaded"
     assert slot.row().progress is None
+
+
+def test_several_models_take_hub_names_loaded_on_first_use():
+    """`--model NAME=owner/name`: accepted as it is (it is downloaded when first asked for)."""
+    from unison.deploy.model_pool import ModelSource, find_models
+
+    assert find_models(None, ["tiny=org/tiny:Q4_K_M"]) == [ModelSource("tiny", "org/tiny:Q4_K_M")]
+    with pytest.raises(FileNotFoundError, match="model 'x': path './missing' does not exist"):
+        find_models(None, ["x=./missing"])
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache(stand_in: StandInHub, monkeypatch):
+    stand_in.add("org/Tiny-GGUF", GGUF_REPO)
+    online = _locate(stand_in, "org/Tiny-GGUF")
+    point_at(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
+    assert _locate(stand_in, "org/Tiny-GGUF").path == online.path
+    with pytest.raises(FileNotFoundError, match=r"org/other: offline \(HF_HUB_OFFLINE=1, or the Hub "
+                                                r"unreachable\)"):
+        _locate(stand_in, "org/other")

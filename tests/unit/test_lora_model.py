@@ -22,7 +22,7 @@ from unison.model.runner import BatchItem, ModelRunner
 
 KERNELS = cpu_kernels.load()
 NEW_TOKENS = 12
-QUALITY_GAP = 0.15  # tests/test_quant.py's: quantized weights against float32
+QUALITY_GAP = 0.15  # tests/unit/test_quant.py's: quantized weights against float32
 MAX_RANK = 16
 # name -> make_adapter options; ids 1.. in this order
 ADAPTERS = {

@@ -123,7 +123,6 @@ def _listing(name: str, repo: str, rev: str, download_dir: str | None, tag: str 
              tokenizer_only: bool) -> tuple[dict[str, int | None] | None, str]:
     """The repository's files (name -> size) at `rev`, and its commit; None when the Hub cannot be
     reached. Access errors name what to do."""
-    import httpx
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -142,13 +141,26 @@ def _listing(name: str, repo: str, rev: str, download_dir: str | None, tag: str 
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"{name}: no such path here, and no repository {repo!r} on the Hub "
                                 "(a private one needs HF_TOKEN)") from None
-    except (httpx.HTTPError, HfHubHTTPError) as e:
+    except (_transport_error(), HfHubHTTPError) as e:
         if isinstance(e, HfHubHTTPError) and e.response is not None and e.response.status_code == 401:
             raise PermissionError(f"{name}: the Hub refused access (401): set HF_TOKEN to a token with "
                                   "access to the repository") from None
         return None, ""
     assert info.sha is not None  # (the Hub names the commit it answered for)
     return {s.rfilename: s.size for s in info.siblings or []}, info.sha
+
+
+def _transport_error() -> type[Exception]:
+    """What huggingface_hub raises when the Hub cannot be reached: its HTTP client's (httpx2 from
+    huggingface_hub 2, httpx before)."""
+    try:
+        import httpx2
+
+        return httpx2.TransportError
+    except ImportError:
+        import httpx
+
+        return httpx.TransportError
 
 
 def _choose(name: str, files: Mapping[str, int | None], tag: str | None, tokenizer_only: bool,
