@@ -228,7 +228,7 @@ class EngineConfig:
     # over TCP there are no pidfds: silence is the only sign that a side died
     heartbeat_timeout_s: float = option(3.0, "over TCP, a frontend or core silent this long is dead")
     # A thinking model's <think> section returned apart (the OpenAI routes' reasoning_content):
-    # qwen3 | deepseek_r1 (aliases deepseek-r1, qwq); see frontend/reasoning.py.
+    # qwen3 | deepseek_r1 (aliases deepseek-r1, qwq); see frontend/text/reasoning.py.
     reasoning_parser: str | None = option(None, "return a thinking model's <think> section apart as "
                                                 "reasoning_content: qwen3, deepseek_r1 (deepseek-r1, qwq)")
     # Speculative decoding (vLLM's option; SGLang's speculative_algorithm="NGRAM" maps onto it): a
@@ -417,7 +417,7 @@ EIGHT_BIT_KV = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # read by the C attentio
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", *EIGHT_BIT_KV)
 POLICIES = ("fcfs", "lpm", "fair", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# --reasoning-parser's names, the peers' spellings, onto the two behaviours frontend/reasoning.py has.
+# --reasoning-parser's names, the peers' spellings, onto the two behaviours frontend/text/reasoning.py has.
 REASONING_PARSERS = {"qwen3": "qwen3", "deepseek_r1": "deepseek_r1", "deepseek-r1": "deepseek_r1",
                      "qwq": "deepseek_r1"}
 

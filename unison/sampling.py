@@ -4,11 +4,11 @@ From this one table come
 - the user's `SamplingParams` and its checks (frontend/sampling_params.py), errors naming the field;
 - `CoreSamplingParams`, the wire struct the core acts on, and the core's re-check (`core_problem`);
 - the sampling fields of the OpenAI request bodies, under OpenAI's / vLLM's names
-  (server/openai_protocol.py);
-- the fuzz strategy that throws hostile values at the core (tests/test_protocol_fuzz.py).
+  (server/pipeline/inputs.py);
+- the fuzz strategy that throws hostile values at the core (tests/e2e/test_protocol_fuzz.py).
 
 A new option is one line here, its field in SamplingParams (and in CoreSamplingParams when the core
-acts on it: both are plain classes a type checker reads, held to this table by tests/test_sampling.py),
+acts on it: both are plain classes a type checker reads, held to this table by tests/e2e/test_sampling.py),
 and its effect in core/sampler.py (or the frontend, for options the core never sees). This module
 imports nothing of the frontend, the core or the server: all three read it.
 """
@@ -125,7 +125,7 @@ CORE_OPTIONS = tuple(o for o in OPTIONS if o.core)
 
 class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """The part of SamplingParams the core acts on: the fields the frontend derives from the
-    user's options, then every `core` option as given (tests/test_sampling.py holds them to
+    user's options, then every `core` option as given (tests/e2e/test_sampling.py holds them to
     OPTIONS' types and defaults)."""
 
     max_new_tokens: int = 128  # None resolved against the context

@@ -106,7 +106,7 @@ def test_runtime_dir_and_registry_are_private(engine):
 
 
 def test_nothing_crosses_processes_as_pickle():
-    """Every message between processes is msgpack (protocol.py): no module of the package may
+    """Every message between processes is msgpack (wire/messages.py): no module of the package may
     reach for pickle or an API that unpickles (multiprocessing connections, torch.load)."""
     banned = re.compile(r"\bimport pickle\b|\bfrom pickle\b|\bpickle\.|\bcloudpickle\b|"
                         r"multiprocessing\.connection|torch\.load\(|\brecv_pyobj\b|\bsend_pyobj\b")

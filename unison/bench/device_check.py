@@ -65,14 +65,14 @@ MODEL_PIECE_MB = 30  # two pieces and the repository stay under 64 MiB
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (35, 34, 31, 28, 27, 24, 17)] + [
     "manylinux2014_x86_64", "manylinux1_x86_64"]
 
-# tests/test_model.py's parity tests (the loader's error cases need no device), and the rope
-# test of tests/test_families.py (its Gemma tests need a test model fetched from PyPI).
-PARITY = ["tests/test_model.py::" + t for t in (
+# tests/unit/test_model.py's parity tests (the loader's error cases need no device), and the rope
+# test of tests/e2e/test_families.py (its Gemma tests need a test model fetched from PyPI).
+PARITY = ["tests/unit/test_model.py::" + t for t in (
     "test_parity_runs_on_the_test_device", "test_greedy_matches_transformers",
     "test_first_step_logprobs_match_transformers", "test_chunked_batched_forward_equals_alone",
     "test_decode_of_mixed_lengths_equals_alone", "test_logits_only_where_asked",
     "test_architectures_match_transformers")]
-PARITY += ["tests/test_families.py::test_gguf_rope_freqs_match_transformers_llama3"]
+PARITY += ["tests/e2e/test_families.py::test_gguf_rope_freqs_match_transformers_llama3"]
 
 
 def sizes(device: str) -> dict[str, list[str]]:

@@ -1,7 +1,7 @@
 """Controls: the engine-wide operations, acted on in the core so every frontend sees one state.
 
 One handler per control request type (HANDLERS); the request's type says which, and its reply
-type is declared beside it in protocol.py.
+type is declared beside it in wire/messages.py.
 """
 
 from __future__ import annotations

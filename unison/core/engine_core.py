@@ -50,7 +50,7 @@ class EngineCore:
         # (model/recent_rows.py): a freed block's copy goes, and a partial-block hit is not copied.
         recent = None if encoder else cast(ModelRunner, self.runner).attention.recent
         self.pool = BlockPool(self.runner.num_blocks, on_free=None if recent is None else recent.drop)
-        # The radix cache's changes as KV events, when they are published (core/kv_publisher.py)
+        # The radix cache's changes as KV events, when they are published (core/kv/publisher.py)
         self.kv_events = EventLog(config.block_size) if config.kv_events is not None else None
         # The prefix cache's disk tier (kv_cache_dir), or None
         self.disk = open_disk_cache(config, self.runner, self.kv_events) if config.kv_cache_dir else None

@@ -5,7 +5,7 @@ every step closes part of that gap within a token budget (so long prompts are pr
 beside running decodes). Running requests go first; when KV blocks run out the latest arrival is
 preempted (its blocks freed, recomputed later); then waiting requests are admitted in the
 policy's order, each starting after the longest prefix the radix cache holds (the blocks
-themselves are the KV cache manager's, core/kv_cache_manager.py):
+themselves are the KV cache manager's, core/kv/cache_manager.py):
 
   fcfs  arrival order
   lpm   longest cached prefix first (SGLang's), then arrival

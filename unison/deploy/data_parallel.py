@@ -3,7 +3,7 @@
 A `CoreActor` owns one core process that listens on its node's address over TCP, CURVE-keyed,
 trusting the HTTP workers' one key. `RayReplicas` (in the launcher, the Ray driver) starts the
 actors, writes where each core listens to the replicas file the HTTP workers follow
-(server/replicas.py), and rewrites it when Ray restarts an actor. Ray does not see the death of
+(deploy/replicas.py), and rewrites it when Ray restarts an actor. Ray does not see the death of
 an actor's child process, so the actor exits when its core dies and Ray restarts it. A restarted
 actor starts its core from the server's original options; if the weights were updated since,
 the launcher has it load the ones its siblings serve before any worker is sent to it.

@@ -2,7 +2,7 @@
 
 Every model (`--model NAME=PATH`, or each GGUF file and model folder in `--models-dir`) gets its own
 core process, started on first use and stopped when idle or to make room. The HTTP workers ask
-for a model over one ZMQ socket (pool_protocol.py) and attach to its core as frontends, as they
+for a model over one ZMQ socket (wire/pool.py) and attach to its core as frontends, as they
 attach to a single core. The pool runs in one thread of the launcher; loads and stops run in
 threads of their own, so that a model loading holds up no other model's calls.
 
@@ -112,7 +112,7 @@ class _Slot:
     source: ModelSource
     index: int
     task: str
-    state: str = "unloaded"  # pool_protocol.MODEL_STATES
+    state: str = "unloaded"  # wire/pool.py's MODEL_STATES
     core: CoreProcess | None = None
     holders: set[int] = dataclasses.field(default_factory=set)  # pids of workers with requests here
     last_used: float = 0.0

@@ -3,7 +3,7 @@
 The names and shapes are sglang.Engine.generate's: each per-prompt field is one value for every
 prompt or a list of one per prompt, None meaning the default. Everything else derives from this
 class: Engine.generate and async_generate take its fields as keywords (their help shows them),
-the native /generate body is built from its fields (server/native_protocol.py), and
+the native /generate body is built from its fields (server/apis/sglang/bodies.py), and
 TokenizerWorker.make_request checks and tokenizes one, prompt by prompt (`split`).
 """
 

@@ -1,6 +1,6 @@
 """SamplingParams: what a user may ask of one request, named and bounded as in SGLang.
 
-Its fields are the options of unison/sampling.py (declared there with their bounds; tests/test_sampling.py
+Its fields are the options of unison/sampling.py (declared there with their bounds; tests/e2e/test_sampling.py
 holds these fields to that table); this file holds the checks that are more than a range, and the
 mapping onto the core's wire struct.
 """

@@ -109,7 +109,7 @@ class PagedAttention:
         # page faults that make decode attention 3x slower on CPU.
         self._gather_bufs = [torch.empty(0, dtype=kv_dtype, device=device) for _ in range(2)]
 
-    # --- whole blocks: the prefix cache's disk tier (core/disk_cache.py) moves them ----------
+    # --- whole blocks: the prefix cache's disk tier (core/kv/disk_cache.py) moves them ----------
 
     @property
     def block_nbytes(self) -> int:

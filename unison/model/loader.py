@@ -67,7 +67,7 @@ def open_weights(model_path: str | os.PathLike | None, model_dir: Path | None = 
     return GGUFWeights(path, config), True
 
 
-# What a frontend's tokenizer reads from a model directory (frontend/tokenizer.py): what a remote
+# What a frontend's tokenizer reads from a model directory (frontend/text/tokenizer.py): what a remote
 # frontend, which has no model cache of its own, is sent when it attaches.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
                    "chat_template.jinja")

@@ -1,8 +1,8 @@
 """The HTTP worker: a FastAPI app whose lifespan attaches one TokenizerWorker to the core.
 
 Every uvicorn worker process runs this app; its frontend lives on the server's own event loop,
-so requests never cross threads. The routes are in openai.py (the OpenAI API) and native.py
-(SGLang's); this file holds the app, its errors, its gate (API key, body size) and the web page
+so requests never cross threads. The routes are the APIs' (apis/, over the pipeline in
+pipeline/); this file holds the app, its errors, its gate (API key, body size) and the web page
 (static files in ui/, no build step: `/` and `/ui/*`, open like /health since they hold no data;
 every API call the page makes sends the key).
 """

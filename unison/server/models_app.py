@@ -4,7 +4,7 @@ A model's app is the one-model app of app.py, attached to that model's core: eve
 structured output and control works per model as it does on a one-model server. This router adds
 what spans the models: it reads the model a request names (the JSON body's `model`, Ollama's
 `name`, or `?model=` for a GET), holds it in the launcher's pool while requests for it are in
-flight (pool_protocol.py), attaches to its core on first use, and answers the routes about all of
+flight (wire/pool.py), attaches to its core on first use, and answers the routes about all of
 them itself: /v1/models, /models/load and /models/unload (llama-server's), /get_server_info,
 /metrics (each model's, labelled model_name as vLLM's), Ollama's /api/tags and /api/ps, /health
 and the web page.

@@ -3,7 +3,7 @@
 It allocates from the block pool, starts a request after the longest prefix the radix cache holds
 (in RAM, then in its disk tier when there is one), offers computed blocks back to the cache, and
 evicts cached prefixes when the pool runs dry. A hybrid model's request also holds a
-linear-attention state slot (core/state_pool.py), taken and given back with its blocks. The
+linear-attention state slot (core/kv/state_pool.py), taken and given back with its blocks. The
 scheduler decides who runs and how far; this decides the blocks, as vLLM v1 splits its scheduler
 from its KV cache manager.
 """

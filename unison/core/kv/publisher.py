@@ -56,7 +56,7 @@ class EventLog:
         self.pending.append(BlockRemoved(list(hashes), MEDIUM))
 
     def on_disk(self, parent: int | None, hashes: list[int], tokens: Sequence[int]) -> None:
-        """Blocks written to the disk tier (the base model's only: core/disk_cache.py)."""
+        """Blocks written to the disk tier (the base model's only: core/kv/disk_cache.py)."""
         self.pending.append(BlockStored(list(hashes), parent, list(tokens), self.block_size, None, DISK))
 
     def off_disk(self, hashes: list[int]) -> None:

@@ -1,7 +1,7 @@
 """StatePool: the slots of a hybrid model's linear-attention states (model/linear_attention.py
 holds the tensors). A request takes one slot when it is admitted, beside its KV blocks, and gives
 it back with them; one that finds no slot free waits, as one that finds no block does. A second
-pool, of the slots after those, holds the prefix cache's snapshots (core/radix_cache.py)."""
+pool, of the slots after those, holds the prefix cache's snapshots (core/kv/radix_cache.py)."""
 
 from __future__ import annotations
 

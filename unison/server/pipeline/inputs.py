@@ -57,7 +57,7 @@ def _doc(openai_name: str) -> str:
 
 
 class _SamplingFields(Strict):
-    """One field per OpenAI sampling option (tests/test_sampling.py holds them to OPTIONS); null
+    """One field per OpenAI sampling option (tests/e2e/test_sampling.py holds them to OPTIONS); null
     or absent means the option's default (or the model's, from generation_config.json)."""
 
     max_tokens: int | None = Field(default=None, description=_doc("max_tokens"))
