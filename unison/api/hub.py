@@ -90,7 +90,7 @@ def locate(name: str, revision: str | None = None, download_dir: str | None = No
     say = _printer(quiet)
     if constants.HF_HUB_OFFLINE:
         return _from_cache(name, repo, tag, rev, download_dir, tokenizer_only)
-    listing, commit = _listing(name, repo, rev, download_dir, tag, tokenizer_only)
+    listing, commit = _listing(name, repo, rev)
     if listing is None:  # the Hub could not be reached: the cache, as huggingface_hub itself falls back
         return _from_cache(name, repo, tag, rev, download_dir, tokenizer_only)
     chosen = _choose(name, listing, tag, tokenizer_only, lambda f: _fetch(repo, f, rev, download_dir))
@@ -119,8 +119,7 @@ def _located(name: str, commit: str, chosen: list[str], paths: list[Path]) -> Lo
     return Located(path, name, commit, tuple(chosen))
 
 
-def _listing(name: str, repo: str, rev: str, download_dir: str | None, tag: str | None,
-             tokenizer_only: bool) -> tuple[dict[str, int | None] | None, str]:
+def _listing(name: str, repo: str, rev: str) -> tuple[dict[str, int | None] | None, str]:
     """The repository's files (name -> size) at `rev`, and its commit; None when the Hub cannot be
     reached. Access errors name what to do."""
     from huggingface_hub import HfApi, constants
