@@ -78,3 +78,20 @@ def test_a_name_that_resolves_to_nothing_is_refused_before_anything_starts(stand
         in run.stderr
     asked = [p for _, p, _ in stand_in.requests if p.startswith("/api/models")]
     assert asked == ["/api/models/org/nothing-here/revision/main"]  # once; no core was started
+
+
+def test_a_tokenizer_from_another_repository(stand_in: StandInHub, tmp_path: Path):
+    """SGLang's tokenizer_path as an id: a model folder with no tokenizer serves with another
+    repository's (the core's grammar and the frontends' files come from there)."""
+    folder = tmp_path / "bare"
+    tiny_model("qwen3-qk-norm", folder, vocab_size=49152, eos_token_id=2)  # the tokenizer's <|im_end|>
+    tokenizer = {f.name: f.read_bytes() for f in resolve_model_dir(None).iterdir()
+                 if f.name.startswith(("tokenizer", "special_tokens"))}
+    stand_in.add("org/tokenizer-only", {**tokenizer, "README.md": b"# just a tokenizer"})
+    assert not (folder / "tokenizer.json").exists()  # alone, the model could not start
+    with Engine(model_path=str(folder), tokenizer_path="org/tokenizer-only", download_dir=stand_in.cache,
+                num_threads=1) as engine:
+        out = engine.generate("Hi", {"max_new_tokens": 8, "json_schema": {"type": "object"}})
+        assert out["text"].startswith("{")  # the grammar read the other repository's vocabulary
+        local = Path(engine.get_server_info()["tokenizer_path"])
+    assert (local / "tokenizer.json").read_bytes() == tokenizer["tokenizer.json"]

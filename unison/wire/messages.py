@@ -248,7 +248,8 @@ class ServerInfo(msgspec.Struct, tag=True):
 
     def model_info(self) -> dict:
         """SGLang's get_model_info: what is served now."""
-        return {"model_path": self.config.model_path, "tokenizer_path": self.core.model_dir,
+        return {"model_path": self.config.model_path,
+                "tokenizer_path": self.config.tokenizer_path or self.core.model_dir,
                 "is_generation": True, "weight_version": self.weights_version,
                 "load_format": self.config.load_format}
 
