@@ -710,6 +710,20 @@ def test_tokenize_detokenize_round_trip(server, client):
     assert "".join(strs) == PROMPT
 
 
+def test_tokenize_takes_llama_servers_body_too(server):
+    """llama-server's /tokenize body ({"content"}) on the same path, answered in its shape."""
+    vllm = server.post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert server.post("/tokenize", {"content": PROMPT}).json() == {"tokens": vllm}
+    with_bos = server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
+    assert server.post("/tokenize", {"content": PROMPT, "add_special": True}).json() == {"tokens": with_bos}
+    pieces = server.post("/tokenize", {"content": PROMPT, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == vllm and "".join(p["piece"] for p in pieces) == PROMPT
+    assert_openai_error(server.post("/tokenize", {"content": PROMPT, "prompt": PROMPT}), 400, "content",
+                        "not both")
+    assert_openai_error(server.post("/tokenize", {"content": PROMPT, "parse_special": False}), 400,
+                        "parse_special")
+
+
 def test_vllm_request_fields(server, client):
     plain = complete(client, max_tokens=12).choices[0].text
     stop = plain.split()[1]  # a word the greedy output contains

@@ -38,7 +38,8 @@ class ChatCompletionRequest(ChatInput, _OpenAIFields):
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template first."""
+    """/tokenize: vLLM's body (a prompt, or chat messages rendered by the chat template first), or
+    llama-server's (`content`), which the same path serves and answers in its own shape."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -47,6 +48,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # llama-server's: the text, whether to add BOS, special tokens read as such, each id's piece
+    content: str | None = None
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -9,6 +9,8 @@ import uuid
 from fastapi import APIRouter, Request
 
 from unison.errors import check_encodable
+from unison.frontend.text.tokenizer import Tokenizer
+from unison.json_types import JSONObject
 from unison.server.apis.openai.bodies import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,6 +69,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
     check_encodable(body.model_dump(exclude_none=True), "")
     tokenizer, info, _ = attached(worker_of(request))
     await check_model(request, body.model)
+    if body.content is not None:
+        return _llama_tokenize(body, tokenizer)
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -82,6 +86,21 @@ async def tokenize(body: TokenizeRequest, request: Request):
         if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": info.context_length, "tokens": tokens,
             "token_strs": strs}
+
+
+def _llama_tokenize(body: TokenizeRequest, tokenizer: Tokenizer) -> JSONObject:
+    """llama-server's /tokenize: {"tokens": [ids]}, or with_pieces [{"id", "piece"}]."""
+    assert body.content is not None  # (its body)
+    if body.prompt is not None or body.messages is not None:
+        raise HTTPError(400, "give content (llama-server's body) or prompt / messages (vLLM's), not both",
+                        param="content")
+    if not body.parse_special:
+        raise HTTPError(400, "parse_special false is not supported: special tokens in the text are read "
+                             "as special tokens", param="parse_special")
+    tokens = tokenizer.encode(body.content, add_special_tokens=body.add_special)
+    if not body.with_pieces:
+        return {"tokens": tokens}
+    return {"tokens": [{"id": t, "piece": tokenizer.decode([t], skip_special_tokens=False)} for t in tokens]}
 
 
 @router.post("/detokenize")
