@@ -18,7 +18,7 @@ from . import cpu_kernels
 from .bert import BertEncoder
 from .cpu_kernels import CpuKernels
 from .encoder_config import EncoderConfig
-from .runner import BatchItem
+from .runner import BLOCK_SIZE, BatchItem
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class EncoderRunner:
     rerank_template = ""  # a cross-encoder reads a pair as its tokenizer joins two texts
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
-                 quantization: str = "auto", num_threads: int | None = None, block_size: int = 16,
+                 quantization: str = "auto", num_threads: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch_tokens: int = 8192, max_running: int = 256) -> None:
         if device != "cpu":
             raise ValueError(f"device: encoder models run on the CPU only, got {device!r}")

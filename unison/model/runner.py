@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unison.config import KV_CACHE_DTYPES
+from unison.config import KV_CACHE_DTYPES, EngineConfig
 
 from . import cpu_kernels, key_rounding
 from .attention import PagedAttention, kv_head_bytes
@@ -25,6 +25,8 @@ from .linear_attention import DeltaStates
 from .loader import open_weights, resolve_model_dir
 from .lora import Adapter, LoraStep, LoraWeights
 from .weights import SafetensorsWeights, overlay, resolve_quantization
+
+BLOCK_SIZE = EngineConfig.block_size  # (the option's own default, declared once)
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class ModelRunner:
     rerank_template = ""  # a reranker's: the text of a pair, {query} and {document} to fill in
 
     def __init__(self, model_path: str | Path | None, *, device: str = "cpu", dtype: str = "auto",
-                 quantization: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
+                 quantization: str = "auto", kv_cache_dtype: str = "auto", block_size: int = BLOCK_SIZE,
                  num_blocks: int | None = None,
                  max_total_tokens: int | None = None, num_threads: int | None = None,
                  load_format: str = "auto", kv_cache_memory_gb: float | None = None,
