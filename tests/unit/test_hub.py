@@ -19,6 +19,7 @@ CONFIG = b'{"architectures": ["Qwen3ForCausalLM"]}'
 SAFETENSORS_REPO = {
     "config.json": CONFIG, "generation_config.json": b"{}", "tokenizer.json": b"{}",
     "tokenizer_config.json": b"{}", "chat_template.jinja": b"{{ messages }}", "README.md": b"# tiny",
+    "additional_chat_templates/tool_use.jinja": b"{{ tools }}",
     "model.safetensors.index.json": b'{"weight_map": {"a": "model-00001-of-00002.safetensors", '
                                     b'"b": "model-00002-of-00002.safetensors"}}',
     "model-00001-of-00002.safetensors": b"1" * 1000, "model-00002-of-00002.safetensors": b"2" * 1000,
@@ -69,10 +70,17 @@ def test_a_safetensors_repository_gives_what_serving_reads(stand_in: StandInHub)
     assert sorted(found.files) == sorted(["model.safetensors.index.json", "model-00001-of-00002.safetensors",
                                           "model-00002-of-00002.safetensors", "config.json",
                                           "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                                          "chat_template.jinja"])
+                                          "chat_template.jinja", "additional_chat_templates/tool_use.jinja"])
     on_disk = sorted(p.relative_to(found.path).as_posix() for p in found.path.rglob("*") if p.is_file())
     assert on_disk == sorted(found.files)  # no README, no original/, consolidated* or *.bin
     assert (found.path / "model-00002-of-00002.safetensors").read_bytes() == b"2" * 1000
+
+
+def test_every_file_the_tokenizer_reads_is_taken():
+    """The frontends' tokenizer files (model/loader.py) are among what a download takes."""
+    from unison.model.loader import TOKENIZER_FILES
+
+    assert set(TOKENIZER_FILES) <= hub.SERVING_FILES
 
 
 def test_a_gguf_repository_gives_the_tagged_file_its_parts_and_the_projector(stand_in: StandInHub):
@@ -188,9 +196,9 @@ def test_a_tokenizer_named_by_its_id_is_taken_alone(stand_in: StandInHub):
     located = hub.locate_config(config, quiet=True)
     folder = Path(located.tokenizer_path)
     assert located.model_path == "/models/local.gguf" and located.model_repo is None
-    assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json", "generation_config.json",
-                                                               "tokenizer.json", "tokenizer_config.json",
-                                                               "chat_template.jinja"])
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == sorted(
+        ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "chat_template.jinja", "additional_chat_templates/tool_use.jinja"])
     stand_in.add("org/no-tokenizer", {"config.json": CONFIG, "model.safetensors": b"w"})
     with pytest.raises(ValueError, match="org/no-tokenizer: no tokenizer"):
         hub.locate_config(dataclasses.replace(config, tokenizer_path="org/no-tokenizer"), quiet=True)

@@ -35,6 +35,7 @@ SERVING_FILES = {"config.json", "generation_config.json", "preprocessor_config.j
                  "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt",
                  "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
                  "1_Pooling/config.json"}
+CHAT_TEMPLATES = "additional_chat_templates/"  # named templates beside the default (tool_use, ...)
 SKIPPED_DIRS = ("original/", "metal/")  # duplicate copies of the weights in other formats
 INDEX = "model.safetensors.index.json"
 
@@ -170,7 +171,7 @@ def _choose(name: str, files: Mapping[str, int | None], tag: str | None, tokeniz
         return _gguf_files(name, files, models, tag)
     if tag is not None:
         raise ValueError(f"{name}: :{tag} names a GGUF file, and the repository has none")
-    extra = sorted(f for f in files if f in SERVING_FILES)
+    extra = sorted(f for f in files if f in SERVING_FILES or f.startswith(CHAT_TEMPLATES))
     if tokenizer_only:
         if "tokenizer.json" not in extra and "tokenizer.model" not in extra:
             raise ValueError(f"{name}: no tokenizer (tokenizer.json or tokenizer.model) in the repository")

@@ -26,6 +26,7 @@ class ReportedCore(Protocol):
 
     config: EngineConfig
     model_dir: str
+    tokenizer_dir: str
     context_length: int
     eos_token_ids: frozenset[int]
     runner: ModelRunner | EncoderRunner
@@ -45,7 +46,7 @@ class CoreReport:
     def info(self) -> CoreInfo:
         core, runner = self.core, self.core.runner
         return CoreInfo(
-            model_dir=core.model_dir, context_length=core.context_length,
+            model_dir=core.model_dir, tokenizer_dir=core.tokenizer_dir, context_length=core.context_length,
             max_req_input_len=core.context_length - 1, vocab_size=runner.vocab_size,
             eos_token_ids=sorted(core.eos_token_ids), block_size=core.config.block_size,
             num_blocks=self.num_blocks, max_total_tokens=self.num_blocks * core.config.block_size,

@@ -114,9 +114,9 @@ class TokenizerWorker:
             self.rng = random.Random(f"{self.config.random_seed}:{self.worker_id}")
         if not self.config.skip_tokenizer_init:
             try:
-                # (a frontend on the core's host reads the files in place; tokenizer_path: SGLang's)
+                # (a frontend on the core's host reads the files in place)
                 self.tokenizer = (_tokenizer_from_files(reply.files) if reply.files
-                                  else Tokenizer.from_dir(self.config.tokenizer_path or reply.info.model_dir))
+                                  else Tokenizer.from_dir(reply.info.tokenizer_dir))
             except BaseException:
                 await self.close()
                 raise

@@ -75,6 +75,7 @@ class CoreInfo(msgspec.Struct):
     """What a frontend needs to know of the model and the KV cache, sent once in Welcome."""
 
     model_dir: str  # config and tokenizer files, resolved by the core (a GGUF's cache entry)
+    tokenizer_dir: str  # the tokenizer's files: model_dir, or tokenizer_path (SGLang's option)
     context_length: int
     max_req_input_len: int
     vocab_size: int
@@ -249,7 +250,7 @@ class ServerInfo(msgspec.Struct, tag=True):
     def model_info(self) -> dict:
         """SGLang's get_model_info: what is served now."""
         return {"model_path": self.config.model_path,
-                "tokenizer_path": self.config.tokenizer_path or self.core.model_dir,
+                "tokenizer_path": self.core.tokenizer_dir,
                 "is_generation": True, "weight_version": self.weights_version,
                 "load_format": self.config.load_format}
 

@@ -100,6 +100,10 @@ class Output:
     def states(self) -> list[ReqState]:
         return self.collector.states
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens spelt out: what every API's logprobs show."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def deltas(self, changed: list[int]) -> list[Delta]:
         """Everything new in each changed choice, merged: one delta each. A choice whose news is
         held back (a reasoning tag or a tool call's JSON still being decided) gives none."""

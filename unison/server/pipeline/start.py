@@ -48,12 +48,14 @@ def attached(worker: TokenizerWorker) -> tuple[Tokenizer, CoreInfo, EngineConfig
 
 @dataclass
 class Started:
-    """A queued call: its outputs as they come, read as typed choices, and the model it names."""
+    """A queued call: its outputs, read as typed choices, and the model it names."""
 
-    collector: Collector
     output: Output
     model: str
-    tokenizer: Tokenizer
+
+    @property
+    def collector(self) -> Collector:  # the call's requests, as they come from the core
+        return self.output.collector
 
 
 # ---- the model a request names -------------------------------------------------------------------
@@ -121,7 +123,7 @@ async def start_completion(body: TextInput, request: Request, default_max_tokens
                         top_logprobs_num=k or 0, priority=body.priority, lora_path=adapter)
     collector = await _submit(request, worker, head, args, body.add_special_tokens is not False)
     output = Output(collector, tokenizer, logprobs=k is not None, echo=body.echo)
-    return Started(collector, output, model, tokenizer)
+    return Started(output, model)
 
 
 def infill_prompt(request: Request, model: str, prefix: str, suffix: str, field: str, middle: str = "",
@@ -213,7 +215,7 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
                         param="max_completion_tokens") from None
     output = Output(collector, tokenizer, logprobs=body.logprobs, tools=tools,
                     reasoning=(parser, text) if parser else None)
-    return Started(collector, output, model, tokenizer)
+    return Started(output, model)
 
 
 # ---- queueing and errors -------------------------------------------------------------------------

@@ -122,7 +122,7 @@ class Chunks:
 
     def __init__(self, body: CompletionBody, started: Started) -> None:
         self.body, self.output, self.model = body, started.output, started.model
-        self.tokenizer, self.collector = started.tokenizer, started.collector
+        self.collector = started.collector
         self.timer = Timer(started.collector)
         self.sent_ids = 0
 
@@ -162,14 +162,11 @@ class Chunks:
         alternatives, one per distinct text, best first."""
         def entry(token: str, logprob: float | None) -> JSONObject:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-        top_n, out = self.body.n_probs, []
+        text, top_n, out = self.output.token_text, self.body.n_probs, []
         for k, (lp, tid, _) in enumerate(lps.tokens):
-            top = {self._token(tt): tl for tl, tt, _ in (lps.top[k] if k < len(lps.top) else [])[:top_n]}
-            out.append(entry(self._token(tid), lp) | {"top_logprobs": [entry(t, v) for t, v in top.items()]})
+            top = {text(tt): tl for tl, tt, _ in (lps.top[k] if k < len(lps.top) else [])[:top_n]}
+            out.append(entry(text(tid), lp) | {"top_logprobs": [entry(t, v) for t, v in top.items()]})
         return out
-
-    def _token(self, tid: int) -> str:
-        return self.tokenizer.decode([tid], skip_special_tokens=False)
 
 
 def _timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> JSONObject:

@@ -287,7 +287,7 @@ class Lines:
     under `message` (/api/chat) or `response` (/api/generate)."""
 
     def __init__(self, started: Started, field: str, top_n: int, distinct: bool = False) -> None:
-        self.output, self.tokenizer, self.model = started.output, started.tokenizer, started.model
+        self.output, self.model = started.output, started.model
         self.collector, self.field, self.top_n = started.collector, field, top_n
         self.distinct = distinct  # top alternatives keyed by their text (one per text)
         self.timer = Timer(started.collector)
@@ -346,9 +346,6 @@ class Lines:
         known = self.calls.setdefault(call.index, ToolCall(call.id or "", call.name or "", ""))
         known.arguments += call.arguments
 
-    def _token(self, tid: int) -> str:
-        return self.tokenizer.decode([tid], skip_special_tokens=False)
-
     def _logprobs(self, lps: Logprobs | None) -> list[JSONObject] | None:
         """Ollama's logprobs: each token with its top alternatives, best first."""
         if not lps or not lps.tokens:
@@ -356,10 +353,10 @@ class Lines:
         out = []
         for k, (lp, tid, _) in enumerate(lps.tokens):
             given = lps.top[k] if k < len(lps.top) else []
-            top = [(self._token(tt), tl) for tl, tt, _ in given[: self.top_n]]
+            top = [(self.output.token_text(tt), tl) for tl, tt, _ in given[: self.top_n]]
             if self.distinct:
                 top = list(dict(top).items())
-            out.append({"token": self._token(tid), "logprob": lp,
+            out.append({"token": self.output.token_text(tid), "logprob": lp,
                         "top_logprobs": [{"token": t, "logprob": v} for t, v in top]})
         return out
 

@@ -84,7 +84,7 @@ class Renderer:
 
     def __init__(self, started: Started, *, chat: bool, rid: str, top_n: int,
                  tokens_as_ids: bool = False) -> None:
-        self.output, self.tokenizer, self.model = started.output, started.tokenizer, started.model
+        self.output, self.model = started.output, started.model
         self.chat, self.rid, self.top_n = chat, rid, top_n
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
         self.object = "chat.completion" if chat else "text_completion"
@@ -94,7 +94,7 @@ class Renderer:
     def _tok(self, tid: int) -> str:
         if self.tokens_as_ids:
             return f"token_id:{tid}"
-        return self.tokenizer.decode([tid], skip_special_tokens=False)
+        return self.output.token_text(tid)
 
     def _chat_lp(self, tid: int, logprob: float | None) -> JSONObject:
         token = self._tok(tid)
