@@ -703,7 +703,7 @@ def test_tokenize_detokenize_round_trip(server, client):
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == server.info["context_length"]
     assert body["count"] == complete(client, LONG_TEXT, max_tokens=1).usage.prompt_tokens
     back = server.post("/detokenize", {"tokens": body["tokens"]})
-    assert back.status_code == 200 and back.json() == {"prompt": LONG_TEXT}
+    assert back.status_code == 200 and back.json() == {"prompt": LONG_TEXT, "content": LONG_TEXT}
     chat_count = server.post("/tokenize", {"messages": CHAT}).json()["count"]
     assert chat_count == chat(client, max_tokens=1).usage.prompt_tokens
     strs = server.post("/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()["token_strs"]
@@ -722,6 +722,8 @@ def test_tokenize_takes_llama_servers_body_too(server):
                         "not both")
     assert_openai_error(server.post("/tokenize", {"content": PROMPT, "parse_special": False}), 400,
                         "parse_special")
+    # llama-server's /detokenize: the same body as vLLM's, its text under "content"
+    assert server.post("/detokenize", {"tokens": with_bos}).json()["content"].endswith(PROMPT)
 
 
 def test_vllm_request_fields(server, client):

@@ -111,7 +111,10 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise HTTPError(400, f"tokens must hold token ids in [0, {vocab - 1}], got {bad}", param="tokens")
-    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+    # The two servers take the same body and name the text differently: vLLM "prompt",
+    # llama-server "content". Both keys answer either client.
+    return {"prompt": text, "content": text}
 
 
 @router.post("/v1/completions")
