@@ -696,6 +696,26 @@ def test_bad_requests_get_openai_errors_and_queue_nothing(server, route, body, s
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2, good.text
 
 
+def test_huge_bodies_are_refused_in_milliseconds(server):
+    """A body past the limit the context derives is refused unread; one under it, but whose text
+    is far past the context, after tokenizing a prefix. Either way fast, naming what is wrong
+    (tokenizing the whole of either took seconds)."""
+    ctx = server.info["context_length"]
+    limit = 4 * MB + 64 * ctx  # --max-request-bytes' default
+    for route, field, size in [(CHAT_URL, "messages", limit - MB), (COMP, "prompt", limit - MB),
+                               (CHAT_URL, None, 20 * MB)]:
+        text = "a " * (size // 2)
+        body = {"messages": [{"role": "user", "content": text}]} if route == CHAT_URL else {"prompt": text}
+        t0 = time.perf_counter()
+        r = server.post(route, body)
+        elapsed = time.perf_counter() - t0
+        if field is None:
+            assert_openai_error(r, 413, f"limit of {limit} bytes")
+        else:
+            assert assert_openai_error(r, 400, f"exceeds the context length ({ctx})")["param"] == field
+        assert elapsed < 2.0, (route, size, elapsed)
+
+
 def test_tokenize_detokenize_round_trip(server, client):
     r = server.post("/tokenize", {"prompt": LONG_TEXT})
     assert r.status_code == 200, r.text

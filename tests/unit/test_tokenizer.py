@@ -200,3 +200,36 @@ def test_from_dir_merges_configs(tmp_path, model_dir):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_a_text_past_the_limit_is_refused_from_a_prefix(tok):
+    """A huge text is refused after tokenizing a prefix: milliseconds, not the seconds its whole
+    would take; the error names the field and the context length."""
+    import time
+
+    from unison.errors import InvalidParam
+
+    huge = "a " * 5_000_000  # 10 MB: about 5 M tokens
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidParam) as e:
+        tok.encode(huge, limit=8192, field="messages")
+    assert time.perf_counter() - t0 < 1.0  # the whole text takes seconds
+    assert e.value.field == "messages" and "exceeds the context length (8192)" in str(e.value)
+
+
+@pytest.mark.parametrize("text", [
+    "word " * 2040,  # just within 2048 tokens, longer than the first prefix (4 chars a token)
+    "=" * 60_000,  # few tokens for many characters: the prefixes grow past it, nothing refused
+    "日本語 " * 200,
+])
+def test_a_text_within_the_limit_is_tokenized_whole(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) <= 2048
+    assert tok.encode(text, add_special_tokens=False, limit=2048) == ids
+
+
+def test_a_text_its_prefixes_do_not_prove_too_long_comes_back_whole(tok):
+    """Past the limit, but at more characters a token than the prefixes assume: the whole text is
+    tokenized and returned, and the caller's check counts it (as for token ids given)."""
+    text = "word " * 3000  # 5 characters a token: no prefix shorter than the text holds 2048
+    assert len(tok.encode(text, limit=2048)) == len(tok.encode(text)) > 2048

@@ -217,7 +217,8 @@ class TokenizerWorker:
             if not prompt:
                 raise InvalidParam("prompt", "prompt is empty")
             assert self.tokenizer is not None  # _prompt refused a text prompt without one
-            input_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            input_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens,
+                                              limit=self.info.context_length)
         vocab = self.info.vocab_size
         if not isinstance(input_ids, list) or not input_ids:
             raise InvalidParam("input_ids", "input_ids must be a non-empty list of token ids")

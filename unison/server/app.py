@@ -13,6 +13,7 @@ import hmac
 import logging
 import os
 import signal
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -35,7 +36,13 @@ from unison.server.settings import ServeSettings, WorkerSettings
 log = logging.getLogger("unison.server")
 
 ENV = "UNISON_SERVER"  # JSON: the WorkerSettings of every worker
-MAX_REQUEST_BYTES = 32 << 20  # the default of --max-request-bytes
+# The default of --max-request-bytes, derived from the model's context: room for every token of a
+# context at more bytes a token than any text takes (JSON escapes included), plus tools, schemas
+# and JSON's own syntax; a body past it could only be refused later, after seconds of parsing and
+# tokenizing. Before a model is known (several models behind one address): a fixed 32 MiB.
+REQUEST_BYTES_BASE = 4 << 20
+REQUEST_BYTES_PER_TOKEN = 64
+MAX_REQUEST_BYTES = 32 << 20
 OPEN_ROUTES = ("/health", "/metrics")  # no API key, as in vLLM: for probes and scrapers
 UI_DIR = Path(__file__).with_name("ui")
 # The page's scripts and styles are its own files: nothing inline, nothing from elsewhere.
@@ -58,6 +65,7 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
             replicas = await Replicas.local(settings.registry_path, settings.owner_pid, on_dead)
         app.state.replicas = replicas
         worker = replicas.any
+        app.state.context_length = worker.info.context_length
         app.state.sampling_defaults = generation_defaults(serve.generation_config, worker.info.model_dir)
         app.state.chat_template = _template_text(serve.chat_template)
         log.info("worker %d attached as frontend %d of %d replica(s)", os.getpid(), worker.worker_id,
@@ -70,7 +78,8 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
     app = FastAPI(title="Unison", lifespan=lifespan)
     app.state.settings = settings
     if not embedded:
-        app.add_middleware(Gate, api_key=serve.api_key, max_body=max_body_of(serve), ui=not serve.disable_ui)
+        app.add_middleware(Gate, api_key=serve.api_key, ui=not serve.disable_ui,
+                           max_body=lambda: max_body_of(serve, getattr(app.state, "context_length", None)))
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -79,8 +88,13 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
     return app
 
 
-def max_body_of(serve: ServeSettings) -> int:
-    return MAX_REQUEST_BYTES if serve.max_request_bytes is None else serve.max_request_bytes
+def max_body_of(serve: ServeSettings, context_length: int | None = None) -> int:
+    """--max-request-bytes, or the default for a model of `context_length` tokens."""
+    if serve.max_request_bytes is not None:
+        return serve.max_request_bytes
+    if context_length is None:
+        return MAX_REQUEST_BYTES
+    return REQUEST_BYTES_BASE + REQUEST_BYTES_PER_TOKEN * context_length
 
 
 def add_ui(app: FastAPI) -> None:
@@ -158,8 +172,10 @@ class Gate:
     would run on to its last token.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int, ui: bool = False) -> None:
-        self.app, self.api_key, self.max_body, self.ui = app, api_key, max_body, ui
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: Callable[[], int],
+                 ui: bool = False) -> None:
+        """`max_body`: the largest body, in bytes (a function: it is known once a model is)."""
+        self.app, self.api_key, self._max_body, self.ui = app, api_key, max_body, ui
         self.pid = str(os.getpid()).encode()
 
     def is_open(self, path: str) -> bool:
@@ -190,6 +206,10 @@ class Gate:
                 return await self.too_large(None, path)(scope, receive, tagged)
             receive = buffered
         await self.app(scope, receive, tagged)
+
+    @property
+    def max_body(self) -> int:
+        return self._max_body()
 
     def has_key(self, headers: dict[bytes, bytes]) -> bool:
         """The key as OpenAI's clients send it (a bearer token) or as Anthropic's (x-api-key)."""

@@ -387,6 +387,6 @@ async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
 def create_models_app(settings: WorkerSettings | None = None) -> Gate:
     settings = settings or WorkerSettings.from_json(os.environ[ENV])
     serve = settings.serve
-    return Gate(ModelsRouter(settings), api_key=serve.api_key, max_body=max_body_of(serve),
+    return Gate(ModelsRouter(settings), api_key=serve.api_key, max_body=lambda: max_body_of(serve),
                 ui=not serve.disable_ui)
 

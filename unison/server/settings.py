@@ -36,7 +36,9 @@ class ServeSettings:
                                             "every request")
     chat_template: str | None = option(None, "a Jinja chat template (a file, or the template itself) over the"
                                              " model's")
-    max_request_bytes: int | None = option(None, "largest request body (default: 32 MiB); past it: 413")
+    max_request_bytes: int | None = option(None, "largest request body; past it: 413, unread (default: "
+                                                 "4 MiB + 64 bytes a token of the model's context; 32 MiB "
+                                                 "with --models-dir)")
     data_parallel_size: int = option(1, "engine cores behind one address, each in a Ray actor (needs "
                                         "unison[ray])")
     ray_address: str | None = option(None, "an existing Ray cluster for the replicas (left running); default:"

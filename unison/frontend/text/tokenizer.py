@@ -29,6 +29,10 @@ from unison.json_types import JSONObject
 ROLES = ("system", "user", "assistant", "tool")
 # Names of special tokens a template may read as variables, as transformers' special_tokens_map.
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# A long text is tokenized a prefix at a time before it is refused (Tokenizer.encode's `limit`):
+# the first prefix has this many characters a token; a cut through a word may add this many tokens.
+PREFIX_CHARS_PER_TOKEN = 4
+PREFIX_SLACK_TOKENS = 16
 
 
 class Tokenizer:
@@ -106,13 +110,33 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.token_strings["eos_token"]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, limit: int | None = None,
+               field: str = "prompt") -> list[int]:
         """Token ids of `text` as `AutoTokenizer(text)` gives them: with add_special_tokens, the
         special tokens tokenizer.json's post-processor adds (a BOS for Llama, Gemma; none for
         SmolLM2), even before a BOS the text already holds. transformers 5 reads no
         add_bos_token from tokenizer_config.json for such tokenizers, so neither does this.
-        Text rendered from a chat template carries its own: encode it with add_special_tokens=False."""
+        Text rendered from a chat template carries its own: encode it with add_special_tokens=False.
+
+        `limit` (a context length): a text of more tokens than that is refused (InvalidParam
+        naming `field`) after tokenizing only a prefix of it, so that a huge text costs what its
+        first `limit` tokens cost, not seconds."""
+        if limit is not None:
+            self._refuse_past(text, limit, add_special_tokens, field)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _refuse_past(self, text: str, limit: int, add_special_tokens: bool, field: str) -> None:
+        """Tokenize growing prefixes (4 characters a token to start, then twice as many each
+        time) while they are shorter than `text`; one that holds more than `limit` tokens
+        (with slack for a word the cut split) proves the whole text does too. A text within the
+        limit costs at most about one more full tokenizing."""
+        size = PREFIX_CHARS_PER_TOKEN * (limit + PREFIX_SLACK_TOKENS)
+        while size < len(text):
+            n = len(self._tok.encode(text[:size], add_special_tokens=add_special_tokens))
+            if n > limit + PREFIX_SLACK_TOKENS:
+                raise InvalidParam(field, f"{field}: the prompt (more than {n - PREFIX_SLACK_TOKENS} "
+                                          f"tokens) exceeds the context length ({limit})")
+            size *= 2
 
     def encode_pair(self, first: str, second: str) -> list[int]:
         """A (query, document) pair as a cross-encoder reads it: [CLS] first [SEP] second [SEP]."""

@@ -181,7 +181,9 @@ def render_chat(body: ChatInput, request: Request) -> ChatPrompt:
         continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
         chat_template=request.app.state.chat_template)
     # The template writes its own special tokens: none more unless asked (vLLM's default).
-    return ChatPrompt(text, tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)), tools)
+    ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), limit=info.context_length,
+                           field="messages")
+    return ChatPrompt(text, ids, tools)
 
 
 async def start_chat(body: ChatInput, request: Request) -> Started:
