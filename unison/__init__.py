@@ -2,8 +2,9 @@
 
 from unison.api.core_process import curve_keypair
 from unison.api.engine import Engine
-from unison.errors import EngineDeadError
+from unison.errors import EngineDeadError, EngineOverloadedError, FrontendStalledError
 from unison.frontend.sampling_params import SamplingParams
 from unison.version import __version__ as __version__
 
-__all__ = ["Engine", "EngineDeadError", "SamplingParams", "curve_keypair"]
+__all__ = ["Engine", "EngineDeadError", "EngineOverloadedError", "FrontendStalledError", "SamplingParams",
+           "curve_keypair"]

@@ -206,8 +206,12 @@ class EngineConfig:
     # that matters; the count only caps what the core holds for a frontend that stopped reading.
     # It must stay far above the steps in a scheduling hiccup: a small model steps every few ms,
     # and a count of 64 took a busy frontend's 0.3 s pause for a stall.
-    frontend_max_lag_s: float = option(2.0, "a frontend this far behind its outputs has its requests aborted")
+    frontend_max_lag_s: float = option(2.0, "a frontend this far behind its outputs has its requests parked "
+                                            "(not stepped; preempted first when KV runs short) until it "
+                                            "catches up")
     frontend_max_unacked: int = option(4096, "... or this many steps' outputs behind")
+    frontend_max_silence_s: float = option(30.0, "a frontend that processes none of its outputs for this long"
+                                                 " (stopped, wedged) has its requests ended (a 503)")
     startup_timeout: float = option(300.0, "seconds to wait for the core to load the model")
     log_level: str = option("warning", "debug, info, warning, error or critical")
     # SGLang's options, with SGLang's meaning:
@@ -288,6 +292,7 @@ class EngineConfig:
                "the disk tier extends the prefix cache, which disable_radix_cache turns off")
         _check(self.frontend_max_lag_s > 0, "frontend_max_lag_s", "must be > 0")
         _check(self.frontend_max_unacked >= 1, "frontend_max_unacked", "must be >= 1")
+        _check(self.frontend_max_silence_s > 0, "frontend_max_silence_s", "must be > 0")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")

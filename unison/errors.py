@@ -9,6 +9,11 @@ class EngineOverloadedError(RuntimeError):
     """The engine's queue is full (max_queued_requests): the request was refused, nothing queued."""
 
 
+class FrontendStalledError(EngineOverloadedError):
+    """This frontend processed none of the engine's outputs for frontend_max_silence_s (its
+    process was stopped, or wedged): the engine ended its requests. An HTTP client gets a 503."""
+
+
 class InvalidParam(ValueError):
     """A request's field is invalid; nothing was queued. `field` is its name as the engine's API
     spells it (an HTTP layer maps it to its own, e.g. max_new_tokens -> max_tokens), and the

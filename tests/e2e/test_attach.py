@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import json
 import math
 import multiprocessing
 import os
@@ -874,77 +875,165 @@ def test_ctrl_c_in_sync_generate_aborts_the_request(engine):
 
 
 STALLED_CHILD = """
-import sys
+import json, sys
 from unison import Engine
 engine = Engine.attach_tokenizer_worker(int(sys.argv[1]), registry_file=sys.argv[2] or None)
+params = {"temperature": 0, "max_new_tokens": int(sys.argv[3]), "ignore_eos": True}
 try:
-    for i, _ in enumerate(engine.generate("Once upon a time", {"max_new_tokens": 4000, "ignore_eos": True},
-                                          stream=True)):
+    for i, out in enumerate(engine.generate(sys.argv[4], params, stream=True, return_logprob=True,
+                                            top_logprobs_num=5)):
         if i == 2:
             print("streaming", flush=True)
-    print("finished", flush=True)
+    print("finished " + json.dumps(out), flush=True)
 except RuntimeError as e:
-    print(f"error: {e}", flush=True)
+    print(f"error: {type(e).__name__}: {e}", flush=True)
 engine.shutdown()
 """
+STALLED_PROMPT = "The three primary colors are"
+
+
+@contextlib.contextmanager
+def stalled_child(owner: Engine, max_new: int, prompt: str = STALLED_PROMPT):
+    """An attached process streaming a greedy request, stopped (SIGSTOP) once it is under way."""
+    owner_pid, registry_file = attach_target(owner)
+    child = subprocess.Popen([sys.executable, "-c", STALLED_CHILD, str(owner_pid), registry_file or "",
+                              str(max_new), prompt], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "streaming"
+        child.send_signal(signal.SIGSTOP)
+        yield child
+    finally:
+        child.send_signal(signal.SIGCONT)
+        child.kill()
+        child.wait()
+
+
+def resumed(child: subprocess.Popen) -> str:
+    """SIGCONT, and what the child said at its end."""
+    child.send_signal(signal.SIGCONT)
+    line = child.stdout.readline().strip()
+    assert child.wait(30) == 0
+    return line
+
+
+def behind(engine: Engine, pid: int) -> bool:
+    return any(fe["behind"] for fe in engine.get_server_info()["frontends"] if fe["pid"] == pid)
+
+
+def finished(line: str) -> dict:
+    assert line.startswith("finished "), line[:300]
+    return json.loads(line.removeprefix("finished "))
+
+
+class Pace:
+    """Timestamps of a long stream of the owner's, read in a thread: its inter-token gaps in a
+    window show whether anything stalled it."""
+
+    def __init__(self, owner: Engine) -> None:
+        self.stamps: list[float] = []
+        self.stop = threading.Event()
+        self.stream = owner.generate("Once upon a time", {"max_new_tokens": 4000, "ignore_eos": True},
+                                     stream=True)
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self) -> None:
+        for _ in self.stream:
+            self.stamps.append(time.monotonic())
+            if self.stop.is_set():
+                return
+
+    def gaps(self, windows: dict[str, tuple[float, float]]) -> dict[str, float]:
+        """The median gap in each window that holds a few tokens."""
+        return {name: statistics.median(b - a for a, b in itertools.pairwise(
+                    [t for t in self.stamps if lo <= t < hi]))
+                for name, (lo, hi) in windows.items() if sum(lo <= t < hi for t in self.stamps) > 2}
+
+    def close(self) -> None:
+        self.stop.set()
+        self.reader.join(10)
+        self.stream.close()
 
 
 @pytest.mark.parametrize("bound", ["age", "count"])
-def test_a_stopped_frontend_cannot_stall_the_core(bound, capfd):
-    """SIGSTOP of an attached process: its requests are aborted once its unprocessed outputs are
-    older or more than the bound, with the reason in the core's log; the owner's stream keeps its
-    pace throughout, and the stopped process learns why when it resumes."""
+def test_a_stopped_frontend_is_parked_and_completes_when_it_resumes(bound, capfd):
+    """SIGSTOP of an attached process for 3 s, with room in the core: once its unprocessed outputs
+    are older or more than the bound its request is parked (not stepped, so nothing piles up),
+    the owner's stream keeps its pace throughout, and after SIGCONT the stopped process's stream
+    completes with the tokens of the same request run alone."""
     limits = ({"frontend_max_lag_s": 1.0} if bound == "age"
-              else {"frontend_max_lag_s": 60.0, "frontend_max_unacked": 8})
+              else {"frontend_max_lag_s": 60.0, "frontend_max_silence_s": 120.0, "frontend_max_unacked": 8})
     with Engine(tokenizer_worker_num=2, **limits, **ENGINE_ARGS) as owner:
-        owner_pid, registry_file = attach_target(owner)
-        child = subprocess.Popen([sys.executable, "-c", STALLED_CHILD, str(owner_pid), registry_file or ""],
-                                 stdout=subprocess.PIPE, text=True)
+        pace = Pace(owner)
         try:
-            stamps: list[float] = []
-            stop = threading.Event()
-            long = {"max_new_tokens": 4000, "ignore_eos": True}
-            stream = owner.generate("The three primary colors are", long, stream=True)
-
-            def read() -> None:
-                for _ in stream:
-                    stamps.append(time.monotonic())
-                    if stop.is_set():
-                        return
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            assert child.stdout.readline().strip() == "streaming"
             time.sleep(1.0)  # the owner's pace for a second before the stop: the "before" window
-            child.send_signal(signal.SIGSTOP)
-            t0 = time.monotonic()
-            wait_until(lambda: in_flight(owner.get_server_info(), child.pid) == 0, 4,
-                       "the stopped frontend's request to be aborted")
-            took = time.monotonic() - t0
-            time.sleep(1.0)  # and for a second after the abort: the "after" window
-            # The owner's inter-token gaps: the second before the stop, while stopped, after.
-            gaps = {name: statistics.median(b - a for a, b in itertools.pairwise(
-                        [t for t in stamps if lo <= t < hi]))
-                    for name, lo, hi in (("before", t0 - 1, t0), ("stopped", t0, t0 + took),
-                                         ("after", t0 + took, t0 + took + 1))
-                    if sum(lo <= t < hi for t in stamps) > 2}
-            assert {"before", "after"} <= set(gaps), f"the owner's stream stalled: {gaps}"
-            assert max(gaps.values()) < 3 * gaps["before"] + 0.05, f"the owner slowed down: {gaps}"
-            core_log = capfd.readouterr().err
-            assert "fell behind" in core_log and "aborted its 1 request(s)" in core_log, core_log[-2000:]
-            with capfd.disabled():  # the core's log was captured for the check above; not this
-                figure(f"SIGSTOP -> the stopped frontend's requests aborted (bound: {limits}; "
-                       f"owner's gaps {', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in gaps.items())})", took)
-            child.send_signal(signal.SIGCONT)
-            line = child.stdout.readline().strip()
-            assert line.startswith("error: ") and "fell behind" in line, line
-            assert child.wait(10) == 0
-            stop.set()
-            reader.join(10)
-            stream.close()
-            wait_until(lambda: _idle_with_owner_only(owner), 5, "the owner's engine to be idle")
-            owner.check_integrity()
+            with stalled_child(owner, 200) as child:
+                t0 = time.monotonic()
+                wait_until(lambda: behind(owner, child.pid), 5, "the stopped frontend to be parked")
+                parked_after = time.monotonic() - t0
+                time.sleep(max(3.0 - parked_after, 0))
+                assert in_flight(owner.get_server_info(), child.pid) == 1  # parked, not ended
+                gaps = pace.gaps({"before": (t0 - 1, t0), "stopped": (t0, t0 + 3)})
+                assert {"before", "stopped"} <= set(gaps), f"the owner's stream stalled: {gaps}"
+                assert max(gaps.values()) < 3 * gaps["before"] + 0.05, f"the owner slowed down: {gaps}"
+                out = finished(resumed(child))
+            assert not behind(owner, child.pid)
+            assert "fell behind" in capfd.readouterr().err
+            with capfd.disabled():
+                figure(f"SIGSTOP -> the stopped frontend's request parked (bound: {limits}; owner's gaps "
+                       f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in gaps.items())})", parked_after)
         finally:
-            child.send_signal(signal.SIGCONT)
-            child.kill()
-            child.wait()
+            pace.close()
+        ref = owner.generate(STALLED_PROMPT, {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True})
+        assert out["output_ids"] == ref["output_ids"]
+        wait_until(lambda: _idle_with_owner_only(owner), 5, "the owner's engine to be idle")
+        owner.check_integrity()
+
+
+def test_a_stopped_frontends_kv_goes_to_others_under_pressure(capfd):
+    """A KV cache too small for both: a stopped frontend's request is parked, then preempted as
+    soon as the owner's long prompt needs its blocks (the owner waits about frontend_max_lag_s,
+    not for the stopped one's end); after SIGCONT it is recomputed and completes as it would
+    have alone."""
+    lag = 1.0
+    with Engine(tokenizer_worker_num=2, frontend_max_lag_s=lag, max_total_tokens=512, block_size=16,
+                **ENGINE_ARGS) as owner:
+        long_prompt, child_prompt = " ".join(PROMPTS * 8), " ".join(PROMPTS * 3)
+        with stalled_child(owner, 300, child_prompt) as child:
+            t0 = time.monotonic()
+            out = owner.generate(long_prompt, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+            took = time.monotonic() - t0
+            assert out["meta_info"]["prompt_tokens"] > 400  # more than the stopped one leaves
+            assert took < lag + 3.0, f"the owner waited {took:.1f} s for the stopped frontend's KV"
+            info = owner.get_server_info()
+            assert info["stats"]["num_preemptions"] >= 1
+            assert in_flight(info, child.pid) == 1  # preempted, not ended
+            got = finished(resumed(child))
+        with capfd.disabled():
+            figure("a stopped frontend's KV given to a long prompt (frontend_max_lag_s = 1 s)", took)
+        ref = owner.generate(child_prompt, {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True},
+                             return_logprob=True, top_logprobs_num=5)
+        assert_greedy_close(ref["output_ids"], top_dicts(ref), got["output_ids"], top_dicts(got),
+                            name="recomputed after preemption")
+        wait_until(lambda: _idle_with_owner_only(owner), 5, "the owner's engine to be idle")
+        owner.check_integrity()
+
+
+def test_a_silent_frontends_requests_end_with_a_typed_error(capfd):
+    """Only a frontend silent for frontend_max_silence_s has its requests ended: each with
+    FrontendStalledError naming the cause (HTTP: a 503), learnt when it resumes."""
+    with Engine(tokenizer_worker_num=2, frontend_max_lag_s=0.5, frontend_max_silence_s=2.0,
+                **ENGINE_ARGS) as owner:
+        with stalled_child(owner, 4000) as child:
+            t0 = time.monotonic()
+            wait_until(lambda: in_flight(owner.get_server_info(), child.pid) == 0, 6,
+                       "the silent frontend's request to be ended")
+            took = time.monotonic() - t0
+            assert took > 1.5, f"ended after {took:.1f} s, before frontend_max_silence_s"
+            assert "frontend_max_silence_s=2.0" in capfd.readouterr().err
+            line = resumed(child)
+        assert line.startswith("error: FrontendStalledError: ") and "processed none" in line, line
+        with capfd.disabled():
+            figure("SIGSTOP -> the silent frontend's request ended (frontend_max_silence_s = 2 s)", took)
+        wait_until(lambda: _idle_with_owner_only(owner), 5, "the owner's engine to be idle")
+        owner.check_integrity()

@@ -125,25 +125,75 @@ def test_scheduler_reuses_a_finished_requests_prefix():
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]),
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "abort", "behind", "caught up"]),
                           st.lists(st.integers(0, 3), min_size=1, max_size=12)), max_size=40))
 def test_random_admit_finish_abort_evict_keep_the_invariants(ops):
+    """... with two frontends, either of which may fall behind (its requests parked) and catch up."""
     pool = BlockPool(12)
     sched = Scheduler(pool, block_size=BS, max_running=3, token_budget=8,
                       cache=RadixCache(pool, BS))
     for i, (op, tokens) in enumerate(ops):
+        frontend = b"fe" if len(tokens) % 2 else b"other"
         if op == "add":
-            sched.add(_req(str(i), tokens, max_new=3))
+            req = _req(str(i), tokens, max_new=3)
+            req.frontend = frontend
+            sched.add(req)
         elif op == "step":
             _finish_step(sched)
         elif op == "abort" and (reqs := list(sched)):
             sched.remove(reqs[len(tokens) % len(reqs)])
+        elif op in ("behind", "caught up"):
+            sched.set_behind(frontend, op == "behind")
         sched.check_integrity()
+        assert not any(r.frontend in sched.behind for r in sched.running)
+    for frontend in (b"fe", b"other"):
+        sched.set_behind(frontend, False)
     while sched.has_work:
         _finish_step(sched)
         sched.check_integrity()
     sched.flush_cache()
     assert pool.num_free == 12
+
+
+def test_a_frontend_behind_has_its_requests_parked_until_it_catches_up():
+    pool = BlockPool(64)
+    sched = Scheduler(pool, block_size=BS, max_running=8, token_budget=64, cache=RadixCache(pool, BS))
+    for rid, frontend in (("a", b"A"), ("b", b"B")):
+        sched.add(Request(frontend, rid, [1, 2, 3], 3, CoreSamplingParams(max_new_tokens=5)))
+    assert {r.rid for r in _finish_step(sched)} == {"a", "b"}
+    sched.set_behind(b"B", True)
+    sched.add(Request(b"B", "b2", [4, 5], 2, CoreSamplingParams(max_new_tokens=5)))
+    for _ in range(2):
+        assert [r.rid for r in _finish_step(sched)] == ["a"]  # b keeps its KV, b2 waits
+    assert [r.rid for r in sched.parked] == ["b"] and sched.parked[0].block_table
+    assert [r.rid for r in sched.waiting] == ["b2"] and sched.has_work
+    sched.check_integrity()
+    sched.set_behind(b"B", False)
+    assert {r.rid for r in _finish_step(sched)} == {"a", "b", "b2"}
+    assert sched.num_preemptions == 0  # room enough: nothing was recomputed
+
+
+def test_parked_requests_are_the_first_preempted_when_kv_runs_short():
+    """B (behind) holds most of a small pool; A's running request and A's new one need blocks:
+    B's are freed for them (A's own are never touched), and B resumes once it has caught up."""
+    pool = BlockPool(8)
+    sched = Scheduler(pool, block_size=BS, max_running=8, token_budget=64, cache=RadixCache(pool, BS))
+    sched.add(Request(b"A", "a", [1, 2], 2, CoreSamplingParams(max_new_tokens=6)))
+    sched.add(Request(b"B", "b", [3, 4, 5, 6, 7, 8, 9, 10, 11], 9, CoreSamplingParams(max_new_tokens=3)))
+    _finish_step(sched)
+    assert pool.num_free == 2  # a: 1 block (+1 once it grows); b: 5
+    sched.set_behind(b"B", True)
+    sched.add(Request(b"A", "a2", [12, 13, 14, 15, 16], 5, CoreSamplingParams(max_new_tokens=1)))
+    ran = [r.rid for r in _finish_step(sched)]
+    assert ran == ["a", "a2"] and not sched.parked  # b was preempted to admit a2
+    b = next(r for r in sched.waiting if r.rid == "b")
+    assert b.num_preemptions == 1 and not b.block_table and sched.num_preemptions == 1
+    sched.check_integrity()
+    sched.set_behind(b"B", False)
+    while sched.has_work:
+        _finish_step(sched)
+    assert b.num_output_tokens == 3  # recomputed and finished
+    sched.check_integrity()
 
 
 def _policy_sched(policy: str) -> Scheduler:

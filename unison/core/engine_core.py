@@ -95,9 +95,10 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         """Something to step: a running request, a waiting one that can be admitted (its grammar
-        compiled), or a request to refuse. Call grammar.poll() first to see finished compiles."""
+        compiled, its frontend keeping up), or a request to refuse. Call grammar.poll() first to
+        see finished compiles."""
         sched = self.scheduler
-        return bool(sched.running) or bool(self.grammar.failed) or any(r.ready for r in sched.waiting)
+        return bool(sched.running) or bool(self.grammar.failed) or any(map(sched.admissible, sched.waiting))
 
     def flush_cache(self) -> None:
         """Empty the prefix cache, its disk tier too; RuntimeError while requests hold KV (they

@@ -3,7 +3,10 @@ control of what they are sent.
 
 The core never blocks on a frontend: what its socket will not take now waits, in order, in its
 outbox. Each StepOutputs is numbered and the frontend acknowledges (Ack) what it has processed,
-so the core can see a frontend fall behind and stop it from holding KV blocks and batch slots.
+so the core can see a frontend fall behind. Being behind is not a fault (a busy host deschedules
+a healthy process for seconds): the frontend's requests are parked until it catches up (not
+stepped, so nothing piles up; preempted first when KV runs short), and only a frontend silent for
+`frontend_max_silence_s` has them ended, each with an error naming the cause.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Frontend:
     outbox: deque[bytes] = field(default_factory=deque)
     seq: int = 0  # StepOutputs sent so far
     unacked: deque[tuple[int, float]] = field(default_factory=deque)  # (seq, sent at), oldest first
+    behind: bool = False  # its requests are parked (Frontends.check_lag)
 
     def send(self, msg: ToFrontend) -> bool:
         self.outbox.append(encode(msg))
@@ -80,15 +84,13 @@ class Frontend:
         while self.unacked and self.unacked[0][0] <= seq:
             self.unacked.popleft()
 
-    def lagging(self, max_lag_s: float, max_unacked: int) -> str | None:
-        """Why this frontend has fallen behind (stopped, wedged or swamped), or None."""
-        if not self.unacked:
-            return None
-        lag, count = time.monotonic() - self.unacked[0][1], len(self.unacked)
-        if lag <= max_lag_s and count <= max_unacked:
-            return None
-        return (f"frontend {self.worker_id} (pid {self.pid}) fell behind: {count} outputs unprocessed "
-                f"for {lag:.1f} s (frontend_max_unacked={max_unacked}, frontend_max_lag_s={max_lag_s})")
+    @property
+    def lag(self) -> float:
+        """Seconds since the oldest output it has not acknowledged was sent (0: none)."""
+        return time.monotonic() - self.unacked[0][1] if self.unacked else 0.0
+
+    def __str__(self) -> str:
+        return f"frontend {self.worker_id} (pid {self.pid})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,7 @@ class Frontends:
 
     `attach` admits one (the server has checked its Hello) and watches its pidfd in the
     server's poller; `drop` detaches it and aborts its requests. Sends never block, and a
-    frontend whose socket is gone is dropped. `abort_lagging` and `drop_silent` are the flow
+    frontend whose socket is gone is dropped. `check_lag` and `drop_silent` are the flow
     control and liveness checks the server runs after every poll."""
 
     def __init__(self, core: EngineCore, config: EngineConfig, poller: zmq.Poller,
@@ -139,6 +141,7 @@ class Frontends:
 
     def drop(self, fe: Frontend, why: str) -> None:
         aborted = len(self.core.abort_frontend(fe.ident))
+        self.core.scheduler.set_behind(fe.ident, False)
         self.by_key.pop(fe.ident, None)
         named = {f for f, _ in self.core.report.admissions()} | self.by_key.keys()
         self.worker_ids = {f: w for f, w in self.worker_ids.items() if f in named}  # bounded
@@ -182,18 +185,35 @@ class Frontends:
 
     # ---- flow control and liveness -------------------------------------------------------------
 
-    def abort_lagging(self) -> None:
-        """Abort the requests of a frontend that stopped processing its outputs, so that it
-        cannot hold KV blocks and batch slots indefinitely."""
-        cfg, busy = self.config, self.core.report.requests_per_frontend()
+    def check_lag(self) -> None:
+        """Park the requests of a frontend behind its outputs (frontend_max_lag_s, or
+        frontend_max_unacked steps), resume them once it has caught up, and end them when it has
+        processed nothing for frontend_max_silence_s."""
+        cfg = self.config
         for fe in self:
-            why = fe.lagging(cfg.frontend_max_lag_s, cfg.frontend_max_unacked) if fe.ident in busy else None
-            if why is None:
-                continue
-            rids = self.core.abort_frontend(fe.ident)
-            log.warning("%s; aborted its %d request(s)", why, len(rids))
-            fe.unacked.clear()
-            self.send_step(fe, [ReqOutput(rid, finish="abort", error=why, refused=False) for rid in rids])
+            lag = fe.lag
+            behind = lag > cfg.frontend_max_lag_s or len(fe.unacked) > cfg.frontend_max_unacked
+            if behind != fe.behind:
+                fe.behind = behind
+                self.core.scheduler.set_behind(fe.ident, behind)
+                if behind:
+                    log.warning("%s fell behind its outputs (%d steps, %.1f s): its requests are parked", fe,
+                                len(fe.unacked), lag)
+                else:
+                    log.info("%s caught up: its requests resume", fe)
+            if lag > cfg.frontend_max_silence_s and fe.ident in self.core.report.requests_per_frontend():
+                self.end_silent(fe, lag)
+
+    def end_silent(self, fe: Frontend, lag: float) -> None:
+        """End the requests of a frontend that processed nothing for `lag` seconds (stopped or
+        wedged), so that they cannot hold KV blocks and batch slots indefinitely. It learns why
+        when it resumes."""
+        why = (f"{fe} processed none of the engine's outputs for {lag:.1f} s "
+               f"(frontend_max_silence_s={self.config.frontend_max_silence_s}): its requests were ended")
+        rids = self.core.abort_frontend(fe.ident)
+        log.warning("%s; %d request(s)", why, len(rids))
+        self.send_step(fe, [ReqOutput(rid, finish="abort", error=why, refused=False, stalled=True)
+                            for rid in rids])
 
     def drop_silent(self) -> None:
         """Over TCP: a remote frontend sends a Heartbeat every third of the timeout; one silent

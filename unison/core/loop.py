@@ -194,7 +194,7 @@ class CoreLoop:
             for peer, msg, at in deferred:
                 self.hello(peer, msg, at)
         self.frontends.flush()
-        self.frontends.abort_lagging()
+        self.frontends.check_lag()
         if self.tcp is not None:
             self.frontends.drop_silent()
 

@@ -59,7 +59,8 @@ class CoreReport:
 
     @property
     def num_running(self) -> int:
-        return len(self.core.scheduler.running)
+        sched = self.core.scheduler
+        return len(sched.running) + len(sched.parked)  # parked ones run, waiting for their frontend
 
     @property
     def num_waiting(self) -> int:
@@ -92,7 +93,8 @@ class CoreReport:
         counts = self.core.counts
         queries = counts.prefix_cache_queries
         rate = counts.prefix_cache_hits / queries if queries else 0.0
-        used = len({b for req in self.core.scheduler.running for b in req.block_table})
+        sched = self.core.scheduler
+        used = len({b for req in [*sched.running, *sched.parked] for b in req.block_table})
         lora_ids = {name: adapter.id for name, adapter in self.core.loras.by_name.items()}
         return self.num_running, self.num_waiting, used, self.num_blocks, rate, lora_ids
 
@@ -102,13 +104,14 @@ class CoreReport:
 
     def lora_adapters(self) -> list[LoraAdapterInfo]:
         sched = self.core.scheduler
-        return self.core.loras.infos(Counter(r.adapter for r in sched.running),
+        return self.core.loras.infos(Counter(r.adapter for r in [*sched.running, *sched.parked]),
                                      Counter(r.adapter for r in sched.waiting))
 
     def requests(self, worker_ids: dict[bytes, int]) -> list[RequestInfo]:
         """Every request the scheduler holds, running first."""
         sched = self.core.scheduler
-        return [RequestInfo(r.rid, worker_ids.get(r.frontend, -1), i < len(sched.running),
+        running = self.num_running
+        return [RequestInfo(r.rid, worker_ids.get(r.frontend, -1), i < running,
                             r.num_prompt_tokens, r.num_tokens - r.num_prompt_tokens, r.params.max_new_tokens,
                             r.cached_tokens) for i, r in enumerate(sched)]
 

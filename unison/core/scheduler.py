@@ -13,6 +13,11 @@ themselves are the KV cache manager's, core/kv/cache_manager.py):
   random  any waiting request (SGLang's; seeded by random_seed)
 Within each, a higher `priority` goes first; preempted requests always go first.
 
+A frontend that falls behind its outputs (core/frontends.py) has its requests parked: they keep
+their KV but are not stepped, so nothing more piles up for it, and they are the first preempted
+when KV runs short (recomputed, bit-identically, once it has caught up and they are admitted
+again). Its waiting requests are not admitted meanwhile.
+
 A step holds at most `max_adapters` distinct LoRA adapters (the base model not counted): a
 request whose adapter would be one too many waits, and others are admitted past it; once it has
 been passed over LORA_PATIENCE times, admission is kept for it (and any such) until its adapter
@@ -73,15 +78,37 @@ class Scheduler:
         self.whole_prompts = whole_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.parked: list[Request] = []  # running requests of frontends behind: not stepped
+        self.behind: set[bytes] = set()  # those frontends
         self.num_preemptions = 0
 
     def __iter__(self) -> Iterator[Request]:
         yield from self.running
+        yield from self.parked
         yield from self.waiting
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def admissible(self, req: Request) -> bool:
+        """A waiting request that may be admitted now: its grammar is compiled and its frontend is
+        keeping up."""
+        return req.ready and req.frontend not in self.behind
+
+    def set_behind(self, frontend: bytes, behind: bool) -> None:
+        """Park a frontend's running requests while it is behind its outputs; resume them when it
+        has caught up."""
+        if behind == (frontend in self.behind):
+            return
+        if behind:
+            self.behind.add(frontend)
+            self.parked += [r for r in self.running if r.frontend == frontend]
+            self.running = [r for r in self.running if r.frontend != frontend]
+        else:
+            self.behind.discard(frontend)
+            self.running += [r for r in self.parked if r.frontend == frontend]
+            self.parked = [r for r in self.parked if r.frontend != frontend]
 
     def add(self, req: Request) -> None:
         need = req.num_prompt_tokens + req.params.max_new_tokens
@@ -95,6 +122,8 @@ class Scheduler:
     def remove(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif req in self.parked:
+            self.parked.remove(req)
         else:
             self.waiting.remove(req)
         self.kv.free(req)
@@ -122,7 +151,7 @@ class Scheduler:
                 if items:
                     break  # it waits for the next step, first in line
                 n = new.num_tokens
-            if not self.kv.grow(new, new.num_computed_tokens + n):
+            if not self._grow_unparking(new, new.num_computed_tokens + n):
                 self.kv.free(new, cache=False)
                 break
             self.waiting.remove(new)
@@ -177,10 +206,13 @@ class Scheduler:
         def fits(r: Request) -> bool:
             return not r.adapter or r.adapter in adapters or len(adapters) < self.max_adapters
 
-        head = self.waiting[0]
+        waiting = [r for r in self.waiting if r.frontend not in self.behind] if self.behind else self.waiting
+        if not waiting:
+            return None
+        head = waiting[0]
         if head.num_preemptions and not head.block_table:
             return head if fits(head) else None  # preempted work resumes first, whatever the policy
-        candidates: Iterable[Request] = [r for r in self.waiting if r.ready]
+        candidates: Iterable[Request] = [r for r in waiting if r.ready]
         if len(adapters) >= self.max_adapters:
             passed_over = [r for r in candidates if not fits(r)]
             for r in passed_over:
@@ -206,10 +238,20 @@ class Scheduler:
             return max(candidates, key=lambda r: (r.priority, cached(r), -r.arrival))
         return max(candidates, key=lambda r: (r.priority, -r.arrival))
 
-    def _make_room(self, req: Request, num_tokens: int) -> bool:
-        """Grow req's blocks, preempting the latest arrivals (never one scheduled already, as
-        they come before req) until it fits; False when req itself had to go."""
+    def _grow_unparking(self, req: Request, num_tokens: int) -> bool:
+        """Grow req's blocks, preempting parked requests (the latest parked first) while that
+        is what it takes."""
         while not self.kv.grow(req, num_tokens):
+            if not self.parked:
+                return False
+            self._preempt(self.parked.pop())
+        return True
+
+    def _make_room(self, req: Request, num_tokens: int) -> bool:
+        """Grow req's blocks, preempting parked requests, then the latest arrivals (never one
+        scheduled already, as they come before req) until it fits; False when req itself had to
+        go."""
+        while not self._grow_unparking(req, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
             if victim is req:
@@ -225,7 +267,9 @@ class Scheduler:
     def retract_all(self) -> int:
         """Free every running request's KV (offered to the prefix cache); they go back to the
         head of the queue in their order and are recomputed when admitted again."""
-        retracted = len(self.running)
+        retracted = len(self.running) + len(self.parked)
+        while self.parked:
+            self._preempt(self.parked.pop(), counted=False)
         while self.running:
             self._preempt(self.running.pop(), counted=False)
         return retracted
@@ -235,10 +279,12 @@ class Scheduler:
         self.kv.free(req)
 
     def flush_cache(self) -> None:
-        # Waiting requests hold no KV (check_integrity): only running ones share cached blocks.
-        if self.running:
-            raise RuntimeError(f"cannot flush the prefix cache while {len(self.running)} request(s) "
-                               "hold KV; retry when they finish (or pause with mode='retract')")
+        # Waiting requests hold no KV (check_integrity): only running (and parked) ones share cached
+        # blocks.
+        holding = len(self.running) + len(self.parked)
+        if holding:
+            raise RuntimeError(f"cannot flush the prefix cache while {holding} request(s) hold KV; "
+                               "retry when they finish (or pause with mode='retract')")
         self.kv.reset_cache()
 
     def check_integrity(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from unison.errors import EngineOverloadedError, UnknownAdapterError
+from unison.errors import EngineOverloadedError, FrontendStalledError, UnknownAdapterError
 from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.text.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
 from unison.frontend.text.tokenizer import Tokenizer
@@ -157,6 +157,7 @@ class ReqState:
             self.stopped_here = out.finish is None
         elif out.error is not None:
             self.error = (EngineOverloadedError(out.error) if out.overloaded
+                          else FrontendStalledError(out.error) if out.stalled
                           else UnknownAdapterError(f"lora_path: {out.error}") if out.unknown_adapter
                           else ValueError(out.error) if out.refused else RuntimeError(out.error))
         elif out.finish == "length":

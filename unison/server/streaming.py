@@ -11,7 +11,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from unison.errors import EngineDeadError
+from unison.errors import EngineDeadError, EngineOverloadedError
 from unison.frontend.collector import Collector
 from unison.frontend.request import GenerateRequest
 from unison.frontend.worker import TokenizerWorker
@@ -38,6 +38,8 @@ def stream_error(e: Exception, path: str = "") -> JSONObject:
     the error shape of the route at `path`."""
     if isinstance(e, EngineDeadError):
         return error_body(503, f"the engine is not running: {e}", "service_unavailable", path=path)
+    if isinstance(e, EngineOverloadedError):  # its queue is full, or this frontend stalled
+        return error_body(503, str(e), "service_unavailable", path=path)
     if isinstance(e, ValueError):
         return error_body(400, str(e), path=path)
     return error_body(500, f"{type(e).__name__}: {e}", "server_error", path=path)

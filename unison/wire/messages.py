@@ -122,6 +122,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     refused: bool = True  # the request was invalid (ValueError), not dropped while running
     overloaded: bool = False  # refused: the engine's queue is full (max_queued_requests)
     unknown_adapter: bool = False  # refused: Generate.lora_name is not a loaded adapter
+    stalled: bool = False  # ended: its frontend processed nothing for frontend_max_silence_s
     queued: bool = False  # no news but this: the request was accepted into the queue
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -173,6 +174,7 @@ class FrontendInfo(msgspec.Struct):
     worker_id: int
     requests_in_flight: int
     remote: bool = False  # attached over TCP (CURVE keys, heartbeats), not the local IPC socket
+    behind: bool = False  # behind its outputs: its requests are parked until it catches up
 
 
 class RequestInfo(msgspec.Struct):
