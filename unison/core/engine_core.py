@@ -94,9 +94,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        """Something to step: a running request, a waiting one that can be admitted (its grammar
-        compiled, its frontend keeping up), or a request to refuse. Call grammar.poll() first to
-        see finished compiles."""
+        """Something to step: a running request, an admissible waiting one (Scheduler.admissible),
+        or a request to refuse. Call grammar.poll() first to see finished compiles."""
         sched = self.scheduler
         return bool(sched.running) or bool(self.grammar.failed) or any(map(sched.admissible, sched.waiting))
 
