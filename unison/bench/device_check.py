@@ -22,8 +22,8 @@ Steps, each with its own time limit (about 7 minutes in all, at most):
 1. the model-parity tests with Unison on the device (UNISON_TEST_DEVICE, float32) against
    transformers on the CPU;
 2. `unison bench latency` and `unison bench offline` on the device, beside transformers there;
-3. `unison bench frontend --workers 1,2,4`: the frontends' CPU per streamed token on this
-   machine's cores.
+3. `unison bench frontend --workers 1,2,4,8 --http`: the HTTP workers' CPU per streamed token
+   and how tokens/s scale with them on this machine's cores.
 Everything printed goes to one file: $OUT/device_check.txt when OUT is set, else
 ./device_check.txt. The exit status is 0 only if every step passed.
 """
@@ -83,13 +83,14 @@ def sizes(device: str) -> dict[str, list[str]]:
                 "latency": ["--prompt-len", "32", "--output-len", "8", *on],
                 "offline": ["--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--no-ceiling",
                             *on],
-                "frontend": ["--workers", "1", "--streams", "4", "--requests", "8", "--tokens", "8"]}
+                "frontend": ["--workers", "1", "--streams", "4", "--requests", "8", "--tokens", "8",
+                             "--repeats", "1"]}
     hf = ["--baseline", "hf"]
     return {"parity": PARITY,
             "latency": ["--prompt-len", "2048", "--output-len", "256", *hf, *on],
             "offline": ["--num-prompts", "128", "--input-len", "256", "--output-len", "128",
                         "--hf-max-batch-size", "64", *hf, *on],
-            "frontend": ["--workers", "1,2,4"]}
+            "frontend": ["--workers", "1,2,4,8", "--http", "--repeats", "1"]}
 
 
 class Log:
@@ -240,7 +241,7 @@ def check(device: str, out: Path) -> int:
                                         *steps["parity"]], 180),
         ("bench latency", [*unison, "latency", *steps["latency"]], 60),
         ("bench offline", [*unison, "offline", *steps["offline"]], 90),
-        ("bench frontend", [*unison, "frontend", *steps["frontend"]], 90),
+        ("bench frontend", [*unison, "frontend", *steps["frontend"]], 180),
     ]
     failed = []
     for name, cmd, timeout in plan:

@@ -1,20 +1,30 @@
 """Frontend cost: how much CPU the per-request Python work takes per streamed token.
 
 The core runs a tiny random model (`load_format="dummy"`: the real tokenizer and vocabulary, a
-forward that costs next to nothing), so the frontends are the bottleneck. W attached processes
-share the streams; each reports its own CPU time (getrusage: all threads) and tokens. With
---http the frontend is a `unison serve` worker, timed from /proc while a client that discards
-the bytes streams SSE from it.
+one-layer forward), so the frontends do the request's whole Python work while the model costs
+little. W attached processes share the streams; each reports its own CPU time (getrusage: all
+threads), the tokens and the deliveries (stream items: one per token unless a consumer fell
+behind and got several merged, which the figures show rather than hide). With --http the
+frontends are `unison serve` workers, timed from /proc while a client that discards the bytes
+streams SSE from them; the core's busy fraction says whether the core or the frontends limit.
+With --prompt-tokens the requests carry long prompts (chat messages over HTTP) and one output
+token: the CPU per prompt token of tokenizing and chat templates.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import resource
+import statistics
+import subprocess
+import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from unison import Engine
@@ -25,6 +35,53 @@ if TYPE_CHECKING:
     from multiprocessing.synchronize import Event
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
+# About 14 tokens a repetition with the embedded model's tokenizer (plain English).
+LONG_TEXT = "The keeper climbed the spiral stairs each evening to light the great lamp above the sea. "
+REPEATS = 3  # each figure: the median of this many runs
+
+
+@dataclass
+class Load:
+    """What a run asks for: `streams` at a time, `requests` in all, `tokens` each; prompts of
+    about `prompt_tokens` tokens (0: a short one)."""
+
+    streams: int
+    requests: int
+    tokens: int
+    prompt_tokens: int = 0
+
+    @property
+    def prompt(self) -> str:
+        return LONG_TEXT * max(self.prompt_tokens // 14, 1) if self.prompt_tokens else PROMPT
+
+
+@dataclass
+class Run:
+    """One timed run: frontend CPU (all frontends), tokens out, prompt tokens in, deliveries."""
+
+    workers: int
+    wall_s: float
+    cpu_s: float
+    tokens: int
+    prompt_tokens: int
+    deliveries: int
+    core_busy: float = float("nan")  # the core's CPU / wall (HTTP runs)
+
+    @property
+    def us_per_token(self) -> float:
+        return 1e6 * self.cpu_s / max(self.tokens, 1)
+
+    @property
+    def us_per_prompt_token(self) -> float:
+        return 1e6 * self.cpu_s / max(self.prompt_tokens, 1)
+
+    @property
+    def tokens_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def deliveries_per_token(self) -> float:
+        return self.deliveries / max(self.tokens, 1)
 
 
 def _cpu_seconds() -> float:
@@ -32,50 +89,54 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def _stream_all(engine: Engine, streams: int, requests: int, tokens: int) -> int:
-    params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}
-    queue = list(range(requests))
-    total = 0
+# ---- Engine API frontends -------------------------------------------------------------------
+
+
+async def _stream_all(engine: Engine, load: Load) -> tuple[int, int, int]:
+    """(tokens, prompt tokens, deliveries) of `load` streamed through `engine`."""
+    params = {"max_new_tokens": load.tokens, "ignore_eos": True, "temperature": 0}
+    queue, tokens, prompt_tokens, deliveries = list(range(load.requests)), 0, 0, 0
 
     async def client() -> None:
-        nonlocal total
+        nonlocal tokens, prompt_tokens, deliveries
         while queue:
             queue.pop()
-            chunks = await engine.async_generate(PROMPT, params, stream=True)
+            chunks = await engine.async_generate(load.prompt, params, stream=True)
             assert not isinstance(chunks, dict | list)  # stream=True: an async iterator of chunks
-            n = 0
-            async for chunk in chunks:
-                n = len(chunk["output_ids"])  # the consumer does nothing
-            total += n
+            last: dict = {}
+            async for chunk in chunks:  # the consumer does nothing but count
+                deliveries += 1
+                last = chunk
+            tokens += len(last["output_ids"])
+            prompt_tokens += last["meta_info"]["prompt_tokens"]
 
-    await asyncio.gather(*(client() for _ in range(streams)))
-    return total
+    await asyncio.gather(*(client() for _ in range(load.streams)))
+    return tokens, prompt_tokens, deliveries
 
 
-def _frontend(parent: int, streams: int, requests: int, tokens: int, ready: Queue[int], go: Event,
-              results: Queue[dict[str, float]]) -> None:
+def _frontend(parent: int, load: Load, ready: Queue[int], go: Event, results: Queue[tuple]) -> None:
     engine = Engine.attach_tokenizer_worker(parent)
     try:
-        asyncio.run(_stream_all(engine, 2, 4, 8))  # warm up the code paths
+        asyncio.run(_stream_all(engine, Load(2, 4, 8)))  # warm up the code paths
         ready.put(os.getpid())
         go.wait()
         cpu0, t0 = _cpu_seconds(), time.perf_counter()
-        n = asyncio.run(_stream_all(engine, streams, requests, tokens))
-        results.put({"tokens": n, "cpu_s": _cpu_seconds() - cpu0, "wall_s": time.perf_counter() - t0,
-                     "requests": requests})
+        counts = asyncio.run(_stream_all(engine, load))
+        results.put((_cpu_seconds() - cpu0, time.perf_counter() - t0, *counts))
     finally:
         engine.shutdown()
 
 
-def run(workers: int, streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, float]:
+def run_engine(workers: int, load: Load, model_path: str | None) -> Run:
+    """`workers` attached processes, each streaming its share of `load`."""
     ctx = mp.get_context("spawn")
     ready: Queue[int] = ctx.Queue()
-    results: Queue[dict[str, float]] = ctx.Queue()
+    results: Queue[tuple] = ctx.Queue()
     go = ctx.Event()
+    share = Load(load.streams // workers, load.requests // workers, load.tokens, load.prompt_tokens)
     with Engine(model_path=model_path, load_format="dummy", tokenizer_worker_num=workers + 1,
-                max_running_requests=max(streams, 64)):
-        procs = [ctx.Process(target=_frontend, args=(os.getpid(), streams // workers, requests // workers,
-                                                     tokens, ready, go, results))
+                max_running_requests=max(load.streams, 64)):
+        procs = [ctx.Process(target=_frontend, args=(os.getpid(), share, ready, go, results))
                  for _ in range(workers)]
         for p in procs:
             p.start()
@@ -91,102 +152,130 @@ def run(workers: int, streams: int, requests: int, tokens: int, model_path: str 
                 p.join(30)
                 if p.is_alive():
                     p.kill()
-    tokens_total = sum(o["tokens"] for o in outs)
-    cpu = sum(o["cpu_s"] for o in outs)
-    return {"workers": workers, "requests_s": sum(o["requests"] for o in outs) / wall,
-            "tokens_s": tokens_total / wall, "us_per_token": 1e6 * cpu / tokens_total,
-            "tokens": tokens_total, "wall_s": wall}
+    return Run(workers, wall, sum(o[0] for o in outs), sum(o[2] for o in outs), sum(o[3] for o in outs),
+               sum(o[4] for o in outs))
+
+
+# ---- HTTP workers ---------------------------------------------------------------------------
 
 
 def _proc_cpu_seconds(pid: int) -> float:
-    fields_ = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    with open(f"/proc/{pid}/stat") as f:
+        fields_ = f.read().rpartition(")")[2].split()
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-async def _sse_client(url: str, streams: int, requests: int, tokens: int) -> int:
-    """`requests` streamed completions, `streams` at a time; the bytes are read and dropped."""
+async def _sse_client(url: str, load: Load) -> tuple[int, int, int]:
+    """`load` as streamed chat completions (a user message of the prompt); the bytes are read,
+    counted (deliveries: SSE events bearing tokens) and dropped."""
     import httpx
 
-    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True}
-    queue = list(range(requests))
+    body = {"messages": [{"role": "user", "content": load.prompt}], "max_tokens": load.tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    queue, tokens, prompt_tokens, deliveries = list(range(load.requests)), 0, 0, 0
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         async def one() -> None:
+            nonlocal tokens, prompt_tokens, deliveries
             while queue:
                 queue.pop()
-                async with client.stream("POST", "/v1/completions", json=body) as r:
+                tail = b""
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
                     assert r.status_code == 200, r.status_code
-                    async for _ in r.aiter_raw():
-                        pass
-        await asyncio.gather(*(one() for _ in range(streams)))
-    return requests * tokens
+                    async for raw in r.aiter_raw():
+                        deliveries += raw.count(b'"content":')
+                        tail = (tail + raw)[-4096:]
+                usage = json.loads(tail.rsplit(b"data: ", 2)[-2])["usage"]  # the last event before [DONE]
+                tokens += usage["completion_tokens"]
+                prompt_tokens += usage["prompt_tokens"]
+        await asyncio.gather(*(one() for _ in range(load.streams)))
+    return tokens, prompt_tokens, deliveries
 
 
-def run_http(streams: int, requests: int, tokens: int, model_path: str | None) -> dict[str, float]:
-    """One `unison serve` worker in front of a dummy core: its CPU per streamed SSE token."""
-    import json
-    import subprocess
-    import sys
-    import urllib.request
-
+def _serve(workers: int, load: Load, model_path: str | None) -> tuple[subprocess.Popen, str, ServerInfo]:
     from unison.bench.local_server import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "unison.cli", "serve", "--port", str(port), "--load-format", "dummy",
-           "--max-running-requests", str(max(streams, 64)), "--log-level", "error"]
+           "--tokenizer-worker-num", str(workers), "--max-running-requests", str(max(load.streams, 64)),
+           "--log-level", "error"]
     if model_path:
         cmd += ["--model-path", model_path]
     server, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/get_server_info", timeout=2) as r:
+                info = ServerInfo.from_dict(json.load(r))
+            if len(info.frontends) >= workers:
+                return server, url, info
+        except OSError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            server.terminate()
+            raise RuntimeError("unison serve did not start")
+        time.sleep(0.2)
+
+
+def run_http(workers: int, load: Load, model_path: str | None) -> Run:
+    """`unison serve --tokenizer-worker-num workers` in front of a dummy core: its workers' CPU."""
+    server, url, info = _serve(workers, load, model_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/get_server_info", timeout=2) as r:
-                    info = ServerInfo.from_dict(json.load(r))
-                if info.frontends:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("unison serve did not start")
-            time.sleep(0.2)
-        worker = info.frontends[0].pid
-        asyncio.run(_sse_client(url, 2, 4, 8))  # warm up
-        cpu0, t0 = _proc_cpu_seconds(worker), time.perf_counter()
-        n = asyncio.run(_sse_client(url, streams, requests, tokens))
-        cpu, wall = _proc_cpu_seconds(worker) - cpu0, time.perf_counter() - t0
+        pids = [fe.pid for fe in info.frontends]
+        asyncio.run(_sse_client(url, Load(2, 4, 8)))  # warm up
+        cpu0, core0 = sum(map(_proc_cpu_seconds, pids)), _proc_cpu_seconds(info.core_pid)
+        t0 = time.perf_counter()
+        counts = asyncio.run(_sse_client(url, load))
+        wall = time.perf_counter() - t0
+        cpu, core = sum(map(_proc_cpu_seconds, pids)) - cpu0, _proc_cpu_seconds(info.core_pid) - core0
     finally:
         server.terminate()
         server.wait(30)
-    return {"workers": 1, "requests_s": requests / wall, "tokens_s": n / wall,
-            "us_per_token": 1e6 * cpu / n, "tokens": n, "wall_s": wall}
+    return Run(workers, wall, cpu, *counts, core_busy=core / wall)
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The run of median CPU per token (per prompt token when they carry long prompts)."""
+    key = (lambda r: r.us_per_prompt_token) if runs[0].tokens <= runs[0].prompt_tokens else \
+        (lambda r: r.us_per_token)
+    return sorted(runs, key=key)[len(runs) // 2]
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.http:
-        r = run_http(args.streams, args.requests, args.tokens, args.model_path)
-        print(f"HTTP worker: {r['tokens_s']:.0f} tok/s, {r['us_per_token']:.1f} µs of its CPU per "
-              f"streamed SSE token ({r['tokens']} tokens, {args.streams} streams; cores here: "
-              f"{os.cpu_count()})")
-        return 0
-    rows = [run(w, args.streams, args.requests, args.tokens, args.model_path)
-            for w in (int(x) for x in args.workers.split(","))]
-    print(f"{'workers':>7} {'req/s':>8} {'tok/s':>9} {'frontend µs/tok':>16}  (cores here: {os.cpu_count()})")
-    for r in rows:
-        print(f"{r['workers']:>7} {r['requests_s']:>8.1f} {r['tokens_s']:>9.0f} {r['us_per_token']:>16.1f}")
+    load = Load(args.streams, args.requests, 1 if args.prompt_tokens else args.tokens, args.prompt_tokens)
+    bench = run_http if args.http else run_engine
+    where = "HTTP workers (SSE)" if args.http else "Engine API frontends"
+    print(f"{where}: {load.streams} streams, {load.requests} requests x {load.tokens} tokens"
+          f"{f', prompts of ~{load.prompt_tokens} tokens' if load.prompt_tokens else ''}; median of "
+          f"{args.repeats}; cores here: {os.cpu_count()}")
+    head = "µs/prompt tok" if load.prompt_tokens else "µs/token"
+    print(f"{'workers':>7} {'tok/s':>9} {head:>14} {'deliveries/tok':>15} {'core busy':>10}   runs ({head})")
+    rows = []
+    for w in (int(x) for x in args.workers.split(",")):
+        runs = [bench(w, load, args.model_path) for _ in range(args.repeats)]
+        r = median_run(runs)
+        per = (lambda x: x.us_per_prompt_token) if load.prompt_tokens else (lambda x: x.us_per_token)
+        print(f"{w:>7} {r.tokens_s:>9.0f} {per(r):>14.2f} {r.deliveries_per_token:>15.2f} "
+              f"{r.core_busy:>10.2f}   {', '.join(f'{per(x):.2f}' for x in runs)}")
+        rows.append(statistics.median(x.tokens_s for x in runs))
     if len(rows) > 1:
-        print(f"scaling {rows[-1]['workers']} vs {rows[0]['workers']} frontends: "
-              f"{rows[-1]['tokens_s'] / rows[0]['tokens_s']:.2f}x tokens/s")
+        print(f"scaling: {', '.join(f'{t / rows[0]:.2f}x' for t in rows)} tokens/s of the first")
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("frontend", help="frontend CPU per streamed token, with a dummy model")
-    p.add_argument("--workers", default="1,2", help="comma-separated frontend process counts")
+    p.add_argument("--workers", default="1", help="comma-separated frontend process counts")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams in all")
     p.add_argument("--requests", type=int, default=256, help="requests in all")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prompts of about this many tokens, one new token each: the CPU per prompt token")
+    p.add_argument("--repeats", type=int, default=REPEATS, help="runs per figure (the median is shown)")
     p.add_argument("--model-path", default=None, help="its tokenizer and vocabulary are used")
     p.add_argument("--http", action="store_true",
-                   help="time one `unison serve` worker streaming SSE instead of Engine frontends")
+                   help="`unison serve` workers streaming SSE chat completions instead of Engine frontends")
     p.set_defaults(func=main)

@@ -14,11 +14,40 @@ import asyncio
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from unison.frontend.request import ReqState, finish_reason_dict
 from unison.frontend.text.detokenizer import TokenIds
 from unison.json_types import JSONObject
+
+
+class Signal:
+    """asyncio.Event for one waiter on one loop, at a fraction of its cost per wake-up (a stream's
+    consumer waits on one once per token): set() must be called on the waiter's loop."""
+
+    __slots__ = ("loop", "flag", "fut")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.flag = False
+        self.fut: asyncio.Future | None = None
+
+    def set(self) -> None:
+        self.flag = True
+        fut = self.fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def wait(self) -> None:
+        """Until set() was called (returns at once if it was since the last wait)."""
+        if not self.flag:
+            self.fut = self.loop.create_future()
+            try:
+                await self.fut
+            finally:
+                self.fut = None
+        self.flag = False
 
 
 class _LoopWaker:
@@ -28,9 +57,9 @@ class _LoopWaker:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop_ref = weakref.ref(loop)  # weak: this is the value of a weak map keyed by the loop
         self.lock = threading.Lock()
-        self.pending: list[asyncio.Event] = []
+        self.pending: list[Signal] = []
 
-    def wake(self, event: asyncio.Event) -> None:
+    def wake(self, event: Signal) -> None:
         with self.lock:
             self.pending.append(event)
             if len(self.pending) > 1:
@@ -50,7 +79,7 @@ class _LoopWaker:
 _loop_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
 
 
-def _waker_for(event: asyncio.Event, loop: asyncio.AbstractEventLoop,
+def _waker_for(event: Signal, loop: asyncio.AbstractEventLoop,
                home: asyncio.AbstractEventLoop | None) -> Callable[[], None]:
     if loop is home:  # the frontend's own loop (an HTTP route): set it directly
         return event.set
@@ -124,10 +153,16 @@ class Collector:
         for state in self.states:
             state.waker = waker
 
+    def signal(self) -> Signal:
+        """A Signal on the running loop that the requests' updates set."""
+        loop = asyncio.get_running_loop()
+        signal = Signal(loop)
+        self._set_waker(_waker_for(signal, loop, self.home))
+        return signal
+
     async def follow(self) -> AsyncIterator[list[int]]:
         """Yield the indices changed since the last item, until every request has finished."""
-        event = asyncio.Event()
-        self._set_waker(_waker_for(event, asyncio.get_running_loop(), self.home))
+        signal = self.signal()
         try:
             while True:
                 done = self.done  # before changed(): then that sees the final version
@@ -136,10 +171,13 @@ class Collector:
                     yield changed
                 if done:
                     return
-                await event.wait()
-                event.clear()
+                await signal.wait()
         finally:
             self.close()
+
+    def stream(self) -> AsyncOutputs:
+        """The output dicts, as an async iterator (what Engine.async_generate streams)."""
+        return AsyncOutputs(self)
 
     def follow_sync(self) -> Iterator[list[int]]:
         event = threading.Event()
@@ -199,3 +237,46 @@ class Collector:
     def results(self) -> JSONObject | list[JSONObject]:
         dicts = [self.output(i) for i in range(len(self.states))]
         return dicts if self.batch else dicts[0]
+
+
+class AsyncOutputs:
+    """The async stream of a call's output dicts: follow() and output() in one coroutine per
+    item, not a chain of async generators (a stream's consumer pays it once per token). Closing
+    it, cancelling the task that awaits it, an error, or dropping it aborts what is unfinished."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+        self.items: deque[JSONObject] = deque()
+        self.ended = False
+        self._signal: Signal | None = None  # made on the consumer's loop, at its first item
+        self._finalizer = weakref.finalize(self, collector.close)
+
+    def __aiter__(self) -> AsyncOutputs:
+        return self
+
+    async def __anext__(self) -> JSONObject:
+        items, c = self.items, self.collector
+        while not items:
+            if self.ended:
+                raise StopAsyncIteration
+            if self._signal is None:
+                self._signal = c.signal()
+            try:
+                done = c.done  # before changed(): then that sees the final version
+                changed = c.changed()
+                if changed:
+                    items.extend(c.outputs(changed))
+                if done:
+                    self.ended = True
+                elif not changed:
+                    await self._signal.wait()
+            except BaseException:  # an error, or the awaiting task was cancelled
+                self.ended = True
+                self._finalizer()
+                raise
+        return items.popleft()
+
+    async def aclose(self) -> None:
+        self.ended = True
+        self.items.clear()
+        self._finalizer()
