@@ -55,7 +55,7 @@ class _LoopThread:
     """An asyncio loop in a daemon thread: the frontend's home behind the sync API."""
 
     def __init__(self) -> None:
-        self.loop = _new_loop()
+        self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="unison-frontend", daemon=True)
         self.thread.start()
 
@@ -72,16 +72,6 @@ class _LoopThread:
             self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop where it is installed (with the server's extras): it takes the core's outputs and
-    wakes the consumers at less CPU per step than asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 class _Stream:
