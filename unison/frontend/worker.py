@@ -211,6 +211,7 @@ class TokenizerWorker:
 
     def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
                     add_special_tokens: bool = True) -> list[int]:
+        given = input_ids is not None
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidParam("prompt", f"prompt must be a string, got {type(prompt).__name__}")
@@ -222,7 +223,9 @@ class TokenizerWorker:
         vocab = self.info.vocab_size
         if not isinstance(input_ids, list) or not input_ids:
             raise InvalidParam("input_ids", "input_ids must be a non-empty list of token ids")
-        for t in input_ids:
+        # The caller's ids are checked one by one; the tokenizer's are ints, only their range is
+        # (a tokenizer may hold more tokens than the model: its added ones).
+        for t in input_ids if given else (max(input_ids),):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidParam("input_ids", f"input_ids must hold token ids in [0, {vocab - 1}], "
                                                 f"got {t!r}")

@@ -123,7 +123,8 @@ class Tokenizer:
         first `limit` tokens cost, not seconds."""
         if limit is not None:
             self._refuse_past(text, limit, add_special_tokens, field)
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # (the batch call without offsets: the same ids, for about a tenth less CPU than encode)
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _refuse_past(self, text: str, limit: int, add_special_tokens: bool, field: str) -> None:
         """Tokenize growing prefixes (4 characters a token to start, then twice as many each
