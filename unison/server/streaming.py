@@ -93,8 +93,9 @@ def stream(collector: Collector, items: Callable[[list[int]], Iterable[object]],
     async def events() -> AsyncIterator[bytes]:
         try:
             async for changed in collector.follow():
-                for item in items(changed):
-                    yield encode(item)
+                data = b"".join(map(encode, items(changed)))  # one write per wake-up, not per event
+                if data:
+                    yield data
             for item in tail():
                 yield encode(item)
         except Exception as e:  # after the 200: said in the stream, which still ends with [DONE]
