@@ -15,8 +15,8 @@ Within each, a higher `priority` goes first; preempted requests always go first.
 
 A frontend that falls behind its outputs (core/frontends.py) has its requests parked: they keep
 their KV but are not stepped, so nothing more piles up for it, and they are the first preempted
-when KV runs short (recomputed, bit-identically, once it has caught up and they are admitted
-again). Its waiting requests are not admitted meanwhile.
+when KV runs short (recomputed once it has caught up and they are admitted again). Its waiting
+requests are not admitted meanwhile.
 
 A step holds at most `max_adapters` distinct LoRA adapters (the base model not counted): a
 request whose adapter would be one too many waits, and others are admitted past it; once it has
