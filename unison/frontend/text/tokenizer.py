@@ -133,7 +133,7 @@ class Tokenizer:
         limit costs at most about one more full tokenizing."""
         size = PREFIX_CHARS_PER_TOKEN * (limit + PREFIX_SLACK_TOKENS)
         while size < len(text):
-            n = len(self._tok.encode(text[:size], add_special_tokens=add_special_tokens))
+            n = len(self._tok.encode_batch_fast([text[:size]], add_special_tokens=add_special_tokens)[0])
             if n > limit + PREFIX_SLACK_TOKENS:
                 raise InvalidParam(field, f"{field}: the prompt (more than {n - PREFIX_SLACK_TOKENS} "
                                           f"tokens) exceeds the context length ({limit})")

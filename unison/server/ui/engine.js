@@ -132,7 +132,9 @@ export class EngineView {
   showFrontends(info) {
     const rows = [...info.frontends].sort((a, b) => a.worker_id - b.worker_id).map((f) => {
       const tr = document.createElement("tr");
-      tr.append(cell("td", f.worker_id), cell("td", f.pid), cell("td", f.requests_in_flight),
+      // behind: its requests are parked until it catches up (the core's lag guard)
+      tr.append(cell("td", f.worker_id), cell("td", f.pid),
+        cell("td", f.behind ? `${f.requests_in_flight} (parked: behind)` : f.requests_in_flight),
         cell("td", f.remote ? "over TCP" : "local (IPC)"));
       return tr;
     });
