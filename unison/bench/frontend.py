@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from unison import Engine
+from unison.bench.local_server import serving
 from unison.wire.messages import ServerInfo
 
 if TYPE_CHECKING:
@@ -192,35 +192,24 @@ async def _sse_client(url: str, load: Load) -> tuple[int, int, int]:
     return tokens, prompt_tokens, deliveries
 
 
-def _serve(workers: int, load: Load, model_path: str | None) -> tuple[subprocess.Popen, str, ServerInfo]:
-    from unison.bench.local_server import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "unison.cli", "serve", "--port", str(port), "--load-format", "dummy",
-           "--tokenizer-worker-num", str(workers), "--max-running-requests", str(max(load.streams, 64)),
-           "--log-level", "error"]
-    if model_path:
-        cmd += ["--model-path", model_path]
-    server, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+def _attached(url: str, workers: int, timeout: float = 120) -> ServerInfo:
+    """The server's info once `workers` HTTP workers have attached."""
+    deadline = time.monotonic() + timeout
     while True:
-        try:
-            with urllib.request.urlopen(url + "/get_server_info", timeout=2) as r:
-                info = ServerInfo.from_dict(json.load(r))
-            if len(info.frontends) >= workers:
-                return server, url, info
-        except OSError:
-            pass
-        if time.monotonic() > deadline or server.poll() is not None:
-            server.terminate()
-            raise RuntimeError("unison serve did not start")
+        with urllib.request.urlopen(url + "/get_server_info", timeout=5) as r:
+            info = ServerInfo.from_dict(json.load(r))
+        if len(info.frontends) >= workers or time.monotonic() > deadline:
+            return info
         time.sleep(0.2)
 
 
 def run_http(workers: int, load: Load, model_path: str | None) -> Run:
     """`unison serve --tokenizer-worker-num workers` in front of a dummy core: its workers' CPU."""
-    server, url, info = _serve(workers, load, model_path)
-    try:
+    cmd = [sys.executable, "-m", "unison.cli", "serve", "--load-format", "dummy",
+           "--tokenizer-worker-num", str(workers), "--max-running-requests", str(max(load.streams, 64)),
+           "--log-level", "error", *(["--model-path", model_path] if model_path else [])]
+    with serving(cmd, "bench-frontend-http", timeout=120) as url:
+        info = _attached(url, workers)
         pids = [fe.pid for fe in info.frontends]
         asyncio.run(_sse_client(url, Load(2, 4, 8)))  # warm up
         cpu0, core0 = sum(map(_proc_cpu_seconds, pids)), _proc_cpu_seconds(info.core_pid)
@@ -228,9 +217,6 @@ def run_http(workers: int, load: Load, model_path: str | None) -> Run:
         counts = asyncio.run(_sse_client(url, load))
         wall = time.perf_counter() - t0
         cpu, core = sum(map(_proc_cpu_seconds, pids)) - cpu0, _proc_cpu_seconds(info.core_pid) - core0
-    finally:
-        server.terminate()
-        server.wait(30)
     return Run(workers, wall, cpu, *counts, core_busy=core / wall)
 
 

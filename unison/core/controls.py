@@ -108,7 +108,8 @@ class Controls:
             num_evicted_blocks=report.num_evicted_blocks, stats=report.stats(),
             histograms=self.core.latency.data(),
             admissions=[(frontends.worker_ids.get(f, -1), rid) for f, rid in report.admissions()],
-            frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident], fe.remote, fe.behind)
+            frontends=[FrontendInfo(fe.pid, fe.worker_id, inflight[fe.ident], fe.remote,
+                                    fe.ident in self.core.scheduler.behind)
                        for fe in frontends],
             lora_adapters=report.lora_adapters(),
         )

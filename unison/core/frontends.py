@@ -55,7 +55,6 @@ class Frontend:
     outbox: deque[bytes] = field(default_factory=deque)
     seq: int = 0  # StepOutputs sent so far
     unacked: deque[tuple[int, float]] = field(default_factory=deque)  # (seq, sent at), oldest first
-    behind: bool = False  # its requests are parked (Frontends.check_lag)
 
     def send(self, msg: ToFrontend) -> bool:
         self.outbox.append(encode(msg))
@@ -189,13 +188,12 @@ class Frontends:
         """Park the requests of a frontend behind its outputs (frontend_max_lag_s, or
         frontend_max_unacked steps), resume them once it has caught up, and end them when it has
         processed nothing for frontend_max_silence_s."""
-        cfg = self.config
+        cfg, sched = self.config, self.core.scheduler
         for fe in self:
             lag = fe.lag
             behind = lag > cfg.frontend_max_lag_s or len(fe.unacked) > cfg.frontend_max_unacked
-            if behind != fe.behind:
-                fe.behind = behind
-                self.core.scheduler.set_behind(fe.ident, behind)
+            if behind != (fe.ident in sched.behind):
+                sched.set_behind(fe.ident, behind)
                 if behind:
                     log.warning("%s fell behind its outputs (%d steps, %.1f s): its requests are parked", fe,
                                 len(fe.unacked), lag)

@@ -59,8 +59,7 @@ class CoreReport:
 
     @property
     def num_running(self) -> int:
-        sched = self.core.scheduler
-        return len(sched.running) + len(sched.parked)  # parked ones run, waiting for their frontend
+        return len(self.core.scheduler.holding_kv)  # parked ones run, waiting for their frontend
 
     @property
     def num_waiting(self) -> int:
@@ -93,8 +92,7 @@ class CoreReport:
         counts = self.core.counts
         queries = counts.prefix_cache_queries
         rate = counts.prefix_cache_hits / queries if queries else 0.0
-        sched = self.core.scheduler
-        used = len({b for req in [*sched.running, *sched.parked] for b in req.block_table})
+        used = len({b for req in self.core.scheduler.holding_kv for b in req.block_table})
         lora_ids = {name: adapter.id for name, adapter in self.core.loras.by_name.items()}
         return self.num_running, self.num_waiting, used, self.num_blocks, rate, lora_ids
 
@@ -104,7 +102,7 @@ class CoreReport:
 
     def lora_adapters(self) -> list[LoraAdapterInfo]:
         sched = self.core.scheduler
-        return self.core.loras.infos(Counter(r.adapter for r in [*sched.running, *sched.parked]),
+        return self.core.loras.infos(Counter(r.adapter for r in sched.holding_kv),
                                      Counter(r.adapter for r in sched.waiting))
 
     def requests(self, worker_ids: dict[bytes, int]) -> list[RequestInfo]:

@@ -91,6 +91,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def holding_kv(self) -> list[Request]:
+        """The requests that hold KV blocks: running and parked (waiting ones hold none)."""
+        return self.running + self.parked
+
     def admissible(self, req: Request) -> bool:
         """A waiting request that may be admitted now: its grammar is compiled and its frontend is
         keeping up."""
@@ -267,7 +272,7 @@ class Scheduler:
     def retract_all(self) -> int:
         """Free every running request's KV (offered to the prefix cache); they go back to the
         head of the queue in their order and are recomputed when admitted again."""
-        retracted = len(self.running) + len(self.parked)
+        retracted = len(self.holding_kv)
         while self.parked:
             self._preempt(self.parked.pop(), counted=False)
         while self.running:
@@ -279,9 +284,8 @@ class Scheduler:
         self.kv.free(req)
 
     def flush_cache(self) -> None:
-        # Waiting requests hold no KV (check_integrity): only running (and parked) ones share cached
-        # blocks.
-        holding = len(self.running) + len(self.parked)
+        # Waiting requests hold no KV (check_integrity): only those holding KV share cached blocks.
+        holding = len(self.holding_kv)
         if holding:
             raise RuntimeError(f"cannot flush the prefix cache while {holding} request(s) hold KV; "
                                "retry when they finish (or pause with mode='retract')")
