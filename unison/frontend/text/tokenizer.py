@@ -13,7 +13,7 @@ from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -24,7 +24,11 @@ import tokenizers.decoders
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from unison.errors import InvalidParam
+from unison.frontend.text import harmony
 from unison.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from openai_harmony import HarmonyEncoding
 
 ROLES = ("system", "user", "assistant", "tool")
 # Names of special tokens a template may read as variables, as transformers' special_tokens_map.
@@ -101,6 +105,14 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         """The id of one token of the vocabulary (a special token's, say), None if it has none."""
         return self._tok.token_to_id(token)
+
+    @functools.cached_property
+    def harmony(self) -> HarmonyEncoding | None:
+        """openai-harmony's encoding where this vocabulary speaks harmony (gpt-oss's format: its
+        chats are rendered and parsed by it, not by a template), else None."""
+        if not harmony.speaks_harmony({t: self.token_id(t) for t in harmony.MARKERS}):
+            return None
+        return harmony.load_encoding(self._tok.get_vocab(with_added_tokens=False))
 
     @property
     def bos_token(self) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -158,6 +158,9 @@ class ChatInput(GenerationInput):
     chat_template_kwargs: JSONObject | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # How long a reasoning model thinks: harmony's system message says it (gpt-oss); other
+    # templates read it as a variable of that name, as vLLM passes it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def sampling_params(self, default_max_tokens: int | None, defaults: JSONObject | None = None
                         ) -> SamplingParams:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from unison.frontend.collector import Collector
 from unison.frontend.request import FinishReason, LengthFinish, Logprob, ReqState, StopFinish
+from unison.frontend.text.harmony import HarmonyStream, Parsed
 from unison.frontend.text.reasoning import ReasoningSplitter, split_whole
 from unison.frontend.text.tokenizer import Tokenizer
 from unison.frontend.text.tool_parsers import ToolCall, ToolCallDelta
@@ -82,9 +83,10 @@ class Output:
 
     def __init__(self, collector: Collector, tokenizer: Tokenizer, *, logprobs: bool = False,
                  echo: bool = False, tools: ToolPlan | None = None,
-                 reasoning: tuple[str, str] | None = None) -> None:
+                 reasoning: tuple[str, str] | None = None, harmony: bool = False) -> None:
         """`echo`: a completion's prompt comes first (text and logprobs). `reasoning`: (parser, the
-        rendered prompt): the output's reasoning section apart."""
+        rendered prompt): the output's reasoning section apart. `harmony`: the output's tokens are
+        harmony messages (gpt-oss), whose channels say what is reasoning, answer and tool call."""
         self.collector, self.tokenizer = collector, tokenizer
         self.logprobs, self.echo, self.reasoning = logprobs, echo, reasoning
         n = len(collector.states)
@@ -95,6 +97,12 @@ class Output:
         self.started = [False] * n
         self.tools: list[ToolOutput] | None = [tools.output() for _ in range(n)] if tools else None
         self.splitters = [ReasoningSplitter(*reasoning) for _ in range(n)] if reasoning else None
+        self.harmony = [self._harmony_stream() for _ in range(n)] if harmony else None
+
+    def _harmony_stream(self) -> HarmonyStream:
+        assert self.tokenizer.harmony is not None  # (asked for a harmony model's output only)
+        calls = self.tools is not None and self.tools[0].plan.mode != "none"
+        return HarmonyStream(self.tokenizer.harmony, calls_allowed=calls)
 
     @property
     def states(self) -> list[ReqState]:
@@ -118,7 +126,10 @@ class Output:
                           finish=state.finish_reason, logprobs=self._new_logprobs(i))
             if self.echo and self.logprobs:
                 delta.prompt_logprobs = self._new_prompt_logprobs(i)
-            if (self.splitters or self.tools) and not self._split(delta, state):
+            if self.harmony is not None:
+                if not self._channels(delta, self.harmony[i].feed(ids, state.finished)):
+                    continue
+            elif (self.splitters or self.tools) and not self._split(delta, state):
                 continue
             out.append(delta)
         return out
@@ -137,6 +148,19 @@ class Output:
         news = delta.content or delta.tool_calls or delta.reasoning \
             or (delta.logprobs and delta.logprobs.tokens)
         return bool(news or delta.first or delta.finish)
+
+    def _channels(self, delta: Delta, parsed: Parsed) -> bool:
+        """A harmony delta's pieces from its channels; False: nothing to say."""
+        parallel = self.tools is None or self.tools[0].plan.parallel
+        calls = [c for c in parsed.tool_calls if parallel or c.index == 0]
+        delta.content, delta.reasoning, delta.tool_calls = parsed.content, parsed.reasoning, calls
+        delta.ends_in_call = self._harmony_ends_in_call(delta.index)
+        news = delta.content or calls or delta.reasoning or (delta.logprobs and delta.logprobs.tokens)
+        return bool(news or delta.first or delta.finish)
+
+    def _harmony_ends_in_call(self, i: int) -> bool:
+        assert self.harmony is not None
+        return bool(self.harmony[i].calls) and self.tools is not None and self.tools[0].plan.mode != "named"
 
     def _new_logprobs(self, i: int) -> Logprobs | None:
         if not self.logprobs:
@@ -160,6 +184,9 @@ class Output:
         """Every choice, whole (once the call has finished)."""
         out = []
         for i, state in enumerate(self.collector.states):
+            if self.harmony is not None:
+                out.append(self._harmony_choice(i, state))
+                continue
             text, reasoning = self._echo_prefix(i) + state.text, None
             if self.reasoning is not None:
                 split = split_whole(*self.reasoning, text)
@@ -175,6 +202,15 @@ class Output:
             out.append(Choice(i, content, reasoning, calls, logprobs, prompt, state.output_ids,
                               state.finish_reason, ends_in_call))
         return out
+
+    def _harmony_choice(self, i: int, state: ReqState) -> Choice:
+        assert self.harmony is not None
+        self.harmony[i] = stream = self._harmony_stream()
+        parsed = stream.feed(state.output_ids, finished=True)
+        calls = stream.calls if self.tools is None or self.tools[0].plan.parallel else stream.calls[:1]
+        logprobs = Logprobs(state.logprobs, state.top_logprobs) if self.logprobs else None
+        return Choice(i, parsed.content if parsed.content or not calls else None, parsed.reasoning, calls,
+                      logprobs, None, state.output_ids, state.finish_reason, self._harmony_ends_in_call(i))
 
     def usage(self) -> Usage:
         states = self.collector.states

@@ -19,11 +19,14 @@ from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
 from unison.frontend.collector import Collector
 from unison.frontend.generate_args import GenerateArgs
 from unison.frontend.pooling import expect_task
+from unison.frontend.sampling_params import SamplingParams
+from unison.frontend.text import harmony
 from unison.frontend.text.infill import fim_tokens
 from unison.frontend.text.reasoning import END as REASONING_END
 from unison.frontend.text.reasoning import starts_in_reasoning
 from unison.frontend.text.tokenizer import Tokenizer
 from unison.frontend.worker import TokenizerWorker
+from unison.json_types import JSONObject
 from unison.sampling import OPTIONS
 from unison.server.errors import HTTPError, field_path
 from unison.server.pipeline.inputs import ChatInput, TextInput
@@ -159,14 +162,17 @@ class ChatPrompt:
     text: str
     ids: list[int]
     tools: ToolPlan | None
+    harmony: bool = False  # rendered by openai-harmony: its output is parsed by it too
 
 
 def render_chat(body: ChatInput, request: Request) -> ChatPrompt:
     """Check a chat's messages and tools and render them: the one place messages become a
-    prompt."""
+    prompt (by the chat template, or by openai-harmony for a harmony model)."""
     check_encodable(body.model_dump(exclude_none=True), "")
     tokenizer, info, _ = attached(worker_of(request))
     expect_task(info, "generate", "chat")  # before the chat template, which an encoder lacks
+    if tokenizer.harmony is not None:
+        return _render_harmony(body, request, tokenizer, info)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                        request.app.state.settings.serve.tool_call_parser)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -176,14 +182,37 @@ def render_chat(body: ChatInput, request: Request) -> ChatPrompt:
     if reserved:
         raise HTTPError(400, f"chat_template_kwargs may not set {reserved}: they are request fields",
                         param="chat_template_kwargs")
+    variables: JSONObject = ({"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}) \
+        | (body.chat_template_kwargs or {})
     text = tokenizer.apply_chat_template(
-        messages, **(body.chat_template_kwargs or {}), add_generation_prompt=body.add_generation_prompt,
+        messages, **variables, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
         chat_template=request.app.state.chat_template)
     # The template writes its own special tokens: none more unless asked (vLLM's default).
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), limit=info.context_length,
                            field="messages")
     return ChatPrompt(text, ids, tools)
+
+
+def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, info: CoreInfo) -> ChatPrompt:
+    """A harmony model's chat: openai-harmony renders it (no template), and parses its calls."""
+    assert tokenizer.harmony is not None  # (the caller's test)
+    if body.continue_final_message:
+        raise HTTPError(400, "continue_final_message is not supported with the harmony format (gpt-oss): "
+                             "its messages end on their channel's end token", param="continue_final_message")
+    harmony.check_tools(body.tools)
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, None, native=True)
+    effort = body.reasoning_effort or (body.chat_template_kwargs or {}).get("reasoning_effort")
+    if effort is not None and effort not in harmony.EFFORTS:
+        raise HTTPError(400, f"reasoning_effort must be one of {list(harmony.EFFORTS)}, got {effort!r}",
+                        param="reasoning_effort")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    ids = harmony.render_prompt(tokenizer.harmony, messages, tools.tools if tools else None, effort,
+                                body.add_generation_prompt)
+    if len(ids) > info.context_length:
+        raise HTTPError(400, f"messages: the prompt ({len(ids)} tokens) exceeds the context length "
+                             f"({info.context_length})", param="messages")
+    return ChatPrompt(tokenizer.decode(ids, skip_special_tokens=False), ids, tools, harmony=True)
 
 
 async def start_chat(body: ChatInput, request: Request) -> Started:
@@ -196,13 +225,18 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
     text, prompt_ids, tools = prompt.text, prompt.ids, prompt.tools
     params = body.sampling_params(max(info.context_length - len(prompt_ids), 1),
                                   request.app.state.sampling_defaults)
-    if tools is not None and tools.json_schema is not None:  # required / named: valid calls only
+    if tools is not None and tools.schemas is not None:  # required / named: valid calls only
         if params.grammar_kind is not None:
             raise HTTPError(400, f"tool_choice {body.tool_choice!r} constrains the output itself; "
                                  "it cannot be combined with response_format", param="tool_choice")
-        params.json_schema = tools.json_schema
-    parser = config.reasoning_parser
-    if parser and starts_in_reasoning(parser, text) and params.grammar_kind is not None:
+        if prompt.harmony:  # a call on commentary, after any analysis
+            params.ebnf = harmony.call_grammar(tools.schemas)
+        else:
+            params.json_schema = tools.json_schema
+    parser = None if prompt.harmony else config.reasoning_parser
+    if prompt.harmony:
+        _harmony_params(params, tokenizer)
+    elif parser and starts_in_reasoning(parser, text) and params.grammar_kind is not None:
         # the constraint holds the answer, after the reasoning section (as SGLang's)
         params.structured_after = tokenizer.encode(REASONING_END, add_special_tokens=False)
     try:
@@ -216,8 +250,19 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
         raise HTTPError(400, str(e).replace("max_new_tokens", "max_completion_tokens", 1),
                         param="max_completion_tokens") from None
     output = Output(collector, tokenizer, logprobs=body.logprobs, tools=tools,
-                    reasoning=(parser, text) if parser else None)
+                    reasoning=(parser, text) if parser else None, harmony=prompt.harmony)
     return Started(output, model)
+
+
+def _harmony_params(params: SamplingParams, tokenizer: Tokenizer) -> None:
+    """A harmony reply ends on <|call|> or <|return|> (never <|end|>, which closes its analysis),
+    and a JSON schema holds its final answer, not its reasoning. A regex or a grammar holds the
+    whole reply, channels and all."""
+    assert tokenizer.harmony is not None  # (a harmony prompt's)
+    stops = tokenizer.harmony.stop_tokens_for_assistant_actions()
+    params.stop_token_ids = list(dict.fromkeys([*(params.stop_token_ids or []), *stops]))
+    if params.grammar_kind == "json_schema":
+        params.structured_after = tokenizer.encode(harmony.FINAL, add_special_tokens=False)
 
 
 # ---- queueing and errors -------------------------------------------------------------------------

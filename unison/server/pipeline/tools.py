@@ -39,14 +39,16 @@ class ToolPlan:
     name: str | None = None  # the named function
     parser: ToolParser | None = None  # auto
     json_schema: JSONObject | None = None  # required, named: what the output is held to
+    schemas: dict[str, JSONObject] | None = None  # required, named: each callable function's parameters
 
     def output(self) -> ToolOutput:
         return ToolOutput(self)
 
 
 def plan_tools(tools: list[JSONObject] | None, tool_choice: object, parallel: bool | None,
-               parser_name: str | None) -> ToolPlan | None:
-    """Check tools and tool_choice; None when the request has no tools."""
+               parser_name: str | None, native: bool = False) -> ToolPlan | None:
+    """Check tools and tool_choice; None when the request has no tools. `native`: the model's
+    own format marks its calls (harmony), so "auto" needs no parser."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise HTTPError(400, "tool_choice needs tools", param="tool_choice")
@@ -55,6 +57,8 @@ def plan_tools(tools: list[JSONObject] | None, tool_choice: object, parallel: bo
     schemas = {fn["name"]: _parameters(fn, i) for i, fn in enumerate(functions)}  # by name
     parallel = parallel is not False
     if tool_choice in (None, "auto"):
+        if native:
+            return ToolPlan("auto", tools, parallel)
         if parser_name is None:
             raise HTTPError(400, 'tool_choice "auto" needs the server started with --tool-call-parser '
                                  "(hermes, llama3_json or qwen3_coder; or send tool_choice \"required\" "
@@ -63,7 +67,8 @@ def plan_tools(tools: list[JSONObject] | None, tool_choice: object, parallel: bo
     if tool_choice == "none":
         return ToolPlan("none", tools, parallel)
     if tool_choice == "required":
-        return ToolPlan("required", tools, parallel, json_schema=_required_schema(schemas, parallel))
+        return ToolPlan("required", tools, parallel, json_schema=_required_schema(schemas, parallel),
+                        schemas=schemas)
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str):
         raise HTTPError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
@@ -71,7 +76,8 @@ def plan_tools(tools: list[JSONObject] | None, tool_choice: object, parallel: bo
     if name not in schemas:
         raise HTTPError(400, f"tool_choice names {name!r}, which is not among the tools "
                              f"{sorted(schemas)}", param="tool_choice")
-    return ToolPlan("named", tools, parallel, name=name, json_schema=schemas[name])
+    return ToolPlan("named", tools, parallel, name=name, json_schema=schemas[name],
+                    schemas={name: schemas[name]})
 
 
 def _function(tool: object, i: int) -> JSONObject:

@@ -29,6 +29,7 @@ router = APIRouter()
 PATH = "/v1/messages"
 # Chat fields as this API spells them, for the errors the chat pipeline raises.
 RENAMED = [("stop", "stop_sequences"), ("response_format", "output_config.format"),
+           ("reasoning_effort", "output_config.effort"),
            (r"(tools\[\d+\])\.function\.parameters", r"\1.input_schema"),
            (r"(tools\[\d+\])\.function", r"\1")]
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named function
@@ -71,7 +72,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    output_config: JSONObject | None = None  # its format: structured output (its effort: ignored)
+    output_config: JSONObject | None = None  # its format: structured output; its effort: how long to think
     # Accepted, with no effect here: the prefix cache is automatic, nothing runs in containers
     # of Anthropic's.
     cache_control: JSONObject | None = None
@@ -87,7 +88,14 @@ class MessagesRequest(CountTokensRequest):
     def to_sampled_chat(self) -> ChatInput:
         return self.to_chat(max_tokens=self.max_tokens, stop=self.stop_sequences,
                             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                            response_format=_response_format(self.output_config))
+                            response_format=_response_format(self.output_config),
+                            reasoning_effort=_effort(self.output_config))
+
+
+def _effort(config: JSONObject | None) -> str | None:
+    """Anthropic's effort as the neutral input's: its "max" is the most a model here is asked."""
+    effort = (config or {}).get("effort")
+    return "high" if effort == "max" else effort
 
 
 def _response_format(config: JSONObject | None) -> JSONObject | None:
@@ -103,15 +111,15 @@ def _response_format(config: JSONObject | None) -> JSONObject | None:
 
 def _messages(given: list[Message]) -> list[JSONObject]:
     """Anthropic's turns as chat messages: a user turn's tool_result blocks become tool turns
-    (before its text), an assistant turn's tool_use blocks its tool_calls; thinking blocks are the
-    model's own and dropped."""
+    (before its text), an assistant turn's tool_use blocks its tool_calls, its thinking blocks its
+    reasoning_content (which the chat template or harmony shows where its format keeps it)."""
     out: list[JSONObject] = []
     for i, m in enumerate(given):
         role, content = m.role, m.content
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(content):
             field = f"messages[{i}].content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
@@ -124,15 +132,18 @@ def _messages(given: list[Message]) -> list[JSONObject]:
                 result = block.get("content")
                 results.append({"role": "tool", "tool_call_id": _str(block, "tool_use_id", field),
                                 "content": "" if result is None else _text(result, f"{field}.content")})
+            elif kind == "thinking" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
             elif kind not in ("thinking", "redacted_thinking"):
                 raise HTTPError(400, f"{field}.type {kind!r} is not supported in a {role} turn: text, "
                                      "tool_use (assistant), tool_result (user) or thinking; this server "
                                      "reads text only", param=f"{field}.type")
         out += results
+        reasoning = {"reasoning_content": "".join(thoughts)} if thoughts and role == "assistant" else {}
         if calls:
-            out.append({"role": role, "content": "".join(texts), "tool_calls": calls})
+            out.append({"role": role, "content": "".join(texts), "tool_calls": calls, **reasoning})
         elif texts or not results:
-            out.append({"role": role, "content": "".join(texts)})
+            out.append({"role": role, "content": "".join(texts), **reasoning})
     return out
 
 

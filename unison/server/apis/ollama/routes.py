@@ -48,7 +48,8 @@ router = APIRouter()
 PREFIX = "/api"
 # Ollama's option names for the chat fields, and back, for the errors the pipeline raises.
 SAMPLING = LLAMA_CPP_SAMPLING | {"num_predict": "max_tokens", "seed": "seed"}
-RENAMED = [(chat, f"options.{name}") for name, chat in SAMPLING.items()] + [("response_format", "format")]
+RENAMED = [(chat, f"options.{name}") for name, chat in SAMPLING.items()] + [("response_format", "format"),
+                                                                           ("reasoning_effort", "think")]
 # Options that would change the output but are not served: only their neutral values are accepted.
 NEUTRAL = {"mirostat": 0, "tfs_z": 1.0}
 
@@ -114,6 +115,8 @@ class _Generation(BaseModel):
         out["response_format"] = _response_format(self.format)
         if self.think is not None:
             out["chat_template_kwargs"] = {"enable_thinking": self.think is not False}
+        if isinstance(self.think, str):  # a level: how long a reasoning model thinks
+            out["reasoning_effort"] = self.think
         return out
 
 
@@ -122,7 +125,7 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    thinking: str | None = None  # the model's own earlier reasoning: not shown to the template
+    thinking: str | None = None  # the model's own earlier reasoning, as reasoning_content
     images: list[str] | None = None
     tool_calls: list[JSONObject] | None = None
     tool_name: str | None = None
@@ -202,6 +205,8 @@ def _messages(given: list[Message]) -> list[JSONObject]:
                                      for j, c in enumerate(m.tool_calls)]
         if m.tool_name:
             message["name"] = m.tool_name
+        if m.thinking:  # shown where the format keeps it (harmony: a turn that called a tool)
+            message["reasoning_content"] = m.thinking
         out.append(message)
     return out
 
@@ -217,7 +222,8 @@ def _chat_call(call: object, field: str, call_id: str) -> JSONObject:
 
 @router.post(PREFIX + "/chat")
 async def chat(body: ChatBody, request: Request):
-    if body.tools and request.app.state.settings.serve.tool_call_parser is None:
+    native = attached(worker_of(request))[0].harmony is not None  # the model's format marks its calls
+    if body.tools and request.app.state.settings.serve.tool_call_parser is None and not native:
         raise HTTPError(400, "tools need the server started with --tool-call-parser (hermes, llama3_json "
                              "or qwen3_coder)", param="tools")
     with names_of(RENAMED, chat=True):
@@ -423,9 +429,10 @@ async def show(body: ShowBody, request: Request):
     await check_model(request, _model(name))
     tokenizer, info, config = attached(worker_of(request))
     capabilities = ["embedding"] if info.task != "generate" else ["completion"]
-    if info.task == "generate" and request.app.state.settings.serve.tool_call_parser:
+    harmony = tokenizer.harmony is not None  # gpt-oss: its own format marks calls and reasoning
+    if info.task == "generate" and (request.app.state.settings.serve.tool_call_parser or harmony):
         capabilities.append("tools")
-    if info.task == "generate" and config.reasoning_parser:
+    if info.task == "generate" and (config.reasoning_parser or harmony):
         capabilities.append("thinking")
     if info.task == "generate" and fim_tokens(tokenizer) is not None:
         capabilities.append("insert")

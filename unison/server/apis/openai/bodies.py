@@ -47,6 +47,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    tools: list[JSONObject] | None = None  # what the chat template is shown beside messages
+    chat_template_kwargs: JSONObject | None = None
     return_token_strs: bool = False
     # llama-server's: the text, whether to add BOS, special tokens read as such, each id's piece
     content: str | None = None

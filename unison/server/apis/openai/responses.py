@@ -45,8 +45,7 @@ class ResponsesRequest(IgnoredFields):
     parallel_tool_calls: bool | None = None
     stream: bool = False
     previous_response_id: str | None = None
-    # Accepted, with no effect here: reasoning effort is the model's own.
-    reasoning: JSONObject | None = None
+    reasoning: JSONObject | None = None  # its effort: how long a reasoning model thinks
     include: list[str] | None = None
     truncation: str | None = None
 
@@ -64,18 +63,23 @@ class ResponsesRequest(IgnoredFields):
             model=self.model, messages=messages, max_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, tools=tools,
             tool_choice=_chat_tool_choice(self.tool_choice), parallel_tool_calls=self.parallel_tool_calls,
-            response_format=_response_format(self.text)))
+            response_format=_response_format(self.text),
+            reasoning_effort=(self.reasoning or {}).get("effort")))
 
 
 def _messages(given: str | list[JSONObject]) -> list[JSONObject]:
     """Input items as chat messages: messages, function calls (one assistant turn for a run of
-    them) and their outputs (tool turns); reasoning items are the model's own and dropped."""
+    them) and their outputs (tool turns); a reasoning item is the next assistant turn's
+    reasoning_content (shown where the chat template or harmony keeps it)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     out: list[JSONObject] = []
+    thought = ""  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(given):
         kind = item.get("type", "message")
-        if kind == "message":
+        if kind == "reasoning":
+            thought += _reasoning(item)
+        elif kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise HTTPError(400, f"input[{i}].role must be user, assistant, system or developer, got "
                                      f"{item.get('role')!r}", param=f"input[{i}].role")
@@ -92,10 +96,21 @@ def _messages(given: str | list[JSONObject]) -> list[JSONObject]:
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": _text(item.get("output"), f"input[{i}].output")})
-        elif kind != "reasoning":
+        else:
             raise HTTPError(400, f"input[{i}].type {kind!r} is not supported: message, function_call, "
                                  "function_call_output or reasoning", param=f"input[{i}].type")
+        if thought and kind != "reasoning" and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], thought = thought, ""
     return out
+
+
+def _reasoning(item: JSONObject) -> str:
+    """A reasoning item's text (its reasoning_text parts, as this server writes them)."""
+    parts = item.get("content")
+    if not isinstance(parts, list):
+        return ""
+    return "".join(str(p.get("text", "")) for p in parts
+                   if isinstance(p, dict) and p.get("type") == "reasoning_text")
 
 
 def _text(content: object, field: str) -> str:
@@ -134,6 +149,7 @@ def _response_format(text: JSONObject | None) -> JSONObject | None:
 
 # Chat fields as this API spells them, for the errors the chat pipeline raises.
 RENAMED = [("messages", "input"), ("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
+           ("reasoning_effort", "reasoning.effort"),
            (r"(tools\[\d+\])\.function", r"\1")]
 
 

@@ -19,11 +19,13 @@ from unison.server.apis.openai.bodies import (
 )
 from unison.server.apis.openai.render import Renderer
 from unison.server.errors import HTTPError
+from unison.server.pipeline.inputs import ChatInput
 from unison.server.pipeline.start import (
     Started,
     adapters,
     attached,
     check_model,
+    render_chat,
     start_chat,
     start_completion,
 )
@@ -73,15 +75,14 @@ async def tokenize(body: TokenizeRequest, request: Request):
         return _llama_tokenize(body, tokenizer)
     if (body.prompt is None) == (body.messages is None):
         raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
-    if body.messages is not None:
-        text = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                             add_generation_prompt=body.add_generation_prompt,
-                                             chat_template=request.app.state.chat_template)
-        special = bool(body.add_special_tokens)  # the template writes its own
+    if body.messages is not None:  # rendered as a chat request's are (the template writes its own specials)
+        chat = ChatInput(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                         add_special_tokens=body.add_special_tokens, tools=body.tools, tool_choice="none"
+                         if body.tools else None, chat_template_kwargs=body.chat_template_kwargs)
+        tokens = render_chat(chat, request).ids
     else:
         assert body.prompt is not None  # (exactly one of the two: checked above)
-        text, special = body.prompt, body.add_special_tokens is not False
-    tokens = tokenizer.encode(text, add_special_tokens=special)
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     strs = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens] \
         if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": info.context_length, "tokens": tokens,
