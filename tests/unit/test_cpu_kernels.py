@@ -69,6 +69,51 @@ def test_paged_attention_matches_reference(seqs, heads, kv_heads, head_dim, bloc
     torch.testing.assert_close(got, reference(*case, window), rtol=1e-5, atol=1e-5)
 
 
+def sink_reference(q, k_cache, v_cache, tables, row_seq, row_len, window, sinks):
+    """gpt-oss's attention as transformers' eager path computes it: each head's learned sink is one
+    more logit in the softmax, whose probability is then dropped (it has no value)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for r, (i, n) in enumerate(zip(row_seq.tolist(), row_len.tolist())):
+        k = k_cache[tables[i]].flatten(0, 1)[:n].float()[-(window or n):]
+        v = v_cache[tables[i]].flatten(0, 1)[:n].float()[-(window or n):]
+        k = k.transpose(0, 1).repeat_interleave(group, 0).double()  # [heads, n, d]
+        v = v.transpose(0, 1).repeat_interleave(group, 0).double()
+        logits = q[r].double()[:, None] @ k.transpose(1, 2) * q.shape[-1] ** -0.5  # [heads, 1, n]
+        logits = torch.cat([logits, sinks.double()[:, None, None]], dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+        out[r] = (probs @ v)[:, 0].float()
+    return out
+
+
+@pytest.mark.parametrize("seqs,heads,kv_heads,head_dim,block_size,window,rows", [
+    (5, 8, 2, 64, 16, None, 1),  # decodes (the unrolled head_dim's path)
+    (2, 8, 2, 64, 16, 128, 37),  # prefill tiles with gpt-oss's window, across a block edge
+    (3, 4, 1, 32, 4, 7, 20),  # a head_dim without its own copy; window shorter than a tile
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_attention_sinks_match_the_float_reference(seqs, heads, kv_heads, head_dim, block_size, window,
+                                                    rows, dtype):
+    g = torch.Generator().manual_seed(11 + heads + rows)
+    q, kc, vc, tables, row_seq, row_len = _case(seqs, heads, kv_heads, head_dim, block_size,
+                                                torch.float32 if dtype == torch.int8 else dtype, rows, g)
+    sinks = torch.randn(heads, generator=g) * 3  # some far above the scores, some below
+    caches = [kc, vc]
+    if dtype == torch.int8:  # stored rotated: the reference reads the rotated values, rotated back
+        caches = list(_int8_caches(kc, vc, head_dim))
+        rotated = sink_reference(hadamard(q), *map(dequantize_q8, caches), tables, row_seq, row_len, window,
+                                 sinks)
+        want = hadamard(rotated)
+    else:
+        want = sink_reference(q, kc, vc, tables, row_seq, row_len, window, sinks)
+    got = kernels.paged_attention(q, *caches, tables, row_seq, row_len, window, 2, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    plain = kernels.paged_attention(q, *caches, tables, row_seq, row_len, window, 2)
+    none = kernels.paged_attention(q, *caches, tables, row_seq, row_len, window, 2,
+                                   sinks=torch.full((heads,), -math.inf))
+    assert torch.equal(plain, none)  # a sink of -inf is no sink, bit for bit
+
+
 def test_paged_attention_rows_are_bit_identical_in_any_tile_or_batch():
     """A row's output is the same alone, in its request's prefill tile, beside other requests and
     at any thread count: the property that makes chunked and cached prefill match cold runs."""

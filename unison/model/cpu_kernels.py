@@ -161,7 +161,7 @@ class CpuKernels:
         self.lib = lib
         self._scratch = torch.empty(0, dtype=torch.uint8)  # quantized activations, reused
         lib.paged_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                                        _I64, _I64, _I64, _F32, _INT, _INT, _PTR, _PTR]
+                                        _I64, _I64, _I64, _F32, _INT, _INT, _PTR, _PTR, _PTR]
         lib.paged_attention.restype = _INT
         lib.add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         lib.add_rms_norm.restype = None
@@ -263,9 +263,11 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
                         window: int | None, num_threads: int, scale: float | None = None,
-                        key_mean: torch.Tensor | None = None, recent: Recent | None = None) -> torch.Tensor:
+                        key_mean: torch.Tensor | None = None, recent: Recent | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         """out [rows, heads, d]: row r = softmax(q_r K^T * scale) V over the first row_len[r] tokens
         (the last `window` of them) of request row_seq[r]; an int8 cache's recent rows from `recent`.
+        `sinks` [heads] float32: a learned logit per head in the softmax's denominator (gpt-oss).
 
         q [rows, heads, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] (one layer,
         any of KV_DTYPES); block_tables [requests, width], row_seq and row_len [rows] int64.
@@ -281,7 +283,8 @@ class CpuKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows, heads,
             kv_heads, d, block_size, window or 0, d ** -0.5 if scale is None else scale, num_threads,
-            KV_DTYPES[k_cache.dtype], _ptr(key_mean), None if rows_c is None else ctypes.addressof(rows_c))
+            KV_DTYPES[k_cache.dtype], _ptr(key_mean), None if rows_c is None else ctypes.addressof(rows_c),
+            _ptr(sinks))
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory")
         return out

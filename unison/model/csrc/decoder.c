@@ -42,7 +42,8 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                    float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent);
+                    float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent,
+                    const float *sinks);
 
 // ---- the model as data (mirrored by ctypes Structures in cpu_kernels.py) -----------------------
 
@@ -184,7 +185,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
         if (paged_attention(qbuf, L->k_cache, L->v_cache, s->tables, s->table_stride, s->row_seq, s->row_len,
                             attn, n, m->heads, m->kv_heads, d, m->block_size, L->window,
                             m->attention_scale, s->attention_threads, m->kv_dtype, L->key_mean,
-                            s->recent_k ? &recent : NULL) != 0)
+                            s->recent_k ? &recent : NULL, NULL) != 0)
             return -1;
         linear(&L->o_proj, attn, n, delta, &b, t);
         if (s->lora_row) lora_apply(attn, q, q, delta, H, n, s->lora_row, s->lora, 4 * li + 1, t);

@@ -31,9 +31,11 @@
 #ifdef UNISON_AVX2
 #define ATTN_AVX2 1
 
-// s[0, n) = exp(s - max) / sum: the softmax of one head's scores, in place.
-static inline void softmax(float *s, int64_t n) {
-    float mx = -INFINITY, sum = 0.0f;
+// s[0, n) = exp(s - max) / sum: the softmax of one head's scores, in place. `sink` (gpt-oss's
+// learned per-head logit; -INFINITY: none) is one more score in the denominator, with no value:
+// added to the sum last, so that without one the bits are the plain softmax's.
+static inline void softmax(float *s, int64_t n, float sink) {
+    float mx = sink, sum = 0.0f;
     int64_t i = 0;
     for (i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
     __m256 acc = _mm256_setzero_ps();
@@ -45,6 +47,7 @@ static inline void softmax(float *s, int64_t n) {
     }
     sum = hsum8(acc);
     for (; i < n; i++) sum += (s[i] = expf(s[i] - mx));
+    sum += expf(sink - mx);
     const float inv = 1.0f / sum;
     for (i = 0; i < n; i++) s[i] *= inv;
 }
@@ -58,10 +61,11 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
 }
 
 #ifndef ATTN_AVX2
-static inline void softmax(float *s, int64_t n) {
-    float mx = -INFINITY, sum = 0.0f;
+static inline void softmax(float *s, int64_t n, float sink) {
+    float mx = sink, sum = 0.0f;
     for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
     for (int64_t i = 0; i < n; i++) sum += (s[i] = expf(s[i] - mx));
+    sum += expf(sink - mx);
     for (int64_t i = 0; i < n; i++) s[i] /= sum;
 }
 #endif
@@ -401,11 +405,12 @@ static inline __attribute__((always_inline)) void decode_values_i8(
 static inline __attribute__((always_inline)) void decode_i8(
         const float *q, const int8_t *k_cache, const int8_t *v_cache, const int64_t *table, int64_t len,
         int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group, int64_t kv_heads, const int64_t nc,
-        int64_t block_size, float scale, const float *key_mean, const Recent *recent, float *scores) {
+        int64_t block_size, float scale, const float *key_mean, const Recent *recent, const float *sinks,
+        float *scores) {
     const int64_t row = kv_heads * Q8_HEAD(16 * nc), span = len - lo;
     decode_scores_i8(q, k_cache, table, len, lo, h0, h1, group, row, nc, block_size, scale, key_mean, recent,
                      kv_heads, scores);
-    for (int64_t h = 0; h < h1 - h0; h++) softmax(scores + h * span, span);
+    for (int64_t h = 0; h < h1 - h0; h++) softmax(scores + h * span, span, sinks ? sinks[h0 + h] : -INFINITY);
     decode_values_i8(v_cache, table, len, lo, out, h0, h1, group, row, nc, block_size, recent, kv_heads, scores);
 }
 
@@ -413,13 +418,13 @@ static inline __attribute__((always_inline)) void decode_i8(
 static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, const int64_t *table,
                           int64_t len, int64_t lo, float *out, int64_t h0, int64_t h1, int64_t group,
                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          const float *key_mean, const Recent *recent, float *scores) {
+                          const float *key_mean, const Recent *recent, const float *sinks, float *scores) {
     if (head_dim == 64)
         decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 4, block_size, scale, key_mean, recent,
-                  scores);
+                  sinks, scores);
     else if (head_dim == 128)
         decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 8, block_size, scale, key_mean, recent,
-                  scores);
+                  sinks, scores);
     else
         return 0;
     return 1;
@@ -439,25 +444,27 @@ static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, cons
 // dtype: 0 float32, 1 float16, 2 bfloat16, 3 int8 in q8 blocks, 4 fp8 e4m3, 5 fp8 e5m2 (the
 // cache's element type). key_mean: int8's [kv_heads, head_dim] (rotated), which the keys' marked
 // blocks were stored less (q8.h); NULL: none were. recent: int8's recent rows (q8.h), or NULL.
+// sinks: a learned logit per query head in each softmax's denominator (gpt-oss), or NULL.
 // Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                    float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent) {
+                    float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent,
+                    const float *sinks) {
     switch (dtype) {
     case 1:
         return paged_attention_f16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads, NULL, NULL);
+                                   num_threads, NULL, NULL, sinks);
     case 4:
         return paged_attention_e4m3(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL, NULL);
+                                    num_threads, NULL, NULL, sinks);
     case 5:
         return paged_attention_e5m2(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL, NULL);
+                                    num_threads, NULL, NULL, sinks);
     case 3: {  // keys and values are stored rotated (fused_ops.c's hadamard_rotate): so are the queries
         float *rotated = malloc(sizeof(float) * rows * num_heads * head_dim);
         if (rotated == NULL) return -1;
@@ -465,7 +472,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
         hadamard_rotate(rotated, rows * num_heads, head_dim);
         const int rc = paged_attention_i8(rotated, k_cache, v_cache, block_tables, table_stride, row_seq,
                                           row_len, out, rows, num_heads, kv_heads, head_dim, block_size,
-                                          window, scale, num_threads, key_mean, recent);
+                                          window, scale, num_threads, key_mean, recent, sinks);
         free(rotated);
         hadamard_rotate(out, rows * num_heads, head_dim);  // the values' rotation, undone
         return rc;
@@ -473,10 +480,10 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
     case 2:
         return paged_attention_bf16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL, NULL);
+                                    num_threads, NULL, NULL, sinks);
     default:
         return paged_attention_f32(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads, NULL, NULL);
+                                   num_threads, NULL, NULL, sinks);
     }
 }

@@ -49,7 +49,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
         const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
         int64_t len0, int64_t nrows, int64_t window, float *out, int64_t num_heads, int64_t h0,
         int64_t h1, int64_t group, int64_t kv_heads, const int64_t head_dim, int64_t block_size,
-        float scale, const float *key_mean, const Recent *recent, float *scores) {
+        float scale, const float *key_mean, const Recent *recent, const float *sinks, float *scores) {
     (void)key_mean;  // read by KV_DEQUANT_KEY and KV_DECODE, where the type has a use for it
     const int64_t row = KV_ROW(kv_heads, head_dim), nh = h1 - h0, qstride = num_heads * head_dim;
     const int64_t end = len0 + nrows - 1;  // the last row's length: positions [lo, end)
@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     const int64_t last = (end - 1) / block_size;
 #ifdef KV_DECODE  // the includer's path for one row (a decode step), when it has one for head_dim
     if (nrows == 1 && KV_DECODE(q, k_cache, v_cache, table, len0, lo, out, h0, h1, group, kv_heads,
-                                head_dim, block_size, scale, key_mean, recent, scores))
+                                head_dim, block_size, scale, key_mean, recent, sinks, scores))
         return;
 #endif
     for (int64_t b = lo / block_size; b * block_size < end; b++) {
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     for (int64_t i = 0; i < nrows; i++) {
         const int64_t len = len0 + i, first = window > 0 && len > window ? len - window : 0;
         for (int64_t h = h0; h < h1; h++) {
-            softmax(scores + (i * nh + h - h0) * span + first - lo, len - first);
+            softmax(scores + (i * nh + h - h0) * span + first - lo, len - first, sinks ? sinks[h] : -INFINITY);
             for (int64_t x = 0; x < head_dim; x++) out[i * qstride + h * head_dim + x] = 0.0f;
         }
     }
@@ -153,10 +153,10 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
                                     int64_t window, float *out, int64_t num_heads, int64_t h0,    \
                                     int64_t h1, int64_t group, int64_t kv_heads, int64_t head_dim, \
                                     int64_t block_size, float scale, const float *key_mean,       \
-                                    const Recent *recent, float *scores) {                        \
+                                    const Recent *recent, const float *sinks, float *scores) {    \
         (void)head_dim;                                                                           \
         KV_NAME(attend_tile)(q, k, v, table, len0, nrows, window, out, num_heads, h0, h1, group,  \
-                             kv_heads, D, block_size, scale, key_mean, recent, scores);           \
+                             kv_heads, D, block_size, scale, key_mean, recent, sinks, scores);    \
     }
 ATTEND(64)
 ATTEND(128)
@@ -168,10 +168,11 @@ static int KV_NAME(paged_attention)(
         const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *block_tables,
         int64_t table_stride, const int64_t *row_seq, const int64_t *row_len, float *out,
         int64_t rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-        int64_t window, float scale, int num_threads, const float *key_mean, const RecentRows *recent) {
+        int64_t window, float scale, int num_threads, const float *key_mean, const RecentRows *recent,
+        const float *sinks) {
     void (*attend)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,
                    int64_t, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   float, const float *, const Recent *, float *) =
+                   float, const float *, const Recent *, const float *, float *) =
         head_dim == 64 ? KV_NAME(attend_64) : head_dim == 128 ? KV_NAME(attend_128)
         : head_dim == 256 ? KV_NAME(attend_256) : KV_NAME(attend_head_dim);
     const int64_t group = num_heads / kv_heads;
@@ -214,7 +215,7 @@ static int KV_NAME(paged_attention)(
             attend(q + off, k_cache, v_cache, block_tables + row_seq[r0] * table_stride, len0, nrows,
                    window, out + off, num_heads, h0, h1, group, kv_heads, head_dim, block_size, scale,
                    key_mean, recent_of(recent, &own, row_seq[r0], row_len, kv_heads * head_dim, block_size),
-                   scores);
+                   sinks, scores);
         }
         free(scores);
     }
