@@ -449,10 +449,48 @@ def test_fused_ops_match_torch_ops():
         untouched[slots] = False
         assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
-    gate_up = torch.randn(rows, 2 * 48, generator=g) * 4
-    for act in ("silu", "gelu_tanh"):
+    gate_up = torch.randn(rows, 2 * 48, generator=g) * 4  # (swiglu_oai: past its clamp at 7 too)
+    for act in ("silu", "gelu_tanh", "swiglu_oai"):
         torch.testing.assert_close(kernels.act_mul(gate_up, act), TorchOps.act_mul(gate_up.clone(), act),
                                    rtol=2e-6, atol=2e-6)
+
+
+def _exact_int8(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Weights int8 blocks hold exactly: multiples of 1/128, each block of 32 reaching 127/128."""
+    w = torch.randint(-127, 128, shape, generator=g).float()
+    w.view(-1, 32)[:, 0] = 127
+    return w / 128
+
+
+def test_moe_with_gpt_oss_biases_and_clamped_swiglu_matches_the_float_reference():
+    """csrc/moe.c with a router bias, the experts' gate / up / down biases and gpt-oss's clamped
+    SwiGLU, against moe.FloatMoe (transformers' order of operations) on the same weights."""
+    from unison.model import quant
+    from unison.model.families import MoeConfig
+    from unison.model.moe import FloatMoe, MoeBiases, QuantMoe
+
+    g = torch.Generator().manual_seed(5)
+    experts, hidden, inter = 8, 64, 64
+    cfg = MoeConfig(experts, 2, inter, norm_topk_prob=True)
+    router = torch.randn(experts, hidden, generator=g) * 0.3
+    gate, up = _exact_int8((experts, inter, hidden), g), _exact_int8((experts, inter, hidden), g)
+    down = _exact_int8((experts, hidden, inter), g)
+    biases = MoeBiases(torch.randn(experts, generator=g), torch.randn(experts, inter, generator=g),
+                       torch.randn(experts, inter, generator=g), torch.randn(experts, hidden, generator=g))
+    packed = [quant.stack([quant.quantize(w[e], 8) for e in range(experts)]) for w in (gate, up, down)]
+    fast = QuantMoe(cfg, "swiglu_oai", router, *packed, kernels, biases=biases)
+    ref = FloatMoe(cfg, "swiglu_oai", router, gate, up, down, biases=biases)
+    x = torch.randn(40, hidden, generator=g)
+    (top, weight), (ref_top, ref_weight) = fast.route(x), ref.route(x)
+    order = ref_top.sort(-1)
+    assert torch.equal(top, order.values)
+    torch.testing.assert_close(weight, ref_weight.gather(-1, order.indices), rtol=1e-5, atol=1e-6)
+    got = fast(x)
+    # outputs reach about 300 here: 16-bit activations round within 3e-5 of that
+    torch.testing.assert_close(got, ref(x), rtol=0, atol=2e-2)
+    plain = FloatMoe(cfg, "swiglu_oai", router, gate, up, down)(x)
+    assert (got - plain).abs().max() > 0.5  # the biases count: the test tells them apart
+    assert all(torch.equal(fast(x[i: i + 1])[0], got[i]) for i in (0, 17, 39))  # alone = together
 
 
 def test_ctypes_mirrors_have_the_c_structs_layout(monkeypatch):

@@ -106,7 +106,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "sigmoid": 2}  # as act_mul and mul_act number them
+# as act_mul and mul_act number them; swiglu_oai: gpt-oss's clamped SwiGLU (act_mul only)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "sigmoid": 2, "swiglu_oai": 3}
 # The quantized kernels' instruction-set paths, as quant_linear.c numbers them, slowest first.
 QUANT_PATHS = {"portable": 0, "avx2": 1, "vnni": 2, "amx": 3}
 # The KV cache's element types, as the kernels number them.
@@ -478,7 +479,8 @@ class ExpertLinearC(ctypes.Structure):
 class MoeLayerC(ctypes.Structure):
     _fields_ = [("experts", _I64), ("top_k", _I64), ("hidden", _I64), ("inter", _I64), ("norm_topk", _INT),
                 ("activation", _INT), ("router", _PTR), ("gate", ExpertLinearC), ("up", ExpertLinearC),
-                ("down", ExpertLinearC)]
+                ("down", ExpertLinearC), ("router_bias", _PTR), ("gate_bias", _PTR), ("up_bias", _PTR),
+                ("down_bias", _PTR)]
 
 
 class DLayerC(ctypes.Structure):

@@ -386,15 +386,16 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
     per_proj = {p: [names.expert(layer, e, p) for e in range(moe.num_experts)] for p in PROJECTIONS}
     bits = {p: get.bits_of(per_proj[p]) for p in PROJECTIONS}
     if any(b is None for b in bits.values()):
-        tensors = {p: torch.stack([get(n) for n in per_proj[p]]) for p in PROJECTIONS}
-        return FloatMoe(moe, cfg.family.activation, router, **tensors)
+        gate, up, down = (torch.stack([get(n) for n in per_proj[p]]) for p in PROJECTIONS)
+        return FloatMoe(moe, cfg.family.activation, router, gate, up, down)
     widths = {p: b for p, b in bits.items() if b is not None}  # (every one: checked above)
     # Experts convert one by one in numpy, which lets go of the GIL: a thread per core loads a
     # 128-expert layer about twice as fast on two cores.
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        stacked = {p: quant.stack(list(pool.map(partial(get.weights.quantized, bits=widths[p]), per_proj[p])))
-                   for p in PROJECTIONS}
-    return QuantMoe(moe, cfg.family.activation, router, **stacked, kernels=get.quant_kernels)
+        packed = {p: quant.stack(list(pool.map(partial(get.weights.quantized, bits=widths[p]), per_proj[p])))
+                  for p in PROJECTIONS}
+    return QuantMoe(moe, cfg.family.activation, router, packed["gate"], packed["up"], packed["down"],
+                    get.quant_kernels)
 
 
 def load_shared_expert(get: _WeightGetter, cfg: ModelConfig, layer: int) -> SharedExpert | None:

@@ -20,25 +20,45 @@ import torch.nn.functional as F
 from . import cpu_kernels
 from .families import MoeConfig
 from .quant import QuantWeight
+from .torch_ops import TorchOps
 
 if TYPE_CHECKING:
     from .linears import Linear, QuantLinear
-    from .torch_ops import TorchOps
 
 PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(slots=True)
+class MoeBiases:
+    """gpt-oss's biases (float32): the router's [experts], the experts' gate and up
+    [experts, inter], down [experts, hidden]. Other families have none."""
+
+    router: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.router, self.gate, self.up, self.down)
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class FloatMoe:
     """The experts as float tensors [experts, rows, k], run expert by expert in torch."""
 
     def __init__(self, moe: MoeConfig, activation: str, router: torch.Tensor, gate: torch.Tensor,
-                 up: torch.Tensor, down: torch.Tensor):
-        self.cfg, self.activation = moe, activation
+                 up: torch.Tensor, down: torch.Tensor, biases: MoeBiases | None = None):
+        self.cfg, self.activation, self.biases = moe, activation, biases
         self.router, self.gate, self.up, self.down = router, gate, up, down
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts [rows, top_k], weights [rows, top_k]), as transformers' top-k routers."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        bias = None if self.biases is None else self.biases.router.to(x.dtype)
+        probs = torch.softmax(F.linear(x, self.router, bias).float(), dim=-1)
         weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -47,24 +67,28 @@ class FloatMoe:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         out = torch.zeros_like(x)
+        b = self.biases
         for e in experts.unique().tolist():  # increasing: the order transformers adds them in
             rows, slot = torch.where(experts == e)
             h = x.index_select(0, rows)
-            gate = F.linear(h, self.gate[e])
-            act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
-            y = F.linear(act * F.linear(h, self.up[e]), self.down[e])
+            gate = F.linear(h, self.gate[e], None if b is None else b.gate[e].to(h.dtype))
+            up = F.linear(h, self.up[e], None if b is None else b.up[e].to(h.dtype))
+            y = F.linear(TorchOps.act_mul(torch.cat([gate, up], dim=-1), self.activation), self.down[e],
+                         None if b is None else b.down[e].to(h.dtype))
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.router, self.gate, self.up, self.down))
+        biases = 0 if self.biases is None else self.biases.nbytes
+        return _bytes(self.router, self.gate, self.up, self.down) + biases
 
     @property
     def step_nbytes(self) -> int:
         """Bytes one row's step reads: the router and its top_k experts."""
-        experts = sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
-        router = self.router.numel() * self.router.element_size()
+        b = self.biases
+        experts = _bytes(self.gate, self.up, self.down) + (0 if b is None else _bytes(b.gate, b.up, b.down))
+        router = _bytes(self.router) + (0 if b is None else _bytes(b.router))
         return router + experts * self.cfg.top_k // self.cfg.num_experts
 
     @property
@@ -77,17 +101,24 @@ class QuantMoe:
     run by csrc/moe.c (the compiled decoder calls it through `c`)."""
 
     def __init__(self, moe: MoeConfig, activation: str, router: torch.Tensor, gate: QuantWeight,
-                 up: QuantWeight, down: QuantWeight, kernels: cpu_kernels.CpuKernels):
+                 up: QuantWeight, down: QuantWeight, kernels: cpu_kernels.CpuKernels,
+                 biases: MoeBiases | None = None):
         self.cfg, self.kernels = moe, kernels
         self.router = router.float().contiguous()
         self.weights = {"gate": gate, "up": up, "down": down}
+        # (kept: the C struct points into them)
+        self.biases = None if biases is None else MoeBiases(*(t.float().contiguous() for t in (
+            biases.router, biases.gate, biases.up, biases.down)))
 
         def linear(w: QuantWeight) -> cpu_kernels.ExpertLinearC:
             return cpu_kernels.ExpertLinearC(w.format, w.packed.data_ptr(), w.n_padded, w.k)
 
+        b = self.biases
         self.c = cpu_kernels.MoeLayerC(moe.num_experts, moe.top_k, gate.k, moe.intermediate_size,
                                        int(moe.norm_topk_prob), cpu_kernels.ACTIVATIONS[activation],
-                                       self.router.data_ptr(), linear(gate), linear(up), linear(down))
+                                       self.router.data_ptr(), linear(gate), linear(up), linear(down),
+                                       *([None] * 4 if b is None else [t.data_ptr() for t in (
+                                           b.router, b.gate, b.up, b.down)]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.moe(x, self.c)
@@ -98,13 +129,17 @@ class QuantMoe:
 
     @property
     def nbytes(self) -> int:
-        return self.router.numel() * 4 + sum(w.nbytes for w in self.weights.values())
+        biases = 0 if self.biases is None else self.biases.nbytes
+        return _bytes(self.router) + sum(w.nbytes for w in self.weights.values()) + biases
 
     @property
     def step_nbytes(self) -> int:
         """Bytes one row's step reads: the router and its top_k experts."""
+        b = self.biases
         experts = sum(w.nbytes for w in self.weights.values())
-        return self.router.numel() * 4 + experts * self.cfg.top_k // self.cfg.num_experts
+        experts += 0 if b is None else _bytes(b.gate, b.up, b.down)
+        router = _bytes(self.router) + (0 if b is None else _bytes(b.router))
+        return router + experts * self.cfg.top_k // self.cfg.num_experts
 
     @property
     def kind(self) -> str:

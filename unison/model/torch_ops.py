@@ -44,9 +44,21 @@ class TorchOps:
     @staticmethod
     def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
+        if activation == "swiglu_oai":
+            return swiglu_oai(gate, up)
         if activation == "gelu_tanh":
             return F.gelu(gate, approximate="tanh").mul_(up)
         return F.silu(gate, inplace=True).mul_(up)
+
+
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's, as transformers has them
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU, in transformers' order of operations."""
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

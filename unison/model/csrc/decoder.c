@@ -222,7 +222,8 @@ int decoder_forward(const DModel *m, const DStep *s) {
     X(ExpertLinear, record) X(ExpertLinear, w) X(ExpertLinear, n) X(ExpertLinear, k)                    \
     X(MoeLayer, experts) X(MoeLayer, top_k) X(MoeLayer, hidden) X(MoeLayer, inter)                      \
     X(MoeLayer, norm_topk) X(MoeLayer, activation) X(MoeLayer, router) X(MoeLayer, gate)                \
-    X(MoeLayer, up) X(MoeLayer, down)                                                                   \
+    X(MoeLayer, up) X(MoeLayer, down) X(MoeLayer, router_bias) X(MoeLayer, gate_bias)                   \
+    X(MoeLayer, up_bias) X(MoeLayer, down_bias)                                                         \
     X(DLayer, qkv) X(DLayer, o_proj) X(DLayer, gate_up) X(DLayer, down) X(DLayer, input_norm)           \
     X(DLayer, post_attention_norm) X(DLayer, pre_mlp_norm) X(DLayer, post_mlp_norm) X(DLayer, q_norm)   \
     X(DLayer, k_norm) X(DLayer, rope) X(DLayer, window) X(DLayer, k_cache) X(DLayer, v_cache)           \

@@ -291,6 +291,13 @@ static inline __m256 silu8(__m256 x) {
     return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
+// sigmoid(v): e / (1 + e) for v < 0, 1 / (1 + e) else, e = exp(-|v|).
+static inline __m256 sigmoid8(__m256 v) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)));
+    const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, v);
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 static inline __m256 tanh8(__m256 x) {
     const __m256 sign = _mm256_and_ps(_mm256_set1_ps(-0.0f), x);
     const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
@@ -313,10 +320,8 @@ void mul_act(float *x, int64_t x_stride, const float *gate, int64_t gate_stride,
         for (; i + 8 <= n; i += 8) {
             const __m256 v = _mm256_loadu_ps(g + i);
             __m256 a;
-            if (activation == 2) {  // e / (1 + e) for v < 0, 1 / (1 + e) else, e = exp(-|v|)
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)));
-                const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, v);
-                a = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            if (activation == 2) {
+                a = sigmoid8(v);
             } else {
                 a = silu8(v);
             }
@@ -332,9 +337,13 @@ void mul_act(float *x, int64_t x_stride, const float *gate, int64_t gate_stride,
 
 // GELU, tanh approximation (transformers' gelu_pytorch_tanh): 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 #define GELU_C 0.7978845608028654f
+// gpt-oss's clamped SwiGLU (activation 3), with transformers' constants
+#define SWIGLU_ALPHA 1.702f
+#define SWIGLU_LIMIT 7.0f
 
 // out [rows, n] = act(gate) * up, for gate_up [rows, 2n] = gate | up side by side.
-// activation: 0 silu, 1 gelu (tanh approximation).
+// activation: 0 silu, 1 gelu (tanh approximation), 3 gpt-oss's clamped SwiGLU:
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
 void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int activation, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
@@ -345,7 +354,14 @@ void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int acti
         for (; i + 8 <= n; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i);
             __m256 a;
-            if (activation == 1) {
+            if (activation == 3) {  // gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g clamped above
+                const __m256 g = _mm256_min_ps(x, _mm256_set1_ps(SWIGLU_LIMIT));
+                const __m256 s = sigmoid8(_mm256_mul_ps(_mm256_set1_ps(SWIGLU_ALPHA), g));
+                const __m256 up = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(u + i), _mm256_set1_ps(-SWIGLU_LIMIT)),
+                                                _mm256_set1_ps(SWIGLU_LIMIT));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(up, _mm256_set1_ps(1.0f)), _mm256_mul_ps(g, s)));
+                continue;
+            } else if (activation == 1) {
                 const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(GELU_C),
                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
                 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x),
@@ -357,6 +373,11 @@ void act_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int acti
         }
 #endif
         for (; i < n; i++) {
+            if (activation == 3) {
+                const float x = fminf(g[i], SWIGLU_LIMIT), up = fminf(fmaxf(u[i], -SWIGLU_LIMIT), SWIGLU_LIMIT);
+                o[i] = (up + 1.0f) * (x * (1.0f / (1.0f + expf(-SWIGLU_ALPHA * x))));
+                continue;
+            }
             const float x = g[i];
             const float a = activation == 1 ? 0.5f * x * (1.0f + tanhf(GELU_C * (x + 0.044715f * x * x * x)))
                                             : x / (1.0f + expf(-x));

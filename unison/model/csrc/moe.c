@@ -1,10 +1,11 @@
 // A mixture of experts' MLP for CPUs: route each row to its top-k experts, run every active
 // expert once over the rows routed to it, and sum each row's expert outputs with their weights.
 //
-//   logits = x W_router^T (float32, a fixed order of sums per row and expert)
+//   logits = x W_router^T (+ b_router) (float32, a fixed order of sums per row and expert)
 //   top-k experts by logit (ties: the lower expert index), weights softmax(logits) at them,
 //   renormalized over the k when norm_topk
 //   y_e = down_e(act(gate_e(x)) * up_e(x))   for the rows routed to e, on quant_linear.c's kernels
+//         (gpt-oss: each projection plus its expert's bias, as transformers adds them)
 //   out = sum over the row's experts, in increasing expert index, of (y_e * w_e)
 //
 // The step's (row, expert) pairs are grouped by expert, as lora.c groups rows by adapter: each
@@ -112,8 +113,9 @@ int64_t moe_workspace_bytes(const MoeLayer *L, int64_t rows) {
 
 // logits[r, e] for experts [e0, e0 + 4): LANES partial sums each, added pairwise at the end,
 // the same operations whatever the rows or threads.
-static void router_block(const float *x, int64_t x_stride, int64_t rows, const float *router, int64_t hidden,
-                         int64_t e0, int64_t ne, float *logits, int64_t experts) {
+static void router_block(const float *x, int64_t x_stride, int64_t rows, const float *router,
+                         const float *bias, int64_t hidden, int64_t e0, int64_t ne, float *logits,
+                         int64_t experts) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         for (int64_t e = e0; e < e0 + ne; e++) {
@@ -126,6 +128,7 @@ static void router_block(const float *x, int64_t x_stride, int64_t rows, const f
             for (int width = LANES / 2; width >= 1; width /= 2)
                 for (int l = 0; l < width; l++) acc[l] += acc[l + width];
             logits[r * experts + e] = acc[0] + tail;
+            if (bias) logits[r * experts + e] += bias[e];
         }
     }
 }
@@ -212,6 +215,12 @@ static void prepare(const float *x, int64_t k, int64_t start, int64_t count, uin
     quantize_act16(x + start * k, k, count, k, kp, act + act16_bytes(start, kp), 1);
 }
 
+// x[r, :n] += bias for `rows` rows of stride `stride`.
+static void add_bias(float *x, int64_t stride, int64_t rows, const float *bias, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) x[r * stride + i] += bias[i];
+}
+
 static int64_t item_cols(const Work *w, int pass, int64_t c0, int64_t width) {
     return c0 + w->cols[pass] <= width ? w->cols[pass] : width - c0;
 }
@@ -224,7 +233,8 @@ static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_
     {
 #pragma omp for schedule(static)
         for (int64_t e0 = 0; e0 < E; e0 += 4)
-            router_block(x, x_stride, rows, L->router, H, e0, E - e0 < 4 ? E - e0 : 4, w->logits, E);
+            router_block(x, x_stride, rows, L->router, L->router_bias, H, e0, E - e0 < 4 ? E - e0 : 4,
+                         w->logits, E);
 #pragma omp single
         {
             for (int64_t r = 0; r < rows; r++)
@@ -251,6 +261,8 @@ static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_
         for (int64_t e = 0; e < E; e++) {
             const int64_t start = w->start[e], count = w->start[e + 1] - start;
             if (!count) continue;
+            if (L->gate_bias) add_bias(w->gate_up + start * 2 * I, 2 * I, count, L->gate_bias + e * I, I);
+            if (L->up_bias) add_bias(w->gate_up + start * 2 * I + I, 2 * I, count, L->up_bias + e * I, I);
             act_mul(w->gate_up + start * 2 * I, w->a + start * I, count, I, L->activation, 1);
             prepare(w->a, I, start, count, w->act_i);
         }
@@ -266,7 +278,11 @@ static void moe_pass(const MoeLayer *L, const float *x, int64_t x_stride, int64_
             memset(o, 0, sizeof(float) * H);
             for (int64_t j = 0; j < K; j++) {  // increasing expert index; the product rounded first
                 const float *y = w->y + (int64_t)w->pos[r * K + j] * H, wt = w->weight[r * K + j];
-                for (int64_t h = 0; h < H; h++) o[h] += y[h] * wt;
+                const float *b = L->down_bias ? L->down_bias + (int64_t)w->top[r * K + j] * H : NULL;
+                if (b)
+                    for (int64_t h = 0; h < H; h++) o[h] += (y[h] + b[h]) * wt;
+                else
+                    for (int64_t h = 0; h < H; h++) o[h] += y[h] * wt;
             }
         }
     }
@@ -286,7 +302,7 @@ void moe_forward(const MoeLayer *L, const float *x, int64_t x_stride, int64_t ro
 void moe_route(const MoeLayer *L, const float *x, int64_t x_stride, int64_t rows, int32_t *top, float *weight) {
     float *logits = malloc(sizeof(float) * rows * L->experts);
     if (!logits) return;
-    router_block(x, x_stride, rows, L->router, L->hidden, 0, L->experts, logits, L->experts);
+    router_block(x, x_stride, rows, L->router, L->router_bias, L->hidden, 0, L->experts, logits, L->experts);
     for (int64_t r = 0; r < rows; r++)
         select_experts(L, logits + r * L->experts, top + r * L->top_k, weight + r * L->top_k);
     free(logits);

@@ -14,6 +14,9 @@ typedef struct {
     int norm_topk, activation;  // activation as act_mul numbers them
     const float *router;  // [experts, hidden] float32
     ExpertLinear gate, up, down;  // gate, up: [inter, hidden]; down: [hidden, inter]
+    // gpt-oss's biases, NULL where a family has none: the router's [experts], the experts' gate
+    // and up [experts, inter], down [experts, hidden]
+    const float *router_bias, *gate_bias, *up_bias, *down_bias;
 } MoeLayer;
 
 // out[r] (row stride out_stride) = the mixture's output for row r of x (row stride x_stride);
