@@ -102,6 +102,8 @@ class PagedAttention:
         # int8: how keys are stored (key_rounding.py; the runner measures it at load); None: as
         # they are, rounded to nearest.
         self.key_rounding: KeyRounding | None = None
+        # Each KV layer's learned sinks [heads] (gpt-oss; the runner sets them from the model), or None.
+        self.sinks: list[Tensor | None] = [None] * layers
         # int8: the rows of each query's own block, read as float16 (recent_rows.py).
         self.recent = (RecentRows(layers, block_size, c.num_key_value_heads, c.head_dim)
                        if kv_dtype == torch.int8 else None)
@@ -271,8 +273,8 @@ class PagedAttention:
             self.kernel.store_kv(k.view(n, -1), v.view(n, -1), kc, vc, step.slots, d, weight, mean, recent)
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
-                                               self.windows[layer], threads,
-                                               self.config.attention_scale, mean, recent).view(n, heads * d)
+                                               self.windows[layer], threads, self.config.attention_scale,
+                                               mean, recent, self.sinks[layer]).view(n, heads * d)
         assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))

@@ -488,7 +488,7 @@ class DLayerC(ctypes.Structure):
                 ("input_norm", _PTR), ("post_attention_norm", _PTR), ("pre_mlp_norm", _PTR),
                 ("post_mlp_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("rope", _I64), ("window", _I64),
                 ("k_cache", _PTR), ("v_cache", _PTR), ("key_weight", _PTR), ("key_mean", _PTR),
-                ("moe", ctypes.POINTER(MoeLayerC))]
+                ("moe", ctypes.POINTER(MoeLayerC)), ("sinks", _PTR)]
 
 
 class DModelC(ctypes.Structure):
@@ -555,7 +555,9 @@ class CompiledDecoder:
         self.vocab = cfg.vocab_size
         layers = (DLayerC * len(model.layers))()
         for i, (layer, c) in enumerate(zip(model.layers, layers)):
-            c.qkv, c.o_proj = _qlinear(layer.qkv.plan, layer.qkv.bias), _qlinear(layer.o_proj.plan, None)
+            c.qkv = _qlinear(layer.qkv.plan, layer.qkv.bias)
+            c.o_proj = _qlinear(layer.o_proj.plan, layer.o_proj.bias)
+            c.sinks = _ptr(layer.sinks)
             if layer.moe is not None:
                 c.moe = ctypes.pointer(layer.moe.c)
             else:

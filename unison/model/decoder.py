@@ -21,10 +21,11 @@ import torch
 
 from . import cpu_kernels, quant
 from .families import ModelConfig
+from .gpt_oss import FusedExperts
 from .linear_attention import DeltaNet, DeltaStates, projection_order
 from .linears import Embedding, Linear, QuantLinear
 from .lora import LoraStep
-from .moe import PROJECTIONS, FloatMoe, QuantMoe, SharedExpert
+from .moe import PROJECTIONS, FloatMoe, MoeBiases, QuantMoe, SharedExpert
 from .quant import QuantWeight
 from .torch_ops import TorchOps
 from .weights import DictWeights, RenamedWeights, WeightSource, linear_bits
@@ -67,6 +68,7 @@ class Layer:
     moe: FloatMoe | QuantMoe | None = None  # the MLP of a mixture-of-experts family
     shared: SharedExpert | None = None  # ... and its shared expert, where it has one
     delta: DeltaNet | None = None  # a Gated DeltaNet layer's mixer, in place of attention
+    sinks: torch.Tensor | None = None  # [heads] float32: learned logits in the softmax (gpt-oss)
 
     @property
     def linears(self) -> dict[str, Linear | QuantLinear | FloatMoe | QuantMoe]:
@@ -91,7 +93,7 @@ class Layer:
     def small_tensors(self) -> list[torch.Tensor]:
         """The float tensors beside the linears: norms, and a linear layer's own."""
         own = [self.input_norm, self.post_attention_norm, self.pre_mlp_norm, self.post_mlp_norm,
-               self.q_norm, self.k_norm, None if self.shared is None else self.shared.gate]
+               self.q_norm, self.k_norm, None if self.shared is None else self.shared.gate, self.sinks]
         if self.delta is not None:
             d = self.delta
             own += [d.conv_weight, d.dt_bias, d.neg_a, d.norm]
@@ -113,6 +115,8 @@ class DecoderModel:
         self.source, self.from_gguf = weights, from_gguf
         if cfg.family.text_prefix != "model.":  # a multimodal checkpoint's text model
             weights = RenamedWeights(weights, "model.", cfg.family.text_prefix)
+        if cfg.family.fused_experts:  # gpt-oss's experts, read one by one
+            weights = FusedExperts(weights)
         # The C kernels where they apply (CPU, float32); torch ops elsewhere.
         kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
         self.ops: TorchOps | cpu_kernels.CpuKernels = kernels or TorchOps()
@@ -144,7 +148,9 @@ class DecoderModel:
             qkv=None if linear else get.linear(
                 [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                 bias if get.has(bias[0]) else None),
-            o_proj=None if linear else get.linear([a + "o_proj.weight"]),
+            o_proj=None if linear else get.linear([a + "o_proj.weight"], [a + "o_proj.bias"]
+                                                  if get.has(a + "o_proj.bias") else None),
+            sinks=get(a + "sinks").float() if self.cfg.family.attention_sinks and not linear else None,
             delta=load_delta_net(get, self.cfg, p + "linear_attn.") if linear else None,
             gate_up=None if sparse else get.linear([m + "gate_proj.weight", m + "up_proj.weight"]),
             down=None if sparse else get.linear([m + "down_proj.weight"]),
@@ -384,10 +390,15 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
     assert names is not None and moe is not None
     router = get(names.router_weight(layer))
     per_proj = {p: [names.expert(layer, e, p) for e in range(moe.num_experts)] for p in PROJECTIONS}
+    biases = None
+    if get.has(names.router_bias(layer)):  # gpt-oss's: the router's and every expert's
+        biases = MoeBiases(get(names.router_bias(layer)).float(), *(
+            torch.stack([get(names.expert_bias(layer, e, p)).float() for e in range(moe.num_experts)])
+            for p in PROJECTIONS))
     bits = {p: get.bits_of(per_proj[p]) for p in PROJECTIONS}
     if any(b is None for b in bits.values()):
         gate, up, down = (torch.stack([get(n) for n in per_proj[p]]) for p in PROJECTIONS)
-        return FloatMoe(moe, cfg.family.activation, router, gate, up, down)
+        return FloatMoe(moe, cfg.family.activation, router, gate, up, down, biases)
     widths = {p: b for p, b in bits.items() if b is not None}  # (every one: checked above)
     # Experts convert one by one in numpy, which lets go of the GIL: a thread per core loads a
     # 128-expert layer about twice as fast on two cores.
@@ -395,7 +406,7 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
         packed = {p: quant.stack(list(pool.map(partial(get.weights.quantized, bits=widths[p]), per_proj[p])))
                   for p in PROJECTIONS}
     return QuantMoe(moe, cfg.family.activation, router, packed["gate"], packed["up"], packed["down"],
-                    get.quant_kernels)
+                    get.quant_kernels, biases)
 
 
 def load_shared_expert(get: _WeightGetter, cfg: ModelConfig, layer: int) -> SharedExpert | None:
@@ -462,7 +473,7 @@ def dummy_model(cfg: ModelConfig, device: torch.device,
 
     # (one plain attention layer and a dense MLP, whatever the family's layers are)
     plain = dataclasses.replace(cfg.family, moe=None, linear_attention=False, attn_output_gate=False,
-                                text_prefix="model.")
+                                text_prefix="model.", attention_sinks=False, fused_experts=False)
     tiny = dataclasses.replace(cfg, family=plain, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                tie_word_embeddings=True, ropes=[Rope(32)], layer_rope=[0],

@@ -16,6 +16,12 @@ the router and the experts (`MoeNames`); the config says how many and how they c
 Some MoE families (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) add a shared expert: a dense gated MLP
 that every token runs, scaled by a sigmoid gate of its own and added to the routed experts' sum.
 
+gpt-oss adds biases (router, experts, q, k, v and o), a clamped SwiGLU, learned attention sinks
+(one more logit per head in each softmax's denominator), and stores its experts fused
+(gate_up_proj [experts, hidden, 2 * inter] with gate and up interleaved, down_proj [experts,
+inter, hidden]); gpt_oss.py presents them per expert. Its layers alternate a 128-token window and
+full attention.
+
 Hybrid families (Qwen3-Next, Qwen3.5) make most layers Gated DeltaNet linear attention
 (linear_attention.py): a fixed-size state per request instead of KV. `layer_types` says which
 layer is which; their full-attention layers gate their output and rotate part of each head.
@@ -55,6 +61,12 @@ class MoeNames:
     def router_weight(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.router}.weight"
 
+    def router_bias(self, layer: int) -> str:  # (gpt-oss's: a bias on the router, and on each expert)
+        return f"model.layers.{layer}.{self.router}.bias"
+
+    def expert_bias(self, layer: int, e: int, proj: str) -> str:
+        return self.expert(layer, e, proj).removesuffix(".weight") + ".bias"
+
 
 @dataclass(frozen=True)
 class Family:
@@ -76,6 +88,8 @@ class Family:
     linear_attention: bool = False
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: attention * sigmoid(gate)
     text_prefix: str = "model."  # where the text model's tensors are (a multimodal checkpoint's)
+    attention_sinks: bool = False  # self_attn.sinks: a learned logit per head in the softmax (gpt-oss)
+    fused_experts: bool = False  # experts stored fused, gate and up interleaved (gpt-oss: gpt_oss.py)
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", "llama")
@@ -110,6 +124,8 @@ FAMILIES = [
            text_prefix="model.language_model."),
     Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", None, **_HYBRID,
            moe=QWEN_SHARED, text_prefix="model.language_model."),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt-oss", activation="swiglu_oai", attention_sinks=True,
+           fused_experts=True, moe=MoeNames("mlp.router", "mlp.experts")),
 ]
 BY_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
 BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
@@ -167,9 +183,9 @@ class MoeConfig:
         if size % 8 or hf["hidden_size"] % 8:
             raise ValueError(f"{arch}: the experts' sizes (moe_intermediate_size {size}, hidden_size "
                              f"{hf['hidden_size']}) must be multiples of 8")
-        # Mixtral and Qwen3.5 always renormalize the top-k weights; the others say so in the
-        # config (Qwen3-Next's default: yes).
-        always = family.name == "mixtral" or family.name.startswith("qwen3_5")
+        # Mixtral and Qwen3.5 always renormalize the top-k weights (gpt-oss's softmax over the k
+        # is the same); the others say so in the config (Qwen3-Next's default: yes).
+        always = family.name in ("mixtral", "gpt_oss") or family.name.startswith("qwen3_5")
         norm = True if always else bool(hf.get("norm_topk_prob", family.linear_attention))
         return cls(experts, top_k, size, norm, shared)
 
@@ -288,6 +304,10 @@ class ModelConfig:
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"):
             if hf.get(key) is not None:
                 raise ValueError(f"{family.hf_architecture} with {key} is not supported")
+        for key, value in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):  # the kernels' constants
+            if family.activation == "swiglu_oai" and hf.get(key, value) != value:
+                raise ValueError(f"{family.hf_architecture} with {key}={hf[key]!r} is not supported "
+                                 f"(the kernels run {value})")
         heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         positions = hf.get("max_position_embeddings", 4096)
@@ -370,6 +390,13 @@ def _attention_layout(family: Family, hf: JSONObject, head_dim: int, layers: int
         layer_rope = [kinds.index(t) for t in types]
         windows = [hf.get("sliding_window") if t == "sliding_attention" else None for t in types]
         return ropes, layer_rope, windows
+    if family.name == "gpt_oss":  # sliding and full layers alternate, one rope for both
+        types = hf.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        windows = [hf.get("sliding_window") if t == "sliding_attention" else None for t in types]
+        params = {"rope_theta": hf.get("rope_theta", 150000.0), **(hf.get("rope_scaling") or {}),
+                  **(hf.get("rope_parameters") or {})}
+        return [Rope.from_params(head_dim, params, positions)], [0] * layers, windows
     # transformers 5 keeps theta and scaling under rope_parameters; older configs at top level
     params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
               **(hf.get("rope_parameters") or {})}

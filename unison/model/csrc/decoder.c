@@ -61,6 +61,7 @@ typedef struct {
     void *k_cache, *v_cache;  // this layer's [blocks, block_size, kv_heads, head_dim]
     const float *key_weight, *key_mean;  // int8 keys' rounding (store_kv); NULL: as they are, nearest
     const MoeLayer *moe;  // a mixture of experts instead of gate_up and down; NULL: dense
+    const float *sinks;  // [heads]: learned logits in each softmax's denominator (gpt-oss); NULL: none
 } DLayer;
 
 typedef struct {
@@ -185,7 +186,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
         if (paged_attention(qbuf, L->k_cache, L->v_cache, s->tables, s->table_stride, s->row_seq, s->row_len,
                             attn, n, m->heads, m->kv_heads, d, m->block_size, L->window,
                             m->attention_scale, s->attention_threads, m->kv_dtype, L->key_mean,
-                            s->recent_k ? &recent : NULL, NULL) != 0)
+                            s->recent_k ? &recent : NULL, L->sinks) != 0)
             return -1;
         linear(&L->o_proj, attn, n, delta, &b, t);
         if (s->lora_row) lora_apply(attn, q, q, delta, H, n, s->lora_row, s->lora, 4 * li + 1, t);
@@ -227,7 +228,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
     X(DLayer, qkv) X(DLayer, o_proj) X(DLayer, gate_up) X(DLayer, down) X(DLayer, input_norm)           \
     X(DLayer, post_attention_norm) X(DLayer, pre_mlp_norm) X(DLayer, post_mlp_norm) X(DLayer, q_norm)   \
     X(DLayer, k_norm) X(DLayer, rope) X(DLayer, window) X(DLayer, k_cache) X(DLayer, v_cache)           \
-    X(DLayer, key_weight) X(DLayer, key_mean) X(DLayer, moe)                                            \
+    X(DLayer, key_weight) X(DLayer, key_mean) X(DLayer, moe) X(DLayer, sinks)                           \
     X(DModel, layers) X(DModel, hidden) X(DModel, heads) X(DModel, kv_heads) X(DModel, head_dim)        \
     X(DModel, intermediate) X(DModel, vocab) X(DModel, block_size) X(DModel, eps)                       \
     X(DModel, attention_scale) X(DModel, embed_scale) X(DModel, activation) X(DModel, qk_norm)          \
