@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here: no 
 BLOCK_TYPES = list(gguf_blocks.FORMATS)
 # The fp16 fields of each type's file block (random bytes elsewhere): d, and dmin / m where it has one.
 FP16_AT = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2],
-           "IQ4_NL": [0], "IQ4_XS": [0], "Q2_K": [80, 82], "Q3_K": [108]}
+           "IQ4_NL": [0], "IQ4_XS": [0], "Q2_K": [80, 82], "Q3_K": [108], "MXFP4": []}
+E8M0_AT = {"MXFP4": 0}  # an e8m0 exponent byte: sane scales, and e = 0, 1 (subnormal) in the first row
 
 
 def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
@@ -31,6 +32,9 @@ def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     for at in FP16_AT[kind]:
         d = rng.uniform(1e-3, 4e-3, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
         raw[..., at: at + 2] = d.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    if kind in E8M0_AT:
+        raw[..., E8M0_AT[kind]] = rng.integers(117, 124, raw.shape[:2])
+        raw[0, :2, E8M0_AT[kind]] = [0, 1]
     return raw.reshape(rows, -1)
 
 

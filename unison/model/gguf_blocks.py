@@ -1,6 +1,7 @@
 """GGUF's block formats run as the file stores them: regrouped 8 columns to a record, at the file's bytes.
 
-Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, IQ4_NL and IQ4_XS tensors keep every stored field: the kernel
+Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, IQ4_NL, IQ4_XS and MXFP4 (gpt-oss's experts: 32 e2m1 values
+and an e8m0 scale, 4.25 bits a weight) tensors keep every stored field: the kernel
 (csrc/gguf_blocks.h, which documents the records) computes with llama.cpp's own dequantized values,
 nothing rounded and nothing quantized a second time. Only the order of the bytes changes, so that a
 register holds 8 columns side by side. Q4_0 and Q4_1 already run at their own size on the int4
@@ -37,6 +38,7 @@ FORMATS = {
     "Q5_1": BlockFormat(32, 24, 192),
     "IQ4_NL": BlockFormat(32, 18, 144),
     "IQ4_XS": BlockFormat(256, 136, 1088),
+    "MXFP4": BlockFormat(32, 17, 136),
 }
 # (the kernels' format codes: quant.GGML_TYPE_IDS)
 RUNNABLE = (*FLOAT_TYPES, *GGUF_INT4_TYPES, *FORMATS)
@@ -199,5 +201,9 @@ def _iq4_xs(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([_field(raw, 0, 2), _field(raw, 2, 2), _field(raw, 4, 4), _nibbles(q)], axis=2)
 
 
+def _mxfp4(raw: np.ndarray) -> np.ndarray:
+    return np.concatenate([_field(raw, 0, 1), _nibbles(_low_high(raw[:, :, 1:]))], axis=2)
+
+
 _REGROUP = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1,
-            "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+            "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4}

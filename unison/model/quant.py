@@ -30,7 +30,7 @@ GGUF_INT4_TYPES = ("Q4_0", "Q4_1")
 # GGUF block formats run as stored (gguf_blocks.py): format codes 4096 + the GGML type id.
 GGUF_FORMAT_BASE = 4096
 GGML_TYPE_IDS = {"Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
-                 "IQ4_XS": 23}
+                 "IQ4_XS": 23, "MXFP4": 39}
 CHUNK_ELEMENTS = 1 << 20  # rows converted at a time: bounds the temporaries to a few MiB
 
 

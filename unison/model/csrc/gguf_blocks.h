@@ -1,5 +1,5 @@
-// GGUF's block formats, run as the file stores them: Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, IQ4_NL
-// and IQ4_XS. Part of quant_linear.c (included there, after its activations and paths).
+// GGUF's block formats, run as the file stores them: Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1, IQ4_NL,
+// IQ4_XS and MXFP4. Part of quant_linear.c (included there, after its activations and paths).
 //
 // The weights are the file's blocks, regrouped for the kernel at the same bytes: a tile of 8
 // columns and one file block per record (256 k for the K-quants and IQ4_XS, 32 for the others).
@@ -42,12 +42,16 @@
 //   Q5_1   192: d, m (fp16), bit-4 plane, nibbles.                             o = 0, m
 //   IQ4_NL 144: d, nibbles (an index into llama.cpp's 16 values).            u = value + 128
 //   IQ4_XS 1088: d, scales_h (16 bits), scales_l (4 bytes), then 8 blocks of nibbles.
+//   MXFP4  136: e (an e8m0 byte per column: s = 2^(e - 128), llama.cpp's half scale), nibbles (an
+//         index into e2m1's 16 values, doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives).
+//                                                                              u = value + 128
 
 #define GGUF_FORMAT_BASE 4096  // a format code is 4096 + the GGML type id
 enum { GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
-       GGML_IQ4_NL = 20, GGML_IQ4_XS = 23 };
+       GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
 
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 typedef struct {
     int superblock;  // k per record
@@ -67,6 +71,7 @@ static inline block_format block_format_of(int type) {
     case GGML_Q5_1: return (block_format){32, 192, 0, 1, 0};
     case GGML_IQ4_NL: return (block_format){32, 144, 128, 0, 0};
     case GGML_IQ4_XS: return (block_format){256, 1088, 128, 0, 0};
+    case GGML_MXFP4: return (block_format){32, 136, 128, 0, 0};
     default: return (block_format){0, 0, 0, 0, 0};
     }
 }
@@ -98,6 +103,14 @@ static inline float half_at(const uint8_t *p) {
     return fp16_to_float(h);
 }
 
+// An e8m0 exponent as llama.cpp's half scale, 2^(e - 128), exactly (subnormal for e < 2).
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static inline uint32_t word_at(const uint8_t *p) {
     uint32_t w;
     memcpy(&w, p, 4);
@@ -127,7 +140,7 @@ typedef struct {
 // only its own).
 static void block_decode(int type, const uint8_t *rec, int b, int col0, int col1, block_values *v) {
     for (int col = col0; col < col1; col++) {
-        const float d = half_at(rec + 2 * col);
+        const float d = type == GGML_MXFP4 ? e8m0_half(rec[col]) : half_at(rec + 2 * col);
         float s = d, m = 0.0f;
         for (int k = 0; k < QBLOCK; k++) {
             int u;
@@ -143,6 +156,7 @@ static void block_decode(int type, const uint8_t *rec, int b, int col0, int col1
             case GGML_Q5_0: u = nibble_at(rec + 48, col, k) | plane_at(rec + 16, col, k) << 4; break;
             case GGML_Q5_1: u = nibble_at(rec + 64, col, k) | plane_at(rec + 32, col, k) << 4; break;
             case GGML_IQ4_NL: u = iq4_values[nibble_at(rec + 16, col, k)] + 128; break;
+            case GGML_MXFP4: u = mxfp4_values[nibble_at(rec + 8, col, k)] + 128; break;
             default: u = iq4_values[nibble_at(rec + 64 + 128 * b, col, k)] + 128; break;  // IQ4_XS
             }
             v->u[col][k] = (uint8_t)u;
@@ -280,16 +294,25 @@ static inline __m256i byte_of(__m256i words, int j) {
 
 static inline __m256 negate(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
 
-static inline __attribute__((always_inline)) void iq4_lookup(__m256i u[8]) {
+static inline __attribute__((always_inline)) void table_lookup(__m256i u[8], const int8_t values[16]) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_xor_si128(
-        _mm_loadu_si128((const __m128i *)iq4_values), _mm_set1_epi8((char)0x80)));  // value + 128
+        _mm_loadu_si128((const __m128i *)values), _mm_set1_epi8((char)0x80)));  // value + 128
     for (int i = 0; i < 8; i++) u[i] = _mm256_shuffle_epi8(table, u[i]);
+}
+
+// 8 e8m0 bytes (one per column) as e8m0_half's scales.
+static inline __m256 e8m0_halves8(const uint8_t *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  // e < 2: subnormal
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
 }
 
 // Block b of a record into registers: block_decode's values, 8 columns at a time.
 static inline __attribute__((always_inline)) void block_decode_vec(const int type, const uint8_t *rec, int b,
                                                                    block_vec *v) {
-    const __m256 d = halves8(rec);
+    const __m256 d = type == GGML_MXFP4 ? e8m0_halves8(rec) : halves8(rec);
     v->s[0] = v->s[1] = d;
     v->m = _mm256_setzero_ps();
     switch (type) {
@@ -340,7 +363,11 @@ static inline __attribute__((always_inline)) void block_decode_vec(const int typ
         break;
     case GGML_IQ4_NL:
         nibble_quads(rec + 16, v->u);
-        iq4_lookup(v->u);
+        table_lookup(v->u, iq4_values);
+        break;
+    case GGML_MXFP4:
+        nibble_quads(rec + 8, v->u);
+        table_lookup(v->u, mxfp4_values);
         break;
     default: {  // IQ4_XS
         const __m256i high = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rec + 16)));
@@ -349,7 +376,7 @@ static inline __attribute__((always_inline)) void block_decode_vec(const int typ
                                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * b), _mm256_set1_epi32(3)), 4));
         v->s[0] = v->s[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
         nibble_quads(rec + 64 + 128 * b, v->u);
-        iq4_lookup(v->u);
+        table_lookup(v->u, iq4_values);
         break;
     }
     }
@@ -590,7 +617,7 @@ typedef void (*block_tile_fn)(int type, const uint8_t *w, int64_t nsb, act16 a, 
 #define BLOCK_TILES(PATH, TARGET)                                                                            \
     BLOCK_TILE(PATH, TARGET, Q4_K) BLOCK_TILE(PATH, TARGET, Q5_K) BLOCK_TILE(PATH, TARGET, Q6_K)             \
     BLOCK_TILE(PATH, TARGET, Q8_0) BLOCK_TILE(PATH, TARGET, Q5_0) BLOCK_TILE(PATH, TARGET, Q5_1)             \
-    BLOCK_TILE(PATH, TARGET, IQ4_NL) BLOCK_TILE(PATH, TARGET, IQ4_XS)                                        \
+    BLOCK_TILE(PATH, TARGET, IQ4_NL) BLOCK_TILE(PATH, TARGET, IQ4_XS) BLOCK_TILE(PATH, TARGET, MXFP4)        \
     static block_tile_fn PATH##_tile_of(int type) {                                                          \
         switch (type) {                                                                                       \
         case GGML_Q4_K: return PATH##_tile_Q4_K;                                                             \
@@ -600,6 +627,7 @@ typedef void (*block_tile_fn)(int type, const uint8_t *w, int64_t nsb, act16 a, 
         case GGML_Q5_0: return PATH##_tile_Q5_0;                                                             \
         case GGML_Q5_1: return PATH##_tile_Q5_1;                                                             \
         case GGML_IQ4_NL: return PATH##_tile_IQ4_NL;                                                         \
+        case GGML_MXFP4: return PATH##_tile_MXFP4;                                                           \
         default: return PATH##_tile_IQ4_XS;                                                                  \
         }                                                                                                     \
     }
