@@ -1,8 +1,8 @@
 """gpt-oss: a tiny random GptOssConfig made with transformers (its fused, interleaved experts
 with biases, the router's bias, attention sinks, a sliding window on every other layer, YaRN),
-read from its Hugging Face directory, against transformers: greedy tokens and first-step
-logprobs in float32 and on int8 weights, batch invariance, the compiled decoder against the
-Python forward, and the configs it refuses by name."""
+read from its Hugging Face directory and from a GGUF written as llama.cpp's converter writes it
+(MXFP4 experts, Q8_0 linears), against transformers: greedy tokens and first-step logprobs,
+batch invariance, the compiled decoder against the Python forward, and what it refuses by name."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_moe import PROMPTS, _prefill_and_decode
+from tests.e2e.test_moe import PROMPTS, QUANTIZED_GAP, _prefill_and_decode
 from tests.utils import _hf_greedy, greedy
 from unison.model import cpu_kernels
 from unison.model.families import ModelConfig
@@ -50,6 +50,102 @@ def model_dir(tmp_path_factory) -> Path:
     return tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny")
 
 
+def write_gguf(model_dir: Path, out: Path, experts: str = "MXFP4", narrow: str | None = None) -> Path:
+    """llama.cpp's converter's gpt-oss file: gate and up split out of the fused tensor (and its
+    bias), experts stacked [experts, rows, k] in `experts`' blocks, attention and head in Q8_0,
+    norms, sinks and biases in F32; the embedded tokenizer. `narrow`: a tensor written with half
+    its rows (a broken file)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from unison.bench.model import _copy_tokenizer, embedded_gguf
+    from unison.model.weights import SafetensorsWeights
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    src = SafetensorsWeights(model_dir)
+    w = GGUFWriter(out, "gpt-oss")
+    for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", 4096),
+                       ("embedding_length", cfg["hidden_size"]), ("head_count", cfg["num_attention_heads"]),
+                       ("head_count_kv", cfg["num_key_value_heads"]), ("key_length", cfg["head_dim"]),
+                       ("value_length", cfg["head_dim"]),
+                       ("rope_freq_base", cfg["rope_parameters"]["rope_theta"]),
+                       ("layer_norm_rms_eps", cfg["rms_norm_eps"]), ("vocab_size", VOCAB),
+                       ("expert_count", cfg["num_local_experts"]),
+                       ("expert_used_count", cfg["num_experts_per_tok"]),
+                       ("expert_feed_forward_length", cfg["intermediate_size"]),
+                       ("sliding_window", cfg["sliding_window"])]:
+        getattr(w, f"add_{key}")(value)
+    w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+    w.add_rope_scaling_factor(cfg["rope_parameters"]["factor"])
+    w.add_rope_scaling_orig_ctx_len(cfg["rope_parameters"]["original_max_position_embeddings"])
+    _copy_tokenizer(w, embedded_gguf())
+
+    def add(name: str, t: torch.Tensor, kind: str = "F32") -> None:
+        a = t.float().numpy()
+        if name == narrow:
+            a = a[..., : a.shape[-2] // 2, :]
+        if kind == "F32":
+            w.add_tensor(name, a)
+        else:
+            q = GGMLQuantizationType[kind]
+            w.add_tensor(name, quants.quantize(a, q), raw_dtype=q)
+
+    add("token_embd.weight", src.float("model.embed_tokens.weight"), "Q8_0")
+    add("output_norm.weight", src.float("model.norm.weight"))
+    add("output.weight", src.float("lm_head.weight"), "Q8_0")
+    for i in range(cfg["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", src.float(p + "input_layernorm.weight"))
+        add(b + "post_attention_norm.weight", src.float(p + "post_attention_layernorm.weight"))
+        for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+            add(b + f"attn_{g}.weight", src.float(p + f"self_attn.{h}_proj.weight"), "Q8_0")
+            add(b + f"attn_{g}.bias", src.float(p + f"self_attn.{h}_proj.bias"))
+        add(b + "attn_sinks.weight", src.float(p + "self_attn.sinks"))
+        add(b + "ffn_gate_inp.weight", src.float(p + "mlp.router.weight"))
+        add(b + "ffn_gate_inp.bias", src.float(p + "mlp.router.bias"))
+        gate_up = src.float(p + "mlp.experts.gate_up_proj")
+        bias = src.float(p + "mlp.experts.gate_up_proj_bias")
+        add(b + "ffn_gate_exps.weight", gate_up[..., 0::2].transpose(1, 2), experts)  # [E, inter, hidden]
+        add(b + "ffn_up_exps.weight", gate_up[..., 1::2].transpose(1, 2), experts)
+        add(b + "ffn_gate_exps.bias", bias[:, 0::2])
+        add(b + "ffn_up_exps.bias", bias[:, 1::2])
+        add(b + "ffn_down_exps.weight", src.float(p + "mlp.experts.down_proj").transpose(1, 2), experts)
+        add(b + "ffn_down_exps.bias", src.float(p + "mlp.experts.down_proj_bias"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def dequantized_dir(gguf: Path, model_dir: Path, out: Path) -> Path:
+    """The GGUF's tensors dequantized by gguf's own code, fused back into transformers' layout:
+    transformers' reference for the quantized file."""
+    from safetensors.torch import save_file
+
+    from unison.model.gguf import GGUFWeights, hf_config, open_gguf
+
+    out.mkdir()
+    (out / "config.json").write_text((model_dir / "config.json").read_text())
+    weights = GGUFWeights(gguf, hf_config(open_gguf(gguf)))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tensors = {n: weights.float(n).contiguous() for n in weights.names() if ".mlp.experts." not in n}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        per = {(e, proj, kind): weights.float(f"{p}{e}.{proj}_proj.{kind}")
+               for e in range(cfg["num_local_experts"]) for proj in ("gate", "up", "down")
+               for kind in ("weight", "bias")}
+        experts = range(cfg["num_local_experts"])
+        gate_up = torch.stack([torch.stack([per[e, "gate", "weight"].T, per[e, "up", "weight"].T], -1)
+                               .flatten(-2) for e in experts])
+        gate_up_bias = torch.stack([torch.stack([per[e, "gate", "bias"], per[e, "up", "bias"]], -1).flatten()
+                                    for e in experts])
+        tensors |= {p + "gate_up_proj": gate_up, p + "gate_up_proj_bias": gate_up_bias,
+                    p + "down_proj": torch.stack([per[e, "down", "weight"].T for e in experts]).contiguous(),
+                    p + "down_proj_bias": torch.stack([per[e, "down", "bias"] for e in experts])}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
     from transformers import AutoModelForCausalLM
@@ -80,6 +176,38 @@ def test_matches_transformers_in_float32(model_dir, reference):
                 for row, (_, ref_tops) in zip(first, reference) for t, lp in ref_tops[0].items())
     print(f"\n[figure] gpt-oss float32: greedy equal on {same}/16; first-step top-5 gap {worst:.2e}")
     assert same >= 15 and worst < 1e-3
+
+
+def test_an_mxfp4_gguf_runs_its_experts_as_stored_and_matches_transformers(model_dir, tmp_path):
+    """The file's MXFP4 experts run as stored (mxfp4 records at the file's bytes), against
+    transformers on the file's dequantized weights: greedy equal on at least 15 of 16, first-step
+    top-5 logprobs within the bound 16-bit activations give the dense families' quantized files."""
+    gguf = write_gguf(model_dir, tmp_path / "tiny-mxfp4.gguf")
+    ref = _hf_greedy(_hf(dequantized_dir(gguf, model_dir, tmp_path / "ref")), PROMPTS, NEW_TOKENS)
+    runner = ModelRunner(gguf, num_blocks=256, block_size=8)
+    kinds = runner.model.linear_kinds()
+    assert kinds["layers.1.experts"] == f"mxfp4/{KERNELS.quant_path}"
+    assert kinds["layers.0.qkv"].startswith("q8_0")
+    moe = runner.model.layers[0].moe
+    assert moe.weights["gate"].nbytes == 8 * 32 * 64 // 32 * 17  # the file's 17 bytes a block of 32
+    got = greedy(runner, PROMPTS, NEW_TOKENS)
+    same = sum(ids == ref_ids for (ids, _), (ref_ids, _) in zip(got, ref))
+    first = torch.log_softmax(_prefill_and_decode(runner, PROMPTS)[0], dim=-1)
+    worst = max(abs(row[t].item() - lp) for row, (_, tops) in zip(first, ref) for t, lp in tops[0].items())
+    print(f"\n[figure] gpt-oss MXFP4 GGUF: greedy equal on {same}/16; first-step top-5 gap {worst:.2e}")
+    assert same >= 15 and worst < QUANTIZED_GAP
+
+
+def test_a_gguf_with_a_misshaped_mxfp4_tensor_is_refused_naming_it(model_dir, tmp_path):
+    gguf = write_gguf(model_dir, tmp_path / "broken.gguf", narrow="blk.1.ffn_up_exps.weight")
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up_exps\.weight"):
+        ModelRunner(gguf, num_blocks=16, block_size=8)
+
+
+def _hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def test_rows_are_bit_identical_alone_or_together_and_compiled_equals_python(model_dir, monkeypatch):

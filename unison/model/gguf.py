@@ -56,6 +56,9 @@ _HYBRID_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernor
                  "ssm_ba": "linear_attn.in_proj_ba", "ssm_beta": "linear_attn.in_proj_b",
                  "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
                  "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"}
+# gpt-oss (llama.cpp's gpt-oss): the pre-MLP norm is post_attention_norm; attn_sinks.weight is
+# the attention's sinks (no .weight in the Hugging Face name).
+_GPT_OSS_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _SHARED_NAMES = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                  "ffn_down_shexp": "mlp.shared_expert.down_proj",
                  "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
@@ -66,7 +69,7 @@ _HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 # A mixture of experts keeps each projection of all its experts in one tensor [experts, rows, k].
-_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 _SHARED_EXPERT_RE = re.compile(r"blk\.\d+\.ffn_\w+_(shexp|chexps)\.weight")
 
 
@@ -244,6 +247,14 @@ def hf_config(header: GGUFHeader) -> JSONObject:
                                       int(a("rope.scaling.original_context_length"))}
     if arch in _HYBRID_ARCHS:
         config.update(_linear_attention_config(arch, a, config["head_dim"]))
+    if arch == "gpt-oss":  # GptOssConfig's own defaults where the file says nothing, as transformers
+        window, layers = int(a("attention.sliding_window", 128)), config["num_hidden_layers"]
+        config.update(sliding_window=window, rope_scaling=None, layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            rope_parameters={"rope_type": "yarn", "rope_theta": config.pop("rope_theta"),
+                             "factor": float(a("rope.scaling.factor", 32.0)), "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings":
+                                 int(a("rope.scaling.original_context_length", 4096))})
     if arch == "gemma3":  # Gemma3TextConfig's defaults where the file says nothing, as transformers
         layers, window = config["num_hidden_layers"], a("attention.sliding_window")
         config.update(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
@@ -253,7 +264,7 @@ def hf_config(header: GGUFHeader) -> JSONObject:
                       rope_parameters={"full_attention": {"rope_type": "default",
                                                           "rope_theta": config.pop("rope_theta")},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
-    elif a("attention.sliding_window"):  # Mistral (or Mixtral), written as llama
+    elif a("attention.sliding_window") and arch != "gpt-oss":  # Mistral (or Mixtral), written as llama
         if family.moe is None:
             config.update(architectures=["MistralForCausalLM"], model_type="mistral")
         config.update(sliding_window=int(a("attention.sliding_window")))
@@ -293,7 +304,7 @@ def _moe_config(family: Family, a: Callable[..., Any]) -> JSONObject:  # a: read
         config["shared_expert_intermediate_size"] = int(shared)
     if a("expert_feed_forward_length"):
         config["moe_intermediate_size"] = int(a("expert_feed_forward_length"))
-    if family.name == "mixtral":
+    if family.name in ("mixtral", "gpt_oss"):
         config["num_local_experts"] = config.pop("num_experts")
     return config
 
@@ -311,7 +322,7 @@ def _hf_name(name: str, family: Family) -> str:
     if (bare := _BARE_RE.fullmatch(name)) and family.linear_attention:
         return f"model.layers.{bare[1]}.{_BARE_NAMES[bare[2]]}"
     names = (_GEMMA3_NAMES if family.name == "gemma3" else _HYBRID_NAMES if family.linear_attention
-             else _LAYER_NAMES)
+             else _GPT_OSS_NAMES if family.name == "gpt_oss" else _LAYER_NAMES)
     if family.moe is not None:
         names = {**names, "ffn_gate_inp": family.moe.router}
         if family.moe.shared is not None:
@@ -319,6 +330,8 @@ def _hf_name(name: str, family: Family) -> str:
     if _SHARED_EXPERT_RE.fullmatch(name) and name.split(".")[2] not in names:
         raise ValueError(f"GGUF tensor {name!r}: shared experts are not supported")
     m = _LAYER_RE.fullmatch(name)
+    if m is not None and m[2] == "attn_sinks" and family.attention_sinks:
+        return f"model.layers.{m[1]}.self_attn.sinks"
     if m is None or m[2] not in names:
         raise ValueError(f"unexpected tensor {name!r} in GGUF file")
     return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
@@ -372,9 +385,6 @@ class GGUFWeights:
             except ValueError:
                 raise ValueError(f"GGUF tensor {info.name!r} has type id {info.type_id}, which the "
                                  "gguf package does not know; update gguf or re-quantize the file") from None
-            if kind.name.startswith("MXFP4"):  # gpt-oss's experts: not run here
-                raise ValueError(f"GGUF tensor {info.name!r} is {kind.name}, which is not supported; use a "
-                                 "file quantized to Q4_0, Q4_K or Q8_0")
             block, type_size = GGML_QUANT_SIZES[kind]
             n = int(np.prod(info.dims))
             shape = tuple(reversed(info.dims))
@@ -392,7 +402,7 @@ class GGUFWeights:
             if info.name == "rope_freqs.weight":
                 self.rope_freqs = np.array(data, dtype=np.float32)
             elif (m := _EXPERT_RE.fullmatch(info.name)) and family.moe is not None:
-                self.tensors |= _split_experts(tensor, int(m[1]), m[2], family)
+                self.tensors |= _split_experts(tensor, int(m[1]), m[2], family, m[3])
             else:
                 self.tensors[_hf_name(info.name, family)] = tensor
         if family.moe is not None:
@@ -490,15 +500,19 @@ class GGUFWeights:
             pass
 
 
-def _split_experts(t: _Tensor, layer: int, proj: str, family: Family) -> dict[str, _Tensor]:
-    """A stacked expert tensor [experts, rows, k] as one 2-D tensor per expert, under the names
-    the family's checkpoints give them: views of the file, nothing copied."""
-    if len(t.dims) != 3:
-        raise ValueError(f"GGUF tensor {t.name!r} has dims {list(t.dims)}: expected 3 (k, rows, experts)")
-    experts, per_expert = t.dims[2], t.n_bytes // t.dims[2]
+def _split_experts(t: _Tensor, layer: int, proj: str, family: Family,
+                   kind: str = "weight") -> dict[str, _Tensor]:
+    """A stacked expert tensor [experts, rows, k] (a bias: [experts, rows], gpt-oss's) as one
+    tensor per expert, under the names the family's checkpoints give them: views of the file,
+    nothing copied."""
+    if len(t.dims) != (3 if kind == "weight" else 2):
+        raise ValueError(f"GGUF tensor {t.name!r} has dims {list(t.dims)}: expected "
+                         + ("3 (k, rows, experts)" if kind == "weight" else "2 (rows, experts)"))
+    experts, per_expert = t.dims[-1], t.n_bytes // t.dims[-1]
     assert family.moe is not None  # (a mixture-of-experts family's tensors)
-    return {family.moe.expert(layer, e, proj): _Tensor(
-        f"{t.name}[{e}]", t.type_name, t.dims[:2], t.offset + e * per_expert, per_expert, t.data[e], t.part)
+    name = family.moe.expert if kind == "weight" else family.moe.expert_bias
+    return {name(layer, e, proj): _Tensor(
+        f"{t.name}[{e}]", t.type_name, t.dims[:-1], t.offset + e * per_expert, per_expert, t.data[e], t.part)
         for e in range(experts)}
 
 
@@ -594,8 +608,10 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> N
 
     try:
         tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    except ValueError as e:  # an architecture transformers' GGUF loader lacks (OLMoE): the
-        if "not supported" not in str(e):  # tokenizer alone, which does not depend on it
+    except (ValueError, TypeError) as e:  # a config transformers' GGUF loader cannot read: an
+        # architecture it lacks (OLMoE), or gpt-oss's rope.scaling keys (transformers 5.25 takes a
+        # field's first part, not its value): the tokenizer alone, which does not depend on them
+        if isinstance(e, ValueError) and "not supported" not in str(e):
             raise
         tok = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tok.save_pretrained(out_dir)
