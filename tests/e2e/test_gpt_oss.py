@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,6 +197,64 @@ def test_an_mxfp4_gguf_runs_its_experts_as_stored_and_matches_transformers(model
     worst = max(abs(row[t].item() - lp) for row, (_, tops) in zip(first, ref) for t, lp in tops[0].items())
     print(f"\n[figure] gpt-oss MXFP4 GGUF: greedy equal on {same}/16; first-step top-5 gap {worst:.2e}")
     assert same >= 15 and worst < QUANTIZED_GAP
+
+
+def mxfp4_checkpoint(model_dir: Path, out: Path) -> Path:
+    """The model as the published gpt-oss checkpoints store it: experts in MXFP4 `*_blocks` [E, rows,
+    k / 32, 16] (adjacent values a byte, low nibble first) and e8m0 `*_scales` [E, rows, k / 32],
+    rows the output features; quantized by the gguf package's MXFP4 (the same values and scales)."""
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2).contiguous().numpy()  # [E, rows (outputs), k]
+        raw = quants.quantize(w, GGMLQuantizationType.MXFP4).reshape(*w.shape[:2], -1, 17)
+        scales, packed = raw[..., 0], raw[..., 1:]
+        values = np.concatenate([packed & 15, packed >> 4], axis=-1)  # GGUF's: j low, j + 16 high
+        tensors[name + "_blocks"] = torch.from_numpy(values[..., 0::2] | (values[..., 1::2] << 4))
+        tensors[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_a_published_style_mxfp4_checkpoint_runs_as_stored_and_matches_transformers(model_dir, tmp_path):
+    """Experts as the Hub's gpt-oss stores them: read in float, the model is transformers' on the
+    blocks dequantized by transformers' own converter; run as stored (quantization "auto"), every
+    expert weight the kernel computes with is that same dequantized value, at the file's bytes."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ckpt = mxfp4_checkpoint(model_dir, tmp_path / "mxfp4")
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    (ref_dir / "config.json").write_text((model_dir / "config.json").read_text())
+    tensors = load_file(ckpt / "model.safetensors")
+    for name in [n.removesuffix("_blocks") for n in tensors if n.endswith("_blocks")]:
+        blocks, scales = tensors.pop(name + "_blocks"), tensors.pop(name + "_scales")
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, str(ref_dir / "model.safetensors"))
+    ref = _hf_greedy(_hf(ref_dir), PROMPTS, NEW_TOKENS)
+    runner = ModelRunner(ckpt, quantization="none", num_blocks=256, block_size=8)
+    got = greedy(runner, PROMPTS, NEW_TOKENS)
+    same = sum(ids == ref_ids for (ids, _), (ref_ids, _) in zip(got, ref))
+    first = torch.log_softmax(_prefill_and_decode(runner, PROMPTS)[0], dim=-1)
+    worst = max(abs(row[t].item() - lp) for row, (_, tops) in zip(first, ref) for t, lp in tops[0].items())
+    print(f"\n[figure] gpt-oss MXFP4 checkpoint in float: greedy equal on {same}/16; top-5 gap {worst:.2e}")
+    assert same >= 15 and worst < 1e-3
+    stored = ModelRunner(ckpt, num_blocks=64, block_size=8)  # quantization "auto": blocks as stored
+    assert stored.model.linear_kinds()["layers.0.experts"] == f"mxfp4/{KERNELS.quant_path}"
+    moe, fused = stored.model.layers[1].moe, tensors["model.layers.1.mlp.experts.gate_up_proj"]
+    for e in (0, 5):
+        gate = KERNELS.dequantize_rows(moe.weights["gate"], torch.arange(e * 32, e * 32 + 32))
+        assert torch.equal(gate, fused[e][:, 0::2].T)
+    assert moe.weights["gate"].nbytes == 8 * 32 * 64 // 32 * 17  # the checkpoint's 4.25 bits a weight
+    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+        ModelConfig.from_hf({**json.loads((model_dir / "config.json").read_text()),
+                             "quantization_config": {"quant_method": "gptq"}})
 
 
 def test_a_gguf_with_a_misshaped_mxfp4_tensor_is_refused_naming_it(model_dir, tmp_path):

@@ -111,6 +111,13 @@ class PagedAttention:
         # page faults that make decode attention 3x slower on CPU.
         self._gather_bufs = [torch.empty(0, dtype=kv_dtype, device=device) for _ in range(2)]
 
+    def set_sinks(self, sinks: list[Tensor | None]) -> None:
+        """Each KV layer's learned sinks (gpt-oss), which only the C kernel's softmax takes."""
+        if self.kernel is None and any(s is not None for s in sinks):
+            raise ValueError(f"{self.config.architecture}'s attention sinks run on the C kernels only (CPU, "
+                             "float32); this model would run on torch's")
+        self.sinks = sinks
+
     # --- whole blocks: the prefix cache's disk tier (core/kv/disk_cache.py) moves them ----------
 
     @property

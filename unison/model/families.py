@@ -260,6 +260,7 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)
     linear: DeltaNetConfig | None = None  # the linear-attention layers' shape
     rotary_dim: int = 0  # dims of each head that are rotated (the first ones); 0: all of head_dim
+    quant_method: str | None = None  # quantization_config's: "mxfp4" (gpt-oss's experts as published)
 
     @property
     def architecture(self) -> str:
@@ -299,6 +300,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: JSONObject, gen: JSONObject | None = None) -> ModelConfig:
         family = family_of(hf.get("architectures"))
+        quant_method = (hf.get("quantization_config") or {}).get("quant_method")
+        if quant_method not in (None, "mxfp4"):  # others store weights under names it does not read
+            raise ValueError(f"{family.hf_architecture} with quantization_config.quant_method "
+                             f"{quant_method!r} is not supported (mxfp4 is; or a GGUF of the model)")
         if family.text_prefix != "model.":  # a multimodal checkpoint: its text model's config
             hf = _text_config(family, hf)
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "clip_qkv"):
@@ -338,6 +343,7 @@ class ModelConfig:
             layer_types=layer_types,
             linear=linear,
             rotary_dim=ropes[0].head_dim if ropes[0].head_dim != head_dim else 0,
+            quant_method=quant_method,
         )
 
     def __post_init__(self) -> None:

@@ -125,6 +125,8 @@ class ModelRunner:
     def _load(self, model_path: str | Path | None, model_dir: Path,
               config: ModelConfig) -> tuple[str, DecoderModel]:
         weights, from_gguf = open_weights(model_path, model_dir)
+        # A checkpoint of block formats (a GGUF, or gpt-oss's MXFP4 experts) runs them as stored
+        from_gguf = from_gguf or config.quant_method == "mxfp4"
         quantization = resolve_quantization(self._quantization_mode, self.device, from_gguf,
                                             cpu_kernels.load() is not None)
         if quantization != "none" and self.linear_dtype != torch.float32:
@@ -147,10 +149,7 @@ class ModelRunner:
         if self.kv_dtype in cpu_kernels.C_ONLY_KV_DTYPES and kernel is None:
             raise ValueError(f"kv_cache_dtype={str(self.kv_dtype).removeprefix('torch.')!r} is read by the C "
                              "attention kernel only, which this model does not run on; use float16")
-        attention.sinks = [layer.sinks for layer in self.model.layers if layer.delta is None]
-        if kernel is None and any(s is not None for s in attention.sinks):
-            raise ValueError(f"{self.config.architecture}'s attention sinks run on the C kernels only (CPU, "
-                             "float32); this model would run on torch's")
+        attention.set_sinks([layer.sinks for layer in self.model.layers if layer.delta is None])
         if measure_keys and self.kv_dtype == torch.int8 and self.task == "generate":
             attention.key_rounding = self._measure_key_rounding()
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
