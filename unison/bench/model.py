@@ -2,9 +2,11 @@
 
 Speed at 135M parameters is not speed at 1B: per-step overheads and the LM head dominate a small
 model, the linears a large one. No 1B or 3B GGUF ships on PyPI, so this writes one: the shapes
-of Llama 3.2 1B / 3B, of Qwen3-30B-A3B (a mixture of 128 experts, 8 per token), or of
+of Llama 3.2 1B / 3B, of Qwen3-30B-A3B (a mixture of 128 experts, 8 per token), of
 Qwen3.5-35B-A3B (three Gated DeltaNet layers to one of gated attention, 256 experts, 8 per token,
-and a shared expert), random Q4_0 linears and experts, a Q8_0 embedding (tied to the LM head),
+and a shared expert), or of gpt-oss-20b (32 experts, 4 per token, in MXFP4 as its files have
+them; attention in Q8_0, with biases and sinks, an untied Q8_0 LM head), random Q4_0 linears
+and experts elsewhere, a Q8_0 embedding (tied to the LM head),
 float32 norms, router and DeltaNet parameters, and the embedded model's tokenizer, so both
 Unison and llama.cpp read it and any client can send it text. `--qtype` other than q4_0 writes
 the weights in F16 and, for a quantized type, has llama.cpp's own `llama-quantize` turn them into
@@ -40,11 +42,20 @@ SHAPES = {
                         "v_heads": 32, "state": 128, "conv": 4},
 }
 HYBRID_ARCH = "qwen35moe"
+# gpt-oss-20b: 24 layers alternating a 128-token window and full attention, 64 query heads and 8
+# KV heads of 64, 32 experts of 2880 (4 per token) in MXFP4
+SHAPES["gpt-oss-20b"] = {"hidden": 2880, "layers": 24, "heads": 64, "kv_heads": 8, "head_dim": 64,
+                         "experts": 32, "top_k": 4, "ffn": 2880, "gpt_oss": 1}
 
 
 def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
-    """Raw GGUF rows of Q4_0 (fp16 d + 16 bytes of nibbles per 32) or Q8_0 (fp16 d + 32 int8),
-    d around 1 / sqrt(cols) so activations stay finite through the layers."""
+    """Raw GGUF rows of Q4_0 (fp16 d + 16 bytes of nibbles per 32), Q8_0 (fp16 d + 32 int8) or
+    MXFP4 (an e8m0 byte + 16 of nibbles), d around 1 / sqrt(cols) so activations stay finite
+    through the layers."""
+    if kind == "MXFP4":  # 2^(e - 127) * 6 (the largest e2m1) about 1 / sqrt(cols)
+        e = np.round(127 - np.log2(6 * np.sqrt(cols))) + rng.integers(-1, 1, (rows, cols // 32, 1))
+        q = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
+        return np.concatenate([e.astype(np.uint8), q], axis=2).reshape(rows, -1)
     per_block = 16 if kind == "Q4_0" else 32
     nb = cols // 32
     d = (rng.uniform(0.5, 1.5, (rows, nb, 1)) / (8 * np.sqrt(cols))).astype(np.float16)
@@ -90,7 +101,7 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     moe, hybrid = "experts" in s, "v_heads" in s
     head_dim = s.get("head_dim", s["hidden"] // s["heads"])
-    arch = HYBRID_ARCH if hybrid else "qwen3moe" if moe else "llama"
+    arch = HYBRID_ARCH if hybrid else "gpt-oss" if "gpt_oss" in s else "qwen3moe" if moe else "llama"
     w = GGUFWriter(out, arch)
     w.add_name(f"unison-bench-{arch}-{s['layers']}x{s['hidden']}-random")
     w.add_block_count(s["layers"])
@@ -101,7 +112,7 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
     w.add_head_count_kv(s["kv_heads"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(500000.0)
+    w.add_rope_freq_base(150000.0 if arch == "gpt-oss" else 500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim // 4 if hybrid else head_dim)
     w.add_vocab_size(vocab)
@@ -118,6 +129,11 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
         w.add_ssm_inner_size(s["v_heads"] * s["state"])
         w.add_full_attention_interval(4)
         w.add_rope_dimension_sections([11, 11, 10, 0])
+    if arch == "gpt-oss":  # its own rope and window, as llama.cpp's converter writes them
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     w.add_file_type(1 if float16 else 2)  # all F16, or mostly Q4_0
     _copy_tokenizer(w, tokenizer, renames)
     tensors = _tensors(s, vocab, head_dim)
@@ -142,6 +158,8 @@ _Spec = tuple[int | tuple[int, int], int, str]
 def _tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _Spec]:
     if "v_heads" in s:
         return _hybrid_tensors(s, vocab, head_dim)
+    if "gpt_oss" in s:
+        return _gpt_oss_tensors(s, vocab, head_dim)
     hidden, q, kv = s["hidden"], s["heads"] * head_dim, s["kv_heads"] * head_dim
     specs: dict[str, _Spec] = {"token_embd.weight": (vocab, hidden, "Q8_0"),
                                "output_norm.weight": (1, hidden, "F32")}
@@ -202,6 +220,31 @@ def _hybrid_tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _
     return specs
 
 
+def _gpt_oss_tensors(s: dict[str, int], vocab: int, head_dim: int) -> dict[str, _Spec]:
+    """gpt-oss's tensors, named and shaped as llama.cpp's converter writes them (gpt-oss)."""
+    hidden, e, ffn = s["hidden"], s["experts"], s["ffn"]
+    q, kv = s["heads"] * head_dim, s["kv_heads"] * head_dim
+    specs: dict[str, _Spec] = {"token_embd.weight": (vocab, hidden, "Q8_0"),
+                               "output_norm.weight": (1, hidden, "F32"),
+                               "output.weight": (vocab, hidden, "Q8_0")}
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        specs |= {b + "attn_norm.weight": (1, hidden, "F32"),
+                  b + "post_attention_norm.weight": (1, hidden, "F32"),
+                  b + "attn_q.weight": (q, hidden, "Q8_0"), b + "attn_k.weight": (kv, hidden, "Q8_0"),
+                  b + "attn_v.weight": (kv, hidden, "Q8_0"), b + "attn_output.weight": (hidden, q, "Q8_0"),
+                  b + "attn_q.bias": (1, q, "bias"), b + "attn_k.bias": (1, kv, "bias"),
+                  b + "attn_v.bias": (1, kv, "bias"), b + "attn_output.bias": (1, hidden, "bias"),
+                  b + "attn_sinks.weight": (1, s["heads"], "bias"),
+                  b + "ffn_gate_inp.weight": (e, hidden, "router"), b + "ffn_gate_inp.bias": (1, e, "bias"),
+                  b + "ffn_gate_exps.weight": ((e, ffn), hidden, "MXFP4"),
+                  b + "ffn_up_exps.weight": ((e, ffn), hidden, "MXFP4"),
+                  b + "ffn_down_exps.weight": ((e, hidden), ffn, "MXFP4"),
+                  b + "ffn_gate_exps.bias": (e, ffn, "bias"), b + "ffn_up_exps.bias": (e, ffn, "bias"),
+                  b + "ffn_down_exps.bias": (e, hidden, "bias")}
+    return specs
+
+
 def _add_info(w: GGUFWriter, name: str, rows: int | tuple[int, int], cols: int, kind: str) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -209,11 +252,11 @@ def _add_info(w: GGUFWriter, name: str, rows: int | tuple[int, int], cols: int, 
     if isinstance(rows, tuple):
         shape = (*rows, cols)
     else:  # norms: one row, written as a vector
-        shape = (rows, cols) if rows > 1 or kind not in ("F32", "decay") else (cols,)
+        shape = (rows, cols) if rows > 1 or kind not in ("F32", "decay", "bias") else (cols,)
     if kind == "router" and rows == 1:  # the shared expert's gate: [1, hidden]
         shape = (1, cols)
     count = int(np.prod(shape))
-    if kind in ("F32", "router", "conv", "decay", "F16"):
+    if kind in ("F32", "router", "conv", "decay", "F16", "bias"):
         dtype = np.dtype(np.float16 if kind == "F16" else np.float32)
         w.add_tensor_info(name, shape, dtype, count * dtype.itemsize)
         return
@@ -237,6 +280,9 @@ def _data(rng: np.random.Generator, rows: int | tuple[int, int], cols: int, kind
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
     if kind == "decay":  # -exp(A_log), as llama.cpp stores it: A between 1 and 16
         return -rng.uniform(1.0, 16.0, rows * cols).astype(np.float32)
+    if kind == "bias":  # gpt-oss's biases and sinks: small
+        values = (0.1 * rng.standard_normal(rows * cols)).astype(np.float32)
+        return values if rows == 1 else values.reshape(rows, cols)
     return _blocks(rng, rows, cols, kind)
 
 
@@ -262,17 +308,20 @@ def main(args: argparse.Namespace) -> int:
                 raise SystemExit(f"llama-quantize failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
         finally:
             f16.unlink(missing_ok=True)
-    family = "Qwen3.5-MoE" if "v_heads" in shape else "Qwen3-MoE" if "experts" in shape else "Llama"
+    family = ("Qwen3.5-MoE" if "v_heads" in shape else "gpt-oss" if "gpt_oss" in shape
+              else "Qwen3-MoE" if "experts" in shape else "Llama")
+    experts = " (MXFP4 experts)" if "gpt_oss" in shape else ""
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB): {family} {args.size} shape, "
-          f"{shape['layers']} layers, random {qtype} weights; serve it with: unison serve --model-path {out}")
+          f"{shape['layers']} layers, random {qtype} weights{experts}; "
+          f"serve it with: unison serve --model-path {out}")
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("make-model", help="write a GGUF of a real size (random weights) for speed figures")
     p.add_argument("--size", choices=sorted(SHAPES), default="1b",
-                   help="Llama 3.2 1B / 3B, Qwen3-30B-A3B (a mixture of experts), or Qwen3.5-35B-A3B "
-                        "(linear attention, experts and a shared expert)")
+                   help="Llama 3.2 1B / 3B, Qwen3-30B-A3B (a mixture of experts), Qwen3.5-35B-A3B "
+                        "(linear attention, experts and a shared expert), or gpt-oss-20b (MXFP4 experts)")
     p.add_argument("--layers", type=int, default=None,
                    help="fewer layers than the shape's (30b-a3b with 12: about 4.5 GB)")
     p.add_argument("--out", required=True, help="the .gguf file to write")
