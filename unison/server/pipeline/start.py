@@ -165,14 +165,16 @@ class ChatPrompt:
     harmony: bool = False  # rendered by openai-harmony: its output is parsed by it too
 
 
-def render_chat(body: ChatInput, request: Request) -> ChatPrompt:
+def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool = True) -> ChatPrompt:
     """Check a chat's messages and tools and render them: the one place messages become a
-    prompt (by the chat template, or by openai-harmony for a harmony model)."""
+    prompt (by the chat template, or by openai-harmony for a harmony model). A prompt longer than
+    the context is refused unless `refuse_past_context` is off (/tokenize counts it)."""
     check_encodable(body.model_dump(exclude_none=True), "")
     tokenizer, info, _ = attached(worker_of(request))
     expect_task(info, "generate", "chat")  # before the chat template, which an encoder lacks
+    limit = info.context_length if refuse_past_context else None
     if tokenizer.harmony is not None:
-        return _render_harmony(body, request, tokenizer, info)
+        return _render_harmony(body, request, tokenizer, limit)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                        request.app.state.settings.serve.tool_call_parser)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -189,12 +191,12 @@ def render_chat(body: ChatInput, request: Request) -> ChatPrompt:
         continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
         chat_template=request.app.state.chat_template)
     # The template writes its own special tokens: none more unless asked (vLLM's default).
-    ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), limit=info.context_length,
+    ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), limit=limit,
                            field="messages")
     return ChatPrompt(text, ids, tools)
 
 
-def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, info: CoreInfo) -> ChatPrompt:
+def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, limit: int | None) -> ChatPrompt:
     """A harmony model's chat: openai-harmony renders it (no template), and parses its calls."""
     assert tokenizer.harmony is not None  # (the caller's test)
     if body.continue_final_message:
@@ -209,9 +211,9 @@ def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, inf
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     ids = harmony.render_prompt(tokenizer.harmony, messages, tools.tools if tools else None, effort,
                                 body.add_generation_prompt)
-    if len(ids) > info.context_length:
-        raise HTTPError(400, f"messages: the prompt ({len(ids)} tokens) exceeds the context length "
-                             f"({info.context_length})", param="messages")
+    if limit is not None and len(ids) > limit:
+        raise HTTPError(400, f"messages: the prompt ({len(ids)} tokens) exceeds the context length ({limit})",
+                        param="messages")
     return ChatPrompt(tokenizer.decode(ids, skip_special_tokens=False), ids, tools, harmony=True)
 
 

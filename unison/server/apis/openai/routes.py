@@ -79,7 +79,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
         chat = ChatInput(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                          add_special_tokens=body.add_special_tokens, tools=body.tools, tool_choice="none"
                          if body.tools else None, chat_template_kwargs=body.chat_template_kwargs)
-        tokens = render_chat(chat, request).ids
+        tokens = render_chat(chat, request, refuse_past_context=False).ids
     else:
         assert body.prompt is not None  # (exactly one of the two: checked above)
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
