@@ -289,14 +289,23 @@ def test_variants_the_kernels_do_not_run_are_refused_by_name(model_dir, tmp_path
         ModelConfig.from_hf({**cfg, **change})
 
 
-def test_a_missing_sink_is_named(model_dir, tmp_path):
+@pytest.mark.parametrize("name, change", [
+    ("model.layers.1.self_attn.sinks", None),  # missing
+    ("model.layers.0.self_attn.sinks", torch.zeros(3)),  # the kernel would read 4
+    ("model.layers.1.mlp.router.bias", torch.zeros(7)),
+    ("model.layers.0.mlp.experts.down_proj_bias", torch.zeros(8, 63))])
+def test_a_missing_or_misshaped_sink_or_bias_is_refused_naming_it(model_dir, tmp_path, name, change):
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((model_dir / "config.json").read_text())
     tensors = load_file(model_dir / "model.safetensors")
-    del tensors["model.layers.1.self_attn.sinks"]
+    if change is None:
+        del tensors[name]
+    else:
+        tensors[name] = change
     save_file(tensors, broken / "model.safetensors")
-    with pytest.raises(ValueError, match="model.layers.1.self_attn.sinks"):
+    label = name.replace("experts.down_proj_bias", "experts.0.down_proj.bias").replace(".", r"\.")
+    with pytest.raises(ValueError, match=label):
         ModelRunner(broken, quantization="none", num_blocks=16, block_size=8)

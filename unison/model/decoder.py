@@ -150,7 +150,8 @@ class DecoderModel:
                 bias if get.has(bias[0]) else None),
             o_proj=None if linear else get.linear([a + "o_proj.weight"], [a + "o_proj.bias"]
                                                   if get.has(a + "o_proj.bias") else None),
-            sinks=get(a + "sinks").float() if self.cfg.family.attention_sinks and not linear else None,
+            sinks=get.vector(a + "sinks", self.cfg.num_attention_heads)
+            if self.cfg.family.attention_sinks and not linear else None,
             delta=load_delta_net(get, self.cfg, p + "linear_attn.") if linear else None,
             gate_up=None if sparse else get.linear([m + "gate_proj.weight", m + "up_proj.weight"]),
             down=None if sparse else get.linear([m + "down_proj.weight"]),
@@ -333,6 +334,16 @@ class _WeightGetter:
     def __call__(self, name: str) -> torch.Tensor:
         return self.weights.float(self._fetched(name)).to(device=self.device, dtype=self.dtype).contiguous()
 
+    def vector(self, name: str, size: int) -> torch.Tensor:
+        """A float32 vector the kernels read `size` values of (sinks, biases): its shape checked, so
+        that a wrong checkpoint is refused naming the tensor, never read past its end."""
+        if not self.has(name):
+            raise ValueError(f"checkpoint is missing weight {self.label(name)}")
+        if tuple(self.weights.shape(name)) != (size,):
+            raise ValueError(f"weight {self.label(name)} is {list(self.weights.shape(name))}; this config "
+                             f"needs [{size}]")
+        return self.weights.float(self._fetched(name)).to(self.device, torch.float32).contiguous()
+
     def norm(self, name: str, plus_one: bool | None = None) -> torch.Tensor:
         """A norm's scale. Gemma, Qwen3-Next and Qwen3.5 store w for a (1 + w) scale: added here,
         in float32 as transformers does, so the forward always multiplies by the weight.
@@ -392,8 +403,10 @@ def load_moe(get: _WeightGetter, cfg: ModelConfig, layer: int) -> FloatMoe | Qua
     per_proj = {p: [names.expert(layer, e, p) for e in range(moe.num_experts)] for p in PROJECTIONS}
     biases = None
     if get.has(names.router_bias(layer)):  # gpt-oss's: the router's and every expert's
-        biases = MoeBiases(get(names.router_bias(layer)).float(), *(
-            torch.stack([get(names.expert_bias(layer, e, p)).float() for e in range(moe.num_experts)])
+        sizes = {"gate": moe.intermediate_size, "up": moe.intermediate_size, "down": cfg.hidden_size}
+        experts = range(moe.num_experts)
+        biases = MoeBiases(get.vector(names.router_bias(layer), moe.num_experts), *(
+            torch.stack([get.vector(names.expert_bias(layer, e, p), sizes[p]) for e in experts])
             for p in PROJECTIONS))
     bits = {p: get.bits_of(per_proj[p]) for p in PROJECTIONS}
     if any(b is None for b in bits.values()):
