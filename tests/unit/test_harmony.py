@@ -56,7 +56,7 @@ def test_answered_turns_lose_their_analysis_and_a_calling_turn_keeps_it(encoding
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     text = encoding.decode(render_prompt(encoding, msgs, [WEATHER], "low"))
     assert "r1" not in text and "r2" in text and "Reasoning: low" in text
-    assert "<|start|>user<|message|>bc<|end|>" in text
+    assert "<|start|>user<|message|>b\nc<|end|>" in text  # text parts joined as for chat templates
     assert '<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>' in text  # dict arguments: JSON
     assert "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny" in text
     assert text.endswith("<|start|>assistant")
@@ -66,7 +66,7 @@ def test_answered_turns_lose_their_analysis_and_a_calling_turn_keeps_it(encoding
 
 @pytest.mark.parametrize("message, field", [
     ({"role": "tool", "tool_call_id": "zz", "content": "x"}, "messages[0].tool_call_id"),
-    ({"role": "critic", "content": "x"}, "messages[0].role"),
+    ({"role": "critic", "content": "x"}, "messages[0]"),  # (normalize_messages' name for it)
     ({"role": "user", "content": [{"type": "image_url"}]}, "messages[0].content[0]"),
     ({"role": "assistant", "tool_calls": [{"function": {}}]}, "messages[0].tool_calls[0]")])
 def test_bad_messages_are_refused_naming_the_field(encoding, message, field):

@@ -113,14 +113,19 @@ def _messages(messages: list[JSONObject], tools: list[JSONObject] | None,
         ToolDescription,
     )
 
+    from unison.frontend.text.tokenizer import normalize_messages  # (which imports this module)
+
+    # checked and their text parts joined as for every chat template (a developer message is a system one)
+    messages = normalize_messages([{**m, "role": "system"} if m.get("role") == "developer" else m
+                                   for m in messages])
     system = SystemContent.new().with_conversation_start_date(datetime.date.today().isoformat())
     if effort is not None:
         system = system.with_reasoning_effort(ReasoningEffort(effort.capitalize()))
     out = [Message.from_role_and_content(Role.SYSTEM, system)]
     first = 0
     developer = DeveloperContent.new()
-    if messages and messages[0].get("role") in ("system", "developer"):
-        developer, first = developer.with_instructions(_text(messages[0], 0)), 1
+    if messages and messages[0].get("role") == "system":
+        developer, first = developer.with_instructions(_text(messages[0])), 1
     if tools:
         developer = developer.with_function_tools([
             ToolDescription.new(fn["name"], fn.get("description") or "", parameters=fn.get("parameters"))
@@ -129,7 +134,7 @@ def _messages(messages: list[JSONObject], tools: list[JSONObject] | None,
         out.append(Message.from_role_and_content(Role.DEVELOPER, developer))
     calls: dict[str, str] = {}  # tool_call_id -> function name, for the tool results
     # An answered turn's reasoning is dropped; a turn still calling tools keeps its own.
-    answered = max((i for i, m in enumerate(messages) if m.get("role") == "assistant" and _text(m, i)
+    answered = max((i for i, m in enumerate(messages) if m.get("role") == "assistant" and _text(m)
                     and not m.get("tool_calls")), default=-1)
     for i, m in enumerate(messages[first:], first):
         out += _turn(m, i, calls, keep_reasoning=i > answered)
@@ -142,10 +147,10 @@ def _turn(m: JSONObject, i: int, calls: dict[str, str], keep_reasoning: bool) ->
     from openai_harmony import Author, Message, Role
 
     role = m.get("role")
-    if role in ("system", "developer"):  # later ones: instructions in place
-        return [Message.from_role_and_content(Role.DEVELOPER, _text(m, i))]
+    if role == "system":  # later ones: instructions in place
+        return [Message.from_role_and_content(Role.DEVELOPER, _text(m))]
     if role == "user":
-        return [Message.from_role_and_content(Role.USER, _text(m, i))]
+        return [Message.from_role_and_content(Role.USER, _text(m))]
     if role == "tool":
         call_id = m.get("tool_call_id")
         name = calls.get(call_id) if isinstance(call_id, str) else m.get("name")
@@ -153,16 +158,13 @@ def _turn(m: JSONObject, i: int, calls: dict[str, str], keep_reasoning: bool) ->
             field = f"messages[{i}].tool_call_id"
             raise InvalidParam(field, f"{field} {call_id!r} names no earlier assistant tool call")
         author = Author.new(Role.TOOL, f"functions.{name}")
-        return [Message.from_author_and_content(author, _text(m, i)).with_channel("commentary")
+        return [Message.from_author_and_content(author, _text(m)).with_channel("commentary")
                 .with_recipient("assistant")]
-    if role != "assistant":
-        raise InvalidParam(f"messages[{i}].role", f"messages[{i}].role must be system, developer, user, "
-                           f"assistant or tool, got {role!r}")
-    out = []
+    out = []  # (an assistant's: normalize_messages checked the roles)
     reasoning = m.get("reasoning_content") or m.get("reasoning")
     if isinstance(reasoning, str) and reasoning and keep_reasoning:
         out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
-    text = _text(m, i)
+    text = _text(m)
     tool_calls = m.get("tool_calls") or []
     if text:  # beside tool calls, a preamble on commentary; else the answer
         channel = "commentary" if tool_calls else "final"
@@ -180,18 +182,8 @@ def _turn(m: JSONObject, i: int, calls: dict[str, str], keep_reasoning: bool) ->
     return out
 
 
-def _text(m: JSONObject, i: int) -> str:
-    content = m.get("content")
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidParam(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}]: a {kind!r} part "
-                               "is not supported with the harmony format (text only)")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
+def _text(m: JSONObject) -> str:
+    return str(m.get("content") or "")  # (normalize_messages joined any text parts)
 
 
 def check_tools(tools: list[JSONObject] | None) -> None:
