@@ -14,7 +14,7 @@ from unison.errors import InvalidParam
 from unison.frontend.text import harmony
 from unison.frontend.text.harmony import HarmonyStream, Parsed, render_prompt
 from unison.frontend.text.structured import grammar_text
-from unison.frontend.text.tokenizer import Tokenizer
+from unison.frontend.text.tokenizer import Tokenizer, normalize_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -54,13 +54,14 @@ def test_answered_turns_lose_their_analysis_and_a_calling_turn_keeps_it(encoding
             {"role": "user", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]},
             {"role": "assistant", "reasoning_content": "r2", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    text = encoding.decode(render_prompt(encoding, msgs, [WEATHER], "low"))
+    text = encoding.decode(render_prompt(encoding, normalize_messages(msgs), [WEATHER], "low"))
     assert "r1" not in text and "r2" in text and "Reasoning: low" in text
     assert "<|start|>user<|message|>b\nc<|end|>" in text  # text parts joined as for chat templates
     assert '<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>' in text  # dict arguments: JSON
     assert "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny" in text
     assert text.endswith("<|start|>assistant")
-    done = encoding.decode(render_prompt(encoding, msgs[:2], None, None, add_generation_prompt=False))
+    done = encoding.decode(render_prompt(encoding, normalize_messages(msgs[:2]), None, None,
+                                         add_generation_prompt=False))
     assert done.endswith("<|channel|>final<|message|>x<|end|>") and "# Tools" not in done
 
 
@@ -71,7 +72,7 @@ def test_answered_turns_lose_their_analysis_and_a_calling_turn_keeps_it(encoding
     ({"role": "assistant", "tool_calls": [{"function": {}}]}, "messages[0].tool_calls[0]")])
 def test_bad_messages_are_refused_naming_the_field(encoding, message, field):
     with pytest.raises(InvalidParam) as e:
-        render_prompt(encoding, [message], None, None)
+        render_prompt(encoding, normalize_messages([message]), None, None)
     assert e.value.field == field
 
 

@@ -91,7 +91,8 @@ def byte_chars() -> dict[int, str]:
 
 def render_prompt(encoding: HarmonyEncoding, messages: list[JSONObject], tools: list[JSONObject] | None,
                   effort: str | None, add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's token ids for OpenAI-shaped `messages` and function `tools`, as openai-harmony
+    """The prompt's token ids for `messages` (as tokenizer.normalize_messages makes them: checked,
+    text parts joined, a developer message as a system one) and function `tools`, as openai-harmony
     renders them. An earlier turn's analysis is dropped unless that turn ended in a tool call
     (openai-harmony's own rule keeps it whenever the conversation has not ended on an answer)."""
     from openai_harmony import Conversation, Role
@@ -113,11 +114,6 @@ def _messages(messages: list[JSONObject], tools: list[JSONObject] | None,
         ToolDescription,
     )
 
-    from unison.frontend.text.tokenizer import normalize_messages  # (which imports this module)
-
-    # checked and their text parts joined as for every chat template (a developer message is a system one)
-    messages = normalize_messages([{**m, "role": "system"} if m.get("role") == "developer" else m
-                                   for m in messages])
     system = SystemContent.new().with_conversation_start_date(datetime.date.today().isoformat())
     if effort is not None:
         system = system.with_reasoning_effort(ReasoningEffort(effort.capitalize()))

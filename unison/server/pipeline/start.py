@@ -24,7 +24,7 @@ from unison.frontend.text import harmony
 from unison.frontend.text.infill import fim_tokens
 from unison.frontend.text.reasoning import END as REASONING_END
 from unison.frontend.text.reasoning import starts_in_reasoning
-from unison.frontend.text.tokenizer import Tokenizer
+from unison.frontend.text.tokenizer import Tokenizer, normalize_messages
 from unison.frontend.worker import TokenizerWorker
 from unison.json_types import JSONObject
 from unison.sampling import OPTIONS
@@ -208,7 +208,8 @@ def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, lim
     if effort is not None and effort not in harmony.EFFORTS:
         raise HTTPError(400, f"reasoning_effort must be one of {list(harmony.EFFORTS)}, got {effort!r}",
                         param="reasoning_effort")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    messages = normalize_messages([{**m, "role": "system"} if m["role"] == "developer" else m
+                                   for m in (m.model_dump(exclude_none=True) for m in body.messages)])
     ids = harmony.render_prompt(tokenizer.harmony, messages, tools.tools if tools else None, effort,
                                 body.add_generation_prompt)
     if limit is not None and len(ids) > limit:
