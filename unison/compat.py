@@ -43,12 +43,12 @@ hybrid_kvcache_ratio swa_full_tokens_ratio modelopt_quant impl
 
 # ---- sglang.Engine's generate() arguments and methods -------------------------------------------
 
-# sglang.Engine.generate's arguments for what Unison does not have (images and audio,
-# custom logit processors, hidden states, sessions, disaggregation), with their defaults: given
+# sglang.Engine.generate's arguments for what Unison does not have (audio and video, precomputed
+# image hashes, custom logit processors, hidden states, sessions, disaggregation), with their defaults: given
 # anything else, the call is refused by name. Tracing and routing hints change no result and
 # are taken as given.
 SGLANG_UNSUPPORTED = {
-    "image_data": None, "audio_data": None, "video_data": None, "mm_hashes": None,
+    "audio_data": None, "video_data": None, "mm_hashes": None,
     "mm_content_hashes": None, "custom_logit_processor": None,
     "require_reasoning": False, "return_hidden_states": False, "return_routed_experts": False,
     "routed_experts_start_len": 0, "bootstrap_host": None, "bootstrap_port": None,

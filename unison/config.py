@@ -212,6 +212,10 @@ class EngineConfig:
     frontend_max_unacked: int = option(4096, "... or this many steps' outputs behind")
     frontend_max_silence_s: float = option(30.0, "a frontend that processes none of its outputs for this long"
                                                  " (stopped, wedged) has its requests ended (a 503)")
+    # Images (a vision model's): refused past these before they are decoded in full.
+    max_image_bytes: int = option(20 << 20, "an image's encoded bytes at most (a bigger one is refused)")
+    max_image_pixels: int = option(33_177_600, "an image's width x height at most (7680 x 4320; a bigger "
+                                               "one, or a decompression bomb, is refused before decoding)")
     startup_timeout: float = option(300.0, "seconds to wait for the core to load the model")
     log_level: str = option("warning", "debug, info, warning, error or critical")
     # SGLang's options, with SGLang's meaning:
@@ -294,6 +298,8 @@ class EngineConfig:
         _check(self.frontend_max_unacked >= 1, "frontend_max_unacked", "must be >= 1")
         _check(self.frontend_max_silence_s > 0, "frontend_max_silence_s", "must be > 0")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _check(self.max_image_bytes >= 1 and self.max_image_pixels >= 1, "max_image_bytes",
+               "max_image_bytes and max_image_pixels must be >= 1")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",

@@ -371,9 +371,9 @@ def _generate_args(prompt: Prompt, sampling_params: SamplingArg, input_ids: Inpu
                    stream: bool, kwargs: dict[str, Any]) -> GenerateArgs:  # Any: as generate's
     """generate()'s arguments as GenerateArgs, SGLang's unserved ones refused by name."""
     expect("stream", stream, bool, "True or False")
-    _refuse_unsupported(image_data=image_data, **{k: v for k, v in kwargs.items() if k not in FIELDS})
+    _refuse_unsupported(**{k: v for k, v in kwargs.items() if k not in FIELDS})
     return GenerateArgs(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-                        **{k: v for k, v in kwargs.items() if k in FIELDS})
+                        image_data=image_data, **{k: v for k, v in kwargs.items() if k in FIELDS})
 
 
 def _refuse_unsupported(**args: object) -> None:
@@ -385,7 +385,7 @@ def _refuse_unsupported(**args: object) -> None:
         if name not in SGLANG_UNSUPPORTED:
             raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
         if value != SGLANG_UNSUPPORTED[name] and value is not None:
-            raise InvalidParam(name, f"{name} is not supported by Unison (text-only generation, no "
+            raise InvalidParam(name, f"{name} is not supported by Unison (no audio or video, no "
                                      "custom logit processors, sessions or disaggregation); "
                                      "leave it unset")
 

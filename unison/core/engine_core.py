@@ -142,7 +142,8 @@ class EngineCore:
             return ReqOutput(msg.rid, finish="abort", overloaded=True,
                              error=f"the engine is overloaded: {waiting} requests waiting "
                                    f"(max_queued_requests={limit}); retry later")
-        problem = check_generate(msg, self.runner.vocab_size, self.context_length, self.task)
+        problem = check_generate(msg, self.runner.vocab_size, self.context_length, self.task,
+                                 None if self.runner.vision is None else self.runner.vision.spec)
         if problem is None and msg.lora_name is not None:
             if not self.config.enable_lora:
                 problem = "lora_path: LoRA is off; start the engine with enable_lora=True (--enable-lora)"
@@ -222,7 +223,7 @@ class EngineCore:
         if self.drafter is not None:
             add_drafts(self.drafter, self.scheduler, items, self.context_length, self.counts.steps)
         scheduled = time.monotonic()  # queue time ends here, before the step's compute
-        logits = self.runner.forward([self._batch_item(it) for it in items])
+        logits = self.runner.forward([_batch_item(it) for it in items])
         outs = [ReqOutput(it.req.rid, cached_tokens=it.req.cached_tokens) for it in items]
         sampled: Sampled = []
         drafted: list[tuple[int, ScheduledItem, ReqOutput]] = []  # (first row, item, its output)
@@ -276,13 +277,6 @@ class EngineCore:
             refused[req.frontend].append(ReqOutput(req.rid, finish="abort", error=error))
         return refused
 
-    def _batch_item(self, it: ScheduledItem) -> BatchItem:
-        req, start = it.req, it.req.num_computed_tokens
-        tokens = req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
-        restore, req.state_restore = req.state_restore, -1  # a hit's snapshot, copied in once
-        return BatchItem(tokens, start, req.block_table, it.logits_start, req.adapter, req.state_slot,
-                         restore, it.snapshot_slot, drafted=bool(it.draft))
-
     def _sample(self, logits: torch.Tensor, sampled: Sampled, now: float) -> None:
         result = self.sampler(logits, [req for _, req, _ in sampled])
         ttft, itl = self.latency.ttft, self.latency.itl
@@ -334,6 +328,14 @@ class EngineCore:
             if out.token_ids or out.finish or out.prompt_logprobs:  # not a silent mid-prompt chunk
                 outputs[req.frontend].append(out)
         return outputs
+
+
+def _batch_item(it: ScheduledItem) -> BatchItem:
+    req, start = it.req, it.req.num_computed_tokens
+    tokens = req.token_ids[start: start + it.num_new - len(it.draft)] + it.draft
+    restore, req.state_restore = req.state_restore, -1  # a hit's snapshot, copied in once
+    return BatchItem(tokens, start, req.block_table, it.logits_start, req.adapter, req.state_slot,
+                     restore, it.snapshot_slot, drafted=bool(it.draft), images=req.images)
 
 
 def _state_pools(runner: ModelRunner | None, disk: object) -> tuple[StatePool | None, StatePool | None]:

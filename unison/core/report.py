@@ -55,6 +55,7 @@ class CoreReport:
             step_bytes=runner.model.step_bytes() if isinstance(runner.model, DecoderModel) else 0,
             max_queued_requests=core.config.max_queued_requests, task=core.task,
             embedding_size=runner.output_size, rerank_template=runner.rerank_template,
+            image=None if runner.vision is None else runner.vision.spec,
         )
 
     @property

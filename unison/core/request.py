@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from unison.sampling import MAX_TOP_LOGPROBS, core_problem
-from unison.wire.messages import CoreSamplingParams, Generate
+from unison.wire.messages import CoreSamplingParams, Generate, ImageInput, ImageSpec
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -51,6 +51,26 @@ class Request:
     draft_misses: int = 0  # speculative decoding: drafts in a row with nothing accepted
     drafts_resume_at: int = 0  # ... and the step from which it drafts again after them
     draft_length: int = 0  # the next draft's length, from the last one's acceptance (0: the most)
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's, in order
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """token_ids as the prefix cache and KV events know them: each image's placeholder run
+        as an id of its own hash (ImageInput.hash: a different picture is a miss; the same
+        picture again is a hit), out of the vocabulary's range."""
+        if not self.images:
+            return self.token_ids
+        ids = list(self.token_ids)
+        for image in self.images:
+            ids[image.offset: image.offset + image.tokens] = [image_key(image.hash)] * image.tokens
+        return ids
+
+    def image_span(self, position: int) -> tuple[int, int] | None:
+        """The [start, end) of the image whose placeholders hold `position`, if one does."""
+        for image in self.images:
+            if image.offset <= position < image.offset + image.tokens:
+                return image.offset, image.offset + image.tokens
+        return None
 
     @property
     def ready(self) -> bool:
@@ -80,7 +100,7 @@ class Request:
             num_prompt_tokens=len(msg.input_ids), params=msg.params,
             return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len, priority=msg.priority,
-            token_ids_logprob=list(msg.token_ids_logprob), pooling=msg.pooling,
+            token_ids_logprob=list(msg.token_ids_logprob), pooling=msg.pooling, images=list(msg.images),
         )
 
     @property
@@ -100,7 +120,32 @@ class Request:
         return self.next_prompt_logprob < self.num_prompt_tokens
 
 
-def check_generate(msg: Generate, vocab_size: int, context_length: int, task: str = "generate") -> str | None:
+def image_key(digest: bytes) -> int:
+    """An image's placeholder id in cache keys: 2**40 and up, never a vocabulary's token."""
+    return (1 << 40) | int.from_bytes(digest[:4], "big")
+
+
+def check_images(msg: Generate, spec: ImageSpec | None) -> str | None:
+    """What makes a request's images unusable (a frontend may be buggy or not ours), or None."""
+    if not msg.images:
+        return None
+    if spec is None:
+        return "this model takes no images (a text-only model)"
+    end = 0
+    for image in msg.images:
+        size = spec.image_size
+        if image.shape != (3, size, size) or len(image.pixels) != 4 * 3 * size * size or len(image.hash) < 4:
+            return f"an image must be float32 pixels of shape (3, {size}, {size}) with its hash"
+        run = msg.input_ids[image.offset: image.offset + image.tokens]
+        if image.offset < end or image.tokens != spec.tokens or run != [spec.token_id] * spec.tokens:
+            return (f"each image must sit on its own run of {spec.tokens} placeholder tokens "
+                    f"{spec.token_id}, in order")
+        end = image.offset + image.tokens
+    return None
+
+
+def check_generate(msg: Generate, vocab_size: int, context_length: int, task: str = "generate",
+                   image: ImageSpec | None = None) -> str | None:
     """What makes a request unservable, or None. The frontend validates for its users; the core
     re-checks everything that could crash a step or corrupt its state, since a frontend may be
     buggy or not ours."""
@@ -123,4 +168,4 @@ def check_generate(msg: Generate, vocab_size: int, context_length: int, task: st
         return problem
     if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS or msg.logprob_start_len < -1:
         return f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}] and logprob_start_len >= -1"
-    return None
+    return check_images(msg, image)

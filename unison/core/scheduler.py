@@ -138,7 +138,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._to_snapshot(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self._chunk(req, budget)
             if not self._make_room(req, req.num_computed_tokens + n):
                 break  # req itself was preempted: nothing after it runs this step
             items.append(self._item(req, n))
@@ -151,7 +151,7 @@ class Scheduler:
             if new is None:
                 break  # what waits is still compiling its grammar, or its adapter must wait
             self.kv.match_prefix(new)
-            n = self._to_snapshot(new, min(new.num_tokens - new.num_computed_tokens, budget))
+            n = self._chunk(new, budget)
             if self.whole_prompts and n < new.num_tokens:
                 if items:
                     break  # it waits for the next step, first in line
@@ -179,10 +179,18 @@ class Scheduler:
                     (req.num_prompt_tokens - 1) // bs * bs)
         return point if point > start else None
 
-    def _to_snapshot(self, req: Request, n: int) -> int:
-        """n new tokens, or fewer so that the chunk ends at the next snapshot point."""
+    def _chunk(self, req: Request, budget: int) -> int:
+        """The tokens req computes this step: what is left of it, within the budget, ending at
+        the next snapshot point; and never within an image, whose tokens see one another (Gemma
+        3): the chunk ends before it, or, where it starts there, takes the whole image."""
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget)
         point = self._snapshot_point(req)
-        return n if point is None else min(n, point - req.num_computed_tokens)
+        n = n if point is None else min(n, point - start)
+        span = req.image_span(start + n - 1) if req.images else None
+        if span is not None and span[1] > start + n:
+            n = span[0] - start if span[0] > start else span[1] - start
+        return n
 
     def _item(self, req: Request, n: int) -> ScheduledItem:
         end = req.num_computed_tokens + n

@@ -41,6 +41,10 @@ class GenerateArgs:
     rid: str | list[str] | None = None
     priority: int | None = None  # one for the whole call
     lora_path: str | list[str | None] | None = None  # a loaded adapter's name, or one per prompt
+    # A prompt's images (each where its prompt writes the model's image marker): one image or a
+    # list of them for one prompt; for a list of prompts, one such entry per prompt. An image is
+    # bytes, a data: URL, base64 text, a PIL image or (from Python) a file path.
+    image_data: object = None
 
     def split(self) -> tuple[bool, list[GenerateArgs]]:
         """(whether the call was a batch, one GenerateArgs of single values per prompt)."""
@@ -51,6 +55,7 @@ class GenerateArgs:
             by_id = [by_id] * n  # one list of ids for every prompt
         per = {f: _per_prompt(getattr(self, f), n, f) for f in _PER_PROMPT}
         per["token_ids_logprob"] = _per_prompt(by_id, n, "token_ids_logprob") if batch else [by_id]
+        per["image_data"] = _per_prompt(self.image_data, n, "image_data") if batch else [self.image_data]
         return batch, [GenerateArgs(prompt=prompts[i] if prompts else None,
                                     input_ids=id_lists[i] if id_lists else None, priority=self.priority,
                                     **{f: values[i] for f, values in per.items()})
@@ -75,7 +80,8 @@ class GenerateArgs:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(GenerateArgs))
 # One value per prompt (or one for all); prompt and input_ids say how many prompts there are.
-_PER_PROMPT = tuple(f for f in FIELDS if f not in ("prompt", "input_ids", "priority", "token_ids_logprob"))
+_PER_PROMPT = tuple(f for f in FIELDS if f not in ("prompt", "input_ids", "priority", "token_ids_logprob",
+                                                   "image_data"))
 
 
 def _per_prompt(value: object, n: int, name: str) -> list[Any]:  # Any: each field's own type

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -20,7 +20,7 @@ from unison.frontend.sampling_params import SamplingParams
 from unison.frontend.text.detokenizer import IncrementalDetokenizer, StopRegex, TokenIds
 from unison.frontend.text.tokenizer import Tokenizer
 from unison.json_types import JSONObject
-from unison.wire.messages import ReqOutput
+from unison.wire.messages import ImageInput, ReqOutput
 
 Logprob = tuple[float | None, int, None]  # (logprob, token id, token text), as sglang.Engine
 
@@ -67,6 +67,7 @@ class PromptRequest:
     token_ids_logprob: list[int] | None = None  # these ids' logprobs at every position
     lora_name: str | None = None  # a LoRA adapter loaded in the core (None: the base model)
     pooling: bool = False  # embed or score it (frontend/pooling.py): the core answers with a vector
+    images: list[ImageInput] = field(default_factory=list)  # prepared (frontend/images.py), in order
 
 
 @dataclass(slots=True)

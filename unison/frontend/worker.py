@@ -19,8 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
+import numpy as np
+
 from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam, check_encodable
+from unison.frontend import images
 from unison.frontend.collector import Collector, running_loop
 from unison.frontend.connection import CoreConnection
 from unison.frontend.fanout import fan_out
@@ -203,11 +206,31 @@ class TokenizerWorker:
             field = "stop" if params.stop is not None else "stop_regex"
             raise InvalidParam(field, f"{field} needs a tokenizer; this engine has none "
                                       "(skip_tokenizer_init=True): use stop_token_ids")
-        ids = self._prompt_ids(cast(str | None, one.prompt), cast(list[int] | None, one.input_ids), params,
-                               add_special_tokens)
+        pixels = self._images(one.image_data)
+        prompt = cast(str | None, one.prompt)
+        if pixels and prompt is not None:  # each image marker becomes its run of placeholders
+            assert self.info.image is not None  # _images refused images to a text-only model
+            prompt = images.expand(prompt, len(pixels), self.info.image, "prompt")
+        ids = self._prompt_ids(prompt, cast(list[int] | None, one.input_ids), params, add_special_tokens)
         info = self.info
         max_new = params.max_tokens(len(ids), min(info.context_length, info.max_total_tokens))
-        return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, by_id, lora_path)
+        placed = images.place(ids, pixels, info.image, "prompt" if prompt else "input_ids") \
+            if info.image is not None else []
+        return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, by_id, lora_path,
+                             images=placed)
+
+    def _images(self, data: object) -> list[np.ndarray]:
+        """One prompt's images (image_data's, or a chat's ImageSources), read and prepared."""
+        if data is None or data == []:
+            return []
+        if self.info.image is None:
+            raise InvalidParam("image_data", "this model takes no images (a text-only model)")
+        sources = data if isinstance(data, list) else [data]
+        limits = images.ImageLimits(self.config.max_image_bytes, self.config.max_image_pixels)
+        return [images.prepare(images.read(s if isinstance(s, images.ImageSource) else images.ImageSource(
+                    s, f"image_data[{i}]" if isinstance(data, list) else "image_data"), limits, paths=True),
+                    self.info.image)
+                for i, s in enumerate(sources)]
 
     def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
                     add_special_tokens: bool = True) -> list[int]:
@@ -251,7 +274,7 @@ class TokenizerWorker:
                     p.return_logprob, p.top_logprobs_num, p.logprob_start_len if p.return_logprob else -1,
                     req.priority, report_queued=confirm,
                     token_ids_logprob=(p.token_ids_logprob or []) if p.return_logprob else [],
-                    lora_name=p.lora_name, pooling=p.pooling))
+                    lora_name=p.lora_name, pooling=p.pooling, images=p.images))
         counts = Counter(s.rid for s in states)
         clash = sorted(r for r, c in counts.items() if c > 1 or r in self.states)
         if clash:

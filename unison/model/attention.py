@@ -50,6 +50,7 @@ class PagedMeta:
     row_seq: Tensor  # [N] int64: each row's item
     row_len: Tensor  # [N] int64: each row's position + 1
     recent: RecentStep | None = None  # an int8 cache's recent rows (recent_rows.py)
+    ahead: Tensor | None = None  # [N] int64: keys each row sees past its own position (images')
 
 
 @dataclass(slots=True)
@@ -143,10 +144,14 @@ class PagedAttention:
         self.v_cache[:, block].copy_(kv[1])
 
     @contextmanager
-    def step(self, batch: Sequence[Item], positions: np.ndarray) -> Iterator[StepMeta]:
-        """This step's metadata (`positions`: each new token's, flat), which `forward` reads
-        until the step ends."""
+    def step(self, batch: Sequence[Item], positions: np.ndarray,
+             images: cpu_kernels.ImageRows | None = None) -> Iterator[StepMeta]:
+        """This step's metadata (`positions`: each new token's, flat; `images`: the rows that see
+        their whole image), which `forward` reads until the step ends."""
         self._step = self._prepare(batch, positions)
+        if images is not None:
+            assert self._step.paged is not None, "images run on the C attention kernel (vision.py checks)"
+            self._step.paged.ahead = images.ahead
         try:
             yield self._step
         finally:
@@ -281,7 +286,7 @@ class PagedAttention:
             threads = 1 if step.serial else torch.get_num_threads()
             return self.kernel.paged_attention(q.contiguous(), kc, vc, p.tables, p.row_seq, p.row_len,
                                                self.windows[layer], threads, self.config.attention_scale,
-                                               mean, recent, self.sinks[layer]).view(n, heads * d)
+                                               mean, recent, self.sinks[layer], p.ahead).view(n, heads * d)
         assert kc.dtype not in cpu_kernels.C_ONLY_KV_DTYPES, "8-bit KV: the C kernel's only (runner refuses)"
         kc.view(-1, *kc.shape[2:]).index_copy_(0, step.slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, step.slots, v.to(vc.dtype))

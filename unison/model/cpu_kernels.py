@@ -127,6 +127,16 @@ class DeltaStep:
     row_count: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class ImageRows:
+    """A step's rows that are images' (vision.py): their embeddings replace their tokens', and
+    each row of the step sees `ahead` keys past its own position (an image's whole image)."""
+
+    rows: torch.Tensor  # [R] int64, rows of the flat step
+    values: torch.Tensor  # [R, hidden] float32
+    ahead: torch.Tensor  # [N] int64, every row of the step (0: causal)
+
+
 @dataclass(slots=True)
 class Recent:
     """An int8 cache's recent rows for one layer's store and attention (csrc/q8.h): the keys and
@@ -162,7 +172,7 @@ class CpuKernels:
         self.lib = lib
         self._scratch = torch.empty(0, dtype=torch.uint8)  # quantized activations, reused
         lib.paged_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                                        _I64, _I64, _I64, _F32, _INT, _INT, _PTR, _PTR, _PTR]
+                                        _I64, _I64, _I64, _F32, _INT, _INT, _PTR, _PTR, _PTR, _PTR]
         lib.paged_attention.restype = _INT
         lib.add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         lib.add_rms_norm.restype = None
@@ -265,10 +275,12 @@ class CpuKernels:
                         block_tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
                         window: int | None, num_threads: int, scale: float | None = None,
                         key_mean: torch.Tensor | None = None, recent: Recent | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None,
+                        row_ahead: torch.Tensor | None = None) -> torch.Tensor:
         """out [rows, heads, d]: row r = softmax(q_r K^T * scale) V over the first row_len[r] tokens
         (the last `window` of them) of request row_seq[r]; an int8 cache's recent rows from `recent`.
         `sinks` [heads] float32: a learned logit per head in the softmax's denominator (gpt-oss).
+        `row_ahead` [rows] int64: keys past its own position each row also sees (an image's).
 
         q [rows, heads, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] (one layer,
         any of KV_DTYPES); block_tables [requests, width], row_seq and row_len [rows] int64.
@@ -285,7 +297,7 @@ class CpuKernels:
             block_tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows, heads,
             kv_heads, d, block_size, window or 0, d ** -0.5 if scale is None else scale, num_threads,
             KV_DTYPES[k_cache.dtype], _ptr(key_mean), None if rows_c is None else ctypes.addressof(rows_c),
-            _ptr(sinks))
+            _ptr(sinks), _ptr(row_ahead))
         if rc != 0:
             raise MemoryError("paged attention kernel: out of memory")
         return out
@@ -505,7 +517,8 @@ class DStepC(ctypes.Structure):
                 ("table_stride", _I64), ("logit_rows", _I64), ("logit_index", _PTR), ("workspace", _PTR),
                 ("logits", _PTR), ("num_threads", _INT), ("attention_threads", _INT), ("lora_row", _PTR),
                 ("lora", _PTR), ("recent_k", _PTR), ("recent_v", _PTR), ("twin_k", _PTR), ("twin_v", _PTR),
-                ("twin_layer", _I64), ("twin_slots", _PTR), ("first_row", _PTR), ("twin", _PTR)]
+                ("twin_layer", _I64), ("twin_slots", _PTR), ("first_row", _PTR), ("twin", _PTR),
+                ("embed_count", _I64), ("embed_rows", _PTR), ("embed_values", _PTR), ("row_ahead", _PTR)]
 
 
 def struct_mirrors() -> dict[str, type[ctypes.Structure]]:
@@ -582,9 +595,10 @@ class CompiledDecoder:
     def forward(self, ids: torch.Tensor, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
                 slots: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
                 logits_rows: torch.Tensor | None, serial: bool, lora=None,
-                recent: Recent | None = None) -> torch.Tensor:
+                recent: Recent | None = None, images: ImageRows | None = None) -> torch.Tensor:
         """`lora`: the step's lora.LoraStep, when a row runs with an adapter; `recent`: an int8
-        cache's recent rows, its twins every layer's ([layers, twins, ...])."""
+        cache's recent rows, its twins every layer's ([layers, twins, ...]); `images`: the rows
+        that are images' (their embeddings, and what each row sees past itself)."""
         n = ids.numel()
         need = self.kernels.lib.decoder_workspace_bytes(ctypes.byref(self.c), n)
         if self._workspace.numel() < need:  # grown, never shrunk: one forward runs at a time
@@ -604,6 +618,9 @@ class CompiledDecoder:
             step.twin_layer = recent.twins_k[0].numel()
             step.twin_slots, step.first_row = recent.twin_slots.data_ptr(), recent.first_row.data_ptr()
             step.twin = recent.twin.data_ptr()
+        if images is not None:
+            step.embed_count, step.embed_rows = images.rows.numel(), images.rows.data_ptr()
+            step.embed_values, step.row_ahead = images.values.data_ptr(), _ptr(images.ahead)
         if self.kernels.lib.decoder_forward(ctypes.byref(self.c), ctypes.byref(step)) != 0:
             raise MemoryError("decoder forward: out of memory for the attention scores")
         return logits[: rows * self.vocab].view(rows, self.vocab)

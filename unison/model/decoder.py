@@ -195,16 +195,20 @@ class DecoderModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 logits_rows: torch.Tensor | None, lora: LoraStep | None = None,
-                head: bool = True, states: DeltaStates | None = None) -> torch.Tensor:
+                head: bool = True, states: DeltaStates | None = None,
+                images: cpu_kernels.ImageRows | None = None) -> torch.Tensor:
         """Float32 logits [len(logits_rows), vocab] for the flat batch `input_ids` (head=False: the
         final norm's hidden states instead, what a pooled decoder embeds); `lora`: the rows'
         adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c; `states`: the
-        linear-attention layers' per-request states, opened for this step (a hybrid's)."""
+        linear-attention layers' per-request states, opened for this step (a hybrid's); `images`:
+        rows whose embeddings are an image's (vision.py), put in place of their tokens'."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         rope = [r.cos_sin(positions, self.dtype) for r in cfg.ropes]  # once per step, not per layer
         h = self.embed(input_ids)
         if self.embed_scale is not None:  # as transformers: the scale rounded to the model's dtype
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        if images is not None:  # after the scale: an image's embeddings are not scaled (transformers)
+            h.index_copy_(0, images.rows, images.values.to(h.dtype))
         nexts = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         x = _add_norm(ops, h, None, self.layers[0].input_norm, eps)
         hook = lora.apply if lora is not None else _no_lora

@@ -27,6 +27,7 @@ class EncoderRunner:
     kv_dtype = torch.float32  # reported as the KV cache's; there is none
     eos_token_ids: list[int] = []
     rerank_template = ""  # a cross-encoder reads a pair as its tokenizer joins two texts
+    vision = None  # it reads text only
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", num_threads: int | None = None, block_size: int = BLOCK_SIZE,

@@ -32,6 +32,7 @@ lines in `ModelConfig.from_hf` (see Gemma 3's layer types and rope parameters).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,10 @@ class Family:
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", "llama")
+GEMMA3 = Family("gemma3", "Gemma3ForCausalLM", "gemma3", activation="gelu_tanh", norm_plus_one=True,
+                embed_scale=True, qk_norm="head",
+                norms={"input": "input_layernorm", "post_attention": "post_attention_layernorm",
+                       "pre_mlp": "pre_feedforward_layernorm", "post_mlp": "post_feedforward_layernorm"})
 QWEN_SHARED = MoeNames("mlp.gate", "mlp.experts", shared="mlp.shared_expert",
                        shared_gate="mlp.shared_expert_gate")
 # Qwen3-Next and Qwen3.5: (1 + w) norms (but linear_attn.norm's), qk-norm, a gated attention output.
@@ -103,10 +108,10 @@ FAMILIES = [
     Family("mistral", "MistralForCausalLM", None),
     Family("qwen2", "Qwen2ForCausalLM", "qwen2"),
     Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm="head"),
-    Family("gemma3", "Gemma3ForCausalLM", "gemma3", activation="gelu_tanh", norm_plus_one=True,
-           embed_scale=True, qk_norm="head",
-           norms={"input": "input_layernorm", "post_attention": "post_attention_layernorm",
-                  "pre_mlp": "pre_feedforward_layernorm", "post_mlp": "post_feedforward_layernorm"}),
+    GEMMA3,
+    # Gemma 3 4B and up: the text model beside a vision tower (vision.py), under published names.
+    dataclasses.replace(GEMMA3, hf_architecture="Gemma3ForConditionalGeneration", gguf_architecture=None,
+                        text_prefix="language_model.model."),
     Family("olmo2", "Olmo2ForCausalLM", None, qk_norm="full",
            norms={"post_attention": "post_attention_layernorm", "post_mlp": "post_feedforward_layernorm"}),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", qk_norm="head",

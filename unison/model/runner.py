@@ -4,6 +4,7 @@ and runs each step; the paged KV cache and the attention over it are attention.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unison.config import KV_CACHE_DTYPES, EngineConfig
+from unison.wire.messages import ImageInput
 
 from . import cpu_kernels, key_rounding
 from .attention import PagedAttention, kv_head_bytes
@@ -24,6 +26,7 @@ from .families import ModelConfig
 from .linear_attention import DeltaStates
 from .loader import open_weights, resolve_model_dir
 from .lora import Adapter, LoraStep, LoraWeights
+from .vision import Vision
 from .weights import SafetensorsWeights, overlay, resolve_quantization
 
 BLOCK_SIZE = EngineConfig.block_size  # (the option's own default, declared once)
@@ -44,6 +47,7 @@ class BatchItem:
     state_restore: int = -1  # a snapshot slot to resume from (a prefix-cache hit), copied in first
     state_save: int = -1  # a snapshot slot to keep the state in once the step is done (the cache's)
     drafted: bool = False  # its tokens after the first are a draft: its state can be rolled back
+    images: Sequence[ImageInput] = ()  # its prompt's images (vision.py puts those in its rows)
 
 
 class ModelRunner:
@@ -94,6 +98,8 @@ class ModelRunner:
             self.quantization, self.model = self._load(model_path, self.model_dir, self.config)
         log.info("linears run as %s", ", ".join(sorted(set(self.model.linear_kinds().values()))))
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
+        self.vision = None if load_format == "dummy" else Vision.load(self.model_dir, self.model.source,
+                                                                      self.kv_dtype, self.model.ops)
         if self.kv_dtype == torch.int8 and self.config.head_dim % 32:  # before a cache of no bytes is made
             raise ValueError("kv_cache_dtype='int8' keeps blocks of 32 values per head: this model's "
                              f"head_dim ({self.config.head_dim}) is not a multiple of 32; use float16")
@@ -175,7 +181,7 @@ class ModelRunner:
         cfg = self.config
         moments = key_rounding.Moments(len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim)
         batch = [BatchItem(ids, 0, list(range(-(-len(ids) // self.block_size))), len(ids), state_slot=0)]
-        tokens, pos, logits_rows = self._prepare(batch)
+        tokens, pos, logits_rows = _flat(batch, self.block_size, self.device)
         with self.attention.step(batch, pos), self._states(batch) as states:
             self.model.forward(tokens, torch.from_numpy(pos).to(self.device),
                                moments.wrap(self.attention.forward), logits_rows, None, states=states)
@@ -286,23 +292,24 @@ class ModelRunner:
         if not batch:
             return torch.empty(0, self.vocab_size, device=self.device)
         lora = self._lora_step(batch)
-        ids, pos, logits_rows = self._prepare(batch)
+        ids, pos, logits_rows = _flat(batch, self.block_size, self.device)
         positions = torch.from_numpy(pos).to(self.device)
-        with self.attention.step(batch, pos) as step, self._states(batch) as states:
+        images = None if self.vision is None else self.vision.step_rows(batch)
+        with self.attention.step(batch, pos, images) as step, self._states(batch) as states:
             if self.task == "embed":
                 hidden = self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
                                             head=False, states=states)
                 return F.normalize(hidden, p=2, dim=-1) if self.normalize else hidden
             if self._compiled is None:
                 return self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
-                                          states=states)
+                                          states=states, images=images)
             p = step.paged
             assert p is not None  # the compiled forward runs on the C kernels' metadata
             cos_sin = [r.cos_sin(positions, torch.float32) for r in self.config.ropes]
             rows = self.attention.recent
             recent = None if rows is None or p.recent is None else rows.layer(p.recent, None)
             return self._compiled.forward(ids, cos_sin, step.slots, p.tables, p.row_seq, p.row_len,
-                                          logits_rows, step.serial, lora, recent)
+                                          logits_rows, step.serial, lora, recent, images)
 
     def keep_drafted_rows(self, kept: dict[int, int]) -> None:
         """After the last step's drafts were verified: each drafted state slot keeps the state of
@@ -324,28 +331,26 @@ class ModelRunner:
         self.forward([BatchItem([0], 8, table, 0, state_slot=0),
                       BatchItem([0], 0, table, 0, state_slot=1)][: 1 if self.budget.slots == 1 else 2])
 
-    def _prepare(self, batch: list[BatchItem]) -> tuple[Tensor, np.ndarray, Tensor | None]:
-        """The flat batch's token ids, their positions, and the rows whose logits are wanted
-        (None: every row); a batch item whose blocks do not cover its tokens is refused."""
-        bs, dev = self.block_size, self.device
-        ids: list[int] = []
-        positions: list[np.ndarray] = []  # per item
-        logits_rows: list[int] = []
-        row = 0
-        for item in batch:
-            n, start = len(item.token_ids), item.start_pos
-            if n == 0 or len(item.block_table) * bs < start + n:
-                raise ValueError(f"bad batch item: {n} tokens at position {start} with "
-                                 f"{len(item.block_table)} blocks of {bs}")
-            ids.extend(item.token_ids)
-            positions.append(np.arange(start, start + n))
-            logits_rows.extend(range(row + item.logits_start, row + n))
-            row += n
-        rows_t = (None if len(logits_rows) == row
-                  else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
-        return torch.tensor(ids, dtype=torch.int64, device=dev), np.concatenate(positions), rows_t
 
-
+def _flat(batch: list[BatchItem], bs: int, dev: torch.device) -> tuple[Tensor, np.ndarray, Tensor | None]:
+    """The flat batch's token ids, their positions, and the rows whose logits are wanted
+    (None: every row); a batch item whose blocks do not cover its tokens is refused."""
+    ids: list[int] = []
+    positions: list[np.ndarray] = []  # per item
+    logits_rows: list[int] = []
+    row = 0
+    for item in batch:
+        n, start = len(item.token_ids), item.start_pos
+        if n == 0 or len(item.block_table) * bs < start + n:
+            raise ValueError(f"bad batch item: {n} tokens at position {start} with "
+                             f"{len(item.block_table)} blocks of {bs}")
+        ids.extend(item.token_ids)
+        positions.append(np.arange(start, start + n))
+        logits_rows.extend(range(row + item.logits_start, row + n))
+        row += n
+    rows_t = (None if len(logits_rows) == row
+              else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+    return torch.tensor(ids, dtype=torch.int64, device=dev), np.concatenate(positions), rows_t
 
 # What must be equal for weights to replace the running model's in place (the KV cache and every
 # frontend's view of the model stay as they are).

@@ -21,7 +21,7 @@ from unison.sampling import CoreSamplingParams
 from unison.version import __version__
 from unison.wire.kv_events import KVEventsInfo
 
-PROTOCOL_VERSION = "8"
+PROTOCOL_VERSION = "9"
 
 
 # ---- frontend -> core -------------------------------------------------------------------------
@@ -39,6 +39,18 @@ class Heartbeat(msgspec.Struct, tag=True):
     heartbeats, answered even while a step runs)."""
 
 
+class ImageInput(msgspec.Struct, frozen=True, array_like=True):
+    """One image of a prompt, prepared by the frontend as the model's processor prepares it:
+    float32 pixels [channels, height, width] (little-endian bytes: no pickle, no copy through
+    Python objects), and the run of placeholder tokens it fills in the prompt."""
+
+    hash: bytes  # of the pixels and the processor's settings: the image's identity in every cache
+    offset: int  # the first placeholder token's position in the prompt
+    tokens: int  # placeholder tokens: the embeddings the encoder gives for it
+    shape: tuple[int, int, int]
+    pixels: bytes
+
+
 class Generate(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
@@ -51,6 +63,7 @@ class Generate(msgspec.Struct, tag=True):
     token_ids_logprob: list[int] = []  # with return_logprob: these ids' logprobs at every position
     lora_name: str | None = None  # a loaded LoRA adapter, resolved by the core (None: the base model)
     pooling: bool = False  # embed or score the prompt (an encoder model's task), no tokens generated
+    images: list[ImageInput] = []  # in prompt order
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -69,6 +82,22 @@ class Goodbye(msgspec.Struct, tag=True):
 
 
 # ---- core -> frontend -------------------------------------------------------------------------
+
+
+class ImageSpec(msgspec.Struct, frozen=True):
+    """How a vision model's frontends prepare an image (its Hugging Face processor's settings)
+    and write it into a prompt: where a chat template or a prompt writes `marker`, the text
+    becomes `expansion`, which holds `tokens` placeholder tokens `token_id` in a row."""
+
+    image_size: int  # images are resized to image_size x image_size
+    resample: int  # PIL's filter number (2: bilinear)
+    rescale: float  # pixel values times this (1/255), then (x - mean) / std per channel
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    marker: str  # e.g. Gemma 3's "<start_of_image>"
+    expansion: str  # e.g. "\n\n<start_of_image>" + 256 x "<image_soft_token>" + "<end_of_image>\n\n"
+    token_id: int
+    tokens: int
 
 
 class CoreInfo(msgspec.Struct):
@@ -95,6 +124,7 @@ class CoreInfo(msgspec.Struct):
     task: str = "generate"  # generate | embed | rerank: what the model serves (EngineConfig.task)
     embedding_size: int = 0  # embed: a vector's dimensions; rerank: scores per pair
     rerank_template: str = ""  # a decoder reranker's text for a pair ({query}, {document}); "": pairs
+    image: ImageSpec | None = None  # a vision model's: how its frontends prepare images (None: text only)
 
 
 class Welcome(msgspec.Struct, tag=True):

@@ -46,16 +46,17 @@ class KVCacheManager:
         limit = req.num_tokens - 1
         if req.wants_prompt_logprobs:  # rows before the first owed logprob are not recomputed
             limit = min(limit, max(req.next_prompt_logprob - 1, 0))
-        blocks, node = self.cache.match(req.token_ids[:limit], req.adapter)
+        key = req.cache_ids  # an image's placeholders under the image's own id
+        blocks, node = self.cache.match(key[:limit], req.adapter)
         if self.disk is not None and not req.adapter:
-            blocks, node = self._load_from_disk(req.token_ids, limit, blocks, node)
+            blocks, node = self._load_from_disk(key, limit, blocks, node)
         self.pool.share(blocks)
         self.cache.lock(node)
         req.cache_node, req.block_table = node, blocks
         req.num_computed_tokens = len(blocks) * self.block_size
         if blocks and node.state >= 0:  # a hybrid's hit resumes from the state kept there
             req.state_restore = node.state
-        self._copy_partial(req, req.token_ids[req.num_computed_tokens: limit], node)
+        self._copy_partial(req, key[req.num_computed_tokens: limit], node)
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed_tokens
 
@@ -98,7 +99,7 @@ class KVCacheManager:
 
     def cached_prefix_len(self, req: Request) -> int:
         """Tokens of the request's prefix the cache holds (the lpm policy's key)."""
-        return 0 if self.cache is None else self.cache.match_len(req.token_ids, req.adapter)
+        return 0 if self.cache is None else self.cache.match_len(req.cache_ids, req.adapter)
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Blocks for the request's first `num_tokens`, evicting cached prefixes if the pool runs
@@ -140,7 +141,7 @@ class KVCacheManager:
         requests sharing the prefix need not wait for it to finish; `snapshot`: a hybrid's state
         after them (a hybrid's cache takes blocks only with one)."""
         if self.cache is not None:
-            self.cache.insert(req.token_ids[: req.num_computed_tokens], req.block_table, req.adapter,
+            self.cache.insert(req.cache_ids[: req.num_computed_tokens], req.block_table, req.adapter,
                               snapshot)
 
     def take_snapshot(self) -> int:

@@ -218,6 +218,9 @@ class Tokenizer:
         return own
 
 
+IMAGE: JSONObject = {"type": "image"}  # where an image was: what chat templates write their marker for
+
+
 def normalize_messages(messages: object) -> list[JSONObject]:
     """Check OpenAI-style chat messages; join text parts; drop None fields as transformers does."""
     if not isinstance(messages, list) or not messages:
@@ -233,7 +236,10 @@ def _normalize_message(i: int, message: object) -> JSONObject:
     if (role := message.get("role")) not in ROLES:
         raise InvalidParam(f"messages[{i}]", f"messages[{i}]: role must be one of {ROLES}, got {role!r}")
     content = message.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and IMAGE in content:  # images.take_images' parts: templates read lists
+        message["content"] = [p if p == IMAGE else {"type": "text", "text": _text_part(i, j, p)}
+                              for j, p in enumerate(content)]
+    elif isinstance(content, list):
         message["content"] = "\n".join(_text_part(i, j, p) for j, p in enumerate(content))
     elif content is None and role == "assistant" and message.get("tool_calls"):
         pass  # an assistant turn that only calls tools has no content
@@ -248,8 +254,8 @@ def _text_part(i: int, j: int, part: object) -> str:
         return part["text"]
     raise InvalidParam(
         f"messages[{i}].content[{j}]",
-        f"messages[{i}].content[{j}]: only {{'type': 'text', 'text': str}} parts are supported, "
-        f"got {part!r:.80}"
+        f"messages[{i}].content[{j}]: only {{'type': 'text', 'text': str}} and image parts are "
+        f"supported, got {part!r:.80}"
     )
 
 

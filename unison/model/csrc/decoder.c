@@ -43,7 +43,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
                     float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent,
-                    const float *sinks);
+                    const float *sinks, const int64_t *row_ahead);
 
 // ---- the model as data (mirrored by ctypes Structures in cpu_kernels.py) -----------------------
 
@@ -93,6 +93,12 @@ typedef struct {
     _Float16 *recent_k, *recent_v, *twin_k, *twin_v;
     int64_t twin_layer;  // elements from one layer's twins to the next's
     const int64_t *twin_slots, *first_row, *twin;  // [rows], [requests], [requests]
+    // An image's rows (vision.py): these rows' embeddings replace their tokens', after the
+    // embedding's scale; row_ahead (NULL: causal) is each row's keys seen past its own position.
+    int64_t embed_count;
+    const int64_t *embed_rows;
+    const float *embed_values;  // [embed_count, hidden]
+    const int64_t *row_ahead;
 } DStep;
 
 // The step's buffers, carved from one workspace. Widths have room for a linear's padding
@@ -164,6 +170,8 @@ int decoder_forward(const DModel *m, const DStep *s) {
     dequantize_columns(m->embed_record, m->embed, m->embed_kp, H, s->ids, n, h);
     if (m->embed_scale != 0.0f)
         for (int64_t i = 0; i < n * H; i++) h[i] *= m->embed_scale;
+    for (int64_t i = 0; i < s->embed_count; i++)
+        memcpy(h + s->embed_rows[i] * H, s->embed_values + i * H, sizeof(float) * H);
     add_norm(h, NULL, m->layer[0].input_norm, x, n, H, m->eps, t);
     for (int64_t li = 0; li < m->layers; li++) {
         const DLayer *L = &m->layer[li];
@@ -186,7 +194,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
         if (paged_attention(qbuf, L->k_cache, L->v_cache, s->tables, s->table_stride, s->row_seq, s->row_len,
                             attn, n, m->heads, m->kv_heads, d, m->block_size, L->window,
                             m->attention_scale, s->attention_threads, m->kv_dtype, L->key_mean,
-                            s->recent_k ? &recent : NULL, L->sinks) != 0)
+                            s->recent_k ? &recent : NULL, L->sinks, s->row_ahead) != 0)
             return -1;
         linear(&L->o_proj, attn, n, delta, &b, t);
         if (s->lora_row) lora_apply(attn, q, q, delta, H, n, s->lora_row, s->lora, 4 * li + 1, t);
@@ -239,7 +247,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
     X(DStep, logit_index) X(DStep, workspace) X(DStep, logits) X(DStep, num_threads)                    \
     X(DStep, attention_threads) X(DStep, lora_row) X(DStep, lora) X(DStep, recent_k) X(DStep, recent_v) \
     X(DStep, twin_k) X(DStep, twin_v) X(DStep, twin_layer) X(DStep, twin_slots) X(DStep, first_row)     \
-    X(DStep, twin)                                                                                      \
+    X(DStep, twin) X(DStep, embed_count) X(DStep, embed_rows) X(DStep, embed_values) X(DStep, row_ahead)  \
     X(RecentRows, k) X(RecentRows, v) X(RecentRows, k_twins) X(RecentRows, v_twins)                     \
     X(RecentRows, first_row) X(RecentRows, twin)                                                        \
     X(LoraPart, a) X(LoraPart, b) X(LoraPart, rank) X(LoraPart, n) X(LoraPart, offset)                  \

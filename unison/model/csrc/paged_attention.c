@@ -16,7 +16,9 @@
 //   block_tables [seqs, table_stride]  int64, block ids of each request in order
 //   row_seq      [rows]                int64, the request (row of block_tables) of each query row
 //   row_len      [rows]                int64, tokens the row attends to (its position + 1)
-// window > 0 keeps only the last `window` tokens (sliding-window attention).
+//   row_ahead    [rows] or NULL        int64, keys past its own position the row also sees
+// window > 0 keeps only the last `window` tokens (sliding-window attention) before the row's own
+// position: `row_ahead` widens what a row sees forward, never backward.
 //
 // Built at first use by unison/model/cpu_kernels.py with -O3 -march=native -fopenmp.
 
@@ -445,26 +447,28 @@ static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, cons
 // cache's element type). key_mean: int8's [kv_heads, head_dim] (rotated), which the keys' marked
 // blocks were stored less (q8.h); NULL: none were. recent: int8's recent rows (q8.h), or NULL.
 // sinks: a learned logit per query head in each softmax's denominator (gpt-oss), or NULL.
+// row_ahead: where a row sees keys past its own position (an image's tokens see their whole
+// image, Gemma 3), or NULL: causal. Not with int8's recent rows (the runner refuses the pair).
 // Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
                     const int64_t *row_len, float *out, int64_t rows, int64_t num_heads,
                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
                     float scale, int num_threads, int dtype, const float *key_mean, const RecentRows *recent,
-                    const float *sinks) {
+                    const float *sinks, const int64_t *row_ahead) {
     switch (dtype) {
     case 1:
         return paged_attention_f16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads, NULL, NULL, sinks);
+                                   num_threads, NULL, NULL, sinks, row_ahead);
     case 4:
         return paged_attention_e4m3(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL, NULL, sinks);
+                                    num_threads, NULL, NULL, sinks, row_ahead);
     case 5:
         return paged_attention_e5m2(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL, NULL, sinks);
+                                    num_threads, NULL, NULL, sinks, row_ahead);
     case 3: {  // keys and values are stored rotated (fused_ops.c's hadamard_rotate): so are the queries
         float *rotated = malloc(sizeof(float) * rows * num_heads * head_dim);
         if (rotated == NULL) return -1;
@@ -472,7 +476,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
         hadamard_rotate(rotated, rows * num_heads, head_dim);
         const int rc = paged_attention_i8(rotated, k_cache, v_cache, block_tables, table_stride, row_seq,
                                           row_len, out, rows, num_heads, kv_heads, head_dim, block_size,
-                                          window, scale, num_threads, key_mean, recent, sinks);
+                                          window, scale, num_threads, key_mean, recent, sinks, row_ahead);
         free(rotated);
         hadamard_rotate(out, rows * num_heads, head_dim);  // the values' rotation, undone
         return rc;
@@ -480,10 +484,10 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
     case 2:
         return paged_attention_bf16(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                     out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                    num_threads, NULL, NULL, sinks);
+                                    num_threads, NULL, NULL, sinks, row_ahead);
     default:
         return paged_attention_f32(q, k_cache, v_cache, block_tables, table_stride, row_seq, row_len,
                                    out, rows, num_heads, kv_heads, head_dim, block_size, window, scale,
-                                   num_threads, NULL, NULL, sinks);
+                                   num_threads, NULL, NULL, sinks, row_ahead);
     }
 }

@@ -169,7 +169,7 @@ static int KV_NAME(paged_attention)(
         int64_t table_stride, const int64_t *row_seq, const int64_t *row_len, float *out,
         int64_t rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
         int64_t window, float scale, int num_threads, const float *key_mean, const RecentRows *recent,
-        const float *sinks) {
+        const float *sinks, const int64_t *row_ahead) {
     void (*attend)(const float *, const KV_T *, const KV_T *, const int64_t *, int64_t, int64_t,
                    int64_t, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                    float, const float *, const Recent *, const float *, float *) =
@@ -182,8 +182,8 @@ static int KV_NAME(paged_attention)(
     int64_t ntiles = 0;
     for (int64_t r = 0; r < rows; r++)
         if (r == 0 || r - tiles[ntiles - 1] >= TILE_Q || row_seq[r] != row_seq[r - 1] ||
-            row_len[r] != row_len[r - 1] + 1)
-            tiles[ntiles++] = r;
+            row_len[r] != row_len[r - 1] + 1 || (row_ahead && (row_ahead[r] | row_ahead[r - 1])))
+            tiles[ntiles++] = r;  // (a row that sees keys ahead of it is a tile of its own)
     tiles[ntiles] = rows;
     // A task is a tile with all its heads (K/V rows read once); with fewer tiles than threads,
     // a (tile, kv head) pair, so that a single long decode still uses every thread.
@@ -198,8 +198,12 @@ static int KV_NAME(paged_attention)(
             const int64_t tile = task / splits, part = task % splits;
             const int64_t r0 = tiles[tile], nrows = tiles[tile + 1] - r0;
             const int64_t h0 = part * num_heads / splits, h1 = (part + 1) * num_heads / splits;
-            const int64_t len0 = row_len[r0], end = len0 + nrows - 1;
-            const int64_t lo = window > 0 && len0 > window ? len0 - window : 0;
+            // A row that sees `ahead` keys past its own (an image token of Gemma 3 sees its whole
+            // image) attends as a row that long, its window as wide again: it starts where its
+            // own position's window starts.
+            const int64_t ahead = row_ahead ? row_ahead[r0] : 0, w = window > 0 ? window + ahead : 0;
+            const int64_t len0 = row_len[r0] + ahead, end = len0 + nrows - 1;
+            const int64_t lo = w > 0 && len0 > w ? len0 - w : 0;
             const int64_t need = nrows * (h1 - h0) * (end - lo);
             if (need > cap) {
                 free(scores);
@@ -213,7 +217,7 @@ static int KV_NAME(paged_attention)(
             const int64_t off = r0 * num_heads * head_dim;
             Recent own;
             attend(q + off, k_cache, v_cache, block_tables + row_seq[r0] * table_stride, len0, nrows,
-                   window, out + off, num_heads, h0, h1, group, kv_heads, head_dim, block_size, scale,
+                   w, out + off, num_heads, h0, h1, group, kv_heads, head_dim, block_size, scale,
                    key_mean, recent_of(recent, &own, row_seq[r0], row_len, kv_heads * head_dim, block_size),
                    sinks, scores);
         }

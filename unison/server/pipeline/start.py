@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from pydantic import ValidationError
 
 from unison.config import EngineConfig
 from unison.errors import InvalidParam, UnknownAdapterError, check_encodable
+from unison.frontend import images
 from unison.frontend.collector import Collector
 from unison.frontend.generate_args import GenerateArgs
 from unison.frontend.pooling import expect_task
@@ -163,6 +164,7 @@ class ChatPrompt:
     ids: list[int]
     tools: ToolPlan | None
     harmony: bool = False  # rendered by openai-harmony: its output is parsed by it too
+    images: list[images.ImageSource] = field(default_factory=list)  # in prompt order, not yet read
 
 
 def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool = True) -> ChatPrompt:
@@ -173,11 +175,14 @@ def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool 
     tokenizer, info, _ = attached(worker_of(request))
     expect_task(info, "generate", "chat")  # before the chat template, which an encoder lacks
     limit = info.context_length if refuse_past_context else None
+    messages, sources = images.take_images([m.model_dump(exclude_none=True) for m in body.messages])
+    if sources and info.image is None:
+        raise HTTPError(400, f"{sources[0].field}: this model takes no images (a text-only model)",
+                        param=sources[0].field)
     if tokenizer.harmony is not None:
         return _render_harmony(body, request, tokenizer, limit)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                        request.app.state.settings.serve.tool_call_parser)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     if tools is not None:
         messages = messages_for_template(messages)
     reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
@@ -190,10 +195,13 @@ def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool 
         messages, **variables, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
         chat_template=request.app.state.chat_template)
+    if sources:  # each image marker the template wrote becomes the image's placeholders
+        assert info.image is not None  # (refused above otherwise)
+        text = images.expand(text, len(sources), info.image, "messages")
     # The template writes its own special tokens: none more unless asked (vLLM's default).
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), limit=limit,
                            field="messages")
-    return ChatPrompt(text, ids, tools)
+    return ChatPrompt(text, ids, tools, images=sources)
 
 
 def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, limit: int | None) -> ChatPrompt:
@@ -245,7 +253,7 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
     try:
         args = GenerateArgs(input_ids=prompt_ids, sampling_params=params, return_logprob=body.logprobs,
                             top_logprobs_num=body.top_logprobs or 0, priority=body.priority,
-                            lora_path=adapter)
+                            lora_path=adapter, image_data=prompt.images or None)
         collector = await _submit(request, worker, text, args)
     except InvalidParam as e:  # the limit came as max_completion_tokens: name that
         if e.field != "max_new_tokens" or body.max_completion_tokens is None:

@@ -1,0 +1,210 @@
+"""Images in: read, checked and prepared in the frontend, as the model's Hugging Face processor
+prepares them, then sent to the core once as float32 pixels (wire.messages.ImageInput).
+
+Decoding, resizing and normalizing are per-request Python work: they belong to the frontend
+processes, as tokenizing does (SGLang does them in its tokenizer manager too). The core gets
+pixels and runs the vision encoder.
+
+The steps are transformers' PIL backend's (`Gemma3ImageProcessorPil`), op for op, so the pixels
+are its bits: convert to RGB (transparency composited onto white), resize with PIL, times
+`rescale` in float64 then float32, then (x - mean) / std in float32. Only pillow and numpy run
+here: a frontend imports neither torch nor transformers.
+
+An image's identity (`ImageInput.hash`) is a hash of its pixels and the settings that made
+them: the prefix cache, KV events and the core's encoder cache all know a picture by it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from unison.errors import InvalidParam
+from unison.frontend.text.tokenizer import IMAGE
+from unison.json_types import JSONObject
+from unison.wire.messages import ImageInput, ImageSpec
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# The formats a browser or a phone sends; anything else is refused before it is decoded.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+_DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,", re.ASCII)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What one image may be: its encoded bytes and its pixels (width x height)."""
+
+    max_bytes: int
+    max_pixels: int
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """An image as a request gives it, with the request field it came in (errors name it)."""
+
+    data: object  # bytes, a data: URL or base64 text, a PIL image; a path from the Python API only
+    field: str
+
+
+def _pil() -> object:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise InvalidParam("image_data", "images need pillow: pip install pillow") from None
+    return Image
+
+
+def read(source: ImageSource, limits: ImageLimits, paths: bool = False) -> Image.Image:
+    """The image `source` holds, decoded and checked; InvalidParam naming its field otherwise.
+    `paths`: a string may be a local file (the Python API; never an HTTP client's)."""
+    Image = _pil()
+    data, field = source.data, source.field
+    if isinstance(data, Image.Image):  # type: ignore[attr-defined]
+        _check_pixels(data.size, limits, field)
+        return data
+    raw = _bytes(data, field, paths, limits)
+    with warnings.catch_warnings():  # PIL warns past its own bomb limit; ours is checked below
+        warnings.simplefilter("ignore")
+        try:
+            image = Image.open(io.BytesIO(raw), formats=FORMATS)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - PIL raises many kinds for a bad file
+            raise InvalidParam(field, f"{field}: not an image in a supported format ({', '.join(FORMATS)}): "
+                                      f"{type(e).__name__}") from None
+        # Only the header is read so far: a decompression bomb is refused before it is decoded.
+        _check_pixels(image.size, limits, field)
+        try:
+            image.load()
+        except Exception as e:  # noqa: BLE001
+            raise InvalidParam(field, f"{field}: the image does not decode: {e}") from None
+    return image
+
+
+def _bytes(data: object, field: str, paths: bool, limits: ImageLimits) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        raw = bytes(data)
+    elif isinstance(data, str):
+        raw = _text_bytes(data, field, paths)
+    else:
+        raise InvalidParam(field, f"{field}: an image must be bytes, a data: URL or base64 text, got "
+                                  f"{type(data).__name__}")
+    if len(raw) > limits.max_bytes:
+        raise InvalidParam(field, f"{field}: the image is {len(raw)} bytes, over max_image_bytes "
+                                  f"({limits.max_bytes})")
+    return raw
+
+
+def _text_bytes(text: str, field: str, paths: bool) -> bytes:
+    if text.startswith(("http://", "https://")):
+        raise InvalidParam(field, f"{field}: image URLs are not fetched; send the image inline as a "
+                                  "data: URL (data:image/png;base64,...)")
+    if text.startswith("data:"):
+        head = _DATA_URL.match(text)
+        if head is None:
+            raise InvalidParam(field, f"{field}: a data URL must be data:image/<format>;base64,<data>")
+        text = text[head.end():]
+    elif paths and len(text) < 4096 and Path(text).is_file():
+        return Path(text).read_bytes()
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidParam(field, f"{field}: not base64 image data"
+                                  f"{' nor a file' if paths else ''}") from None
+
+
+def _check_pixels(size: tuple[int, int], limits: ImageLimits, field: str) -> None:
+    width, height = size
+    if width * height > limits.max_pixels:
+        raise InvalidParam(field, f"{field}: the image is {width}x{height} pixels, over max_image_pixels "
+                                  f"({limits.max_pixels})")
+    if width < 1 or height < 1:
+        raise InvalidParam(field, f"{field}: the image is empty ({width}x{height})")
+
+
+def prepare(image: Image.Image, spec: ImageSpec) -> np.ndarray:
+    """Float32 pixels [3, size, size], the bits the model's processor gives."""
+    Image = _pil()
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))  # type: ignore[attr-defined]
+        rgb = Image.alpha_composite(white, rgba).convert("RGB")  # type: ignore[attr-defined]
+    else:
+        rgb = image.convert("RGB")
+    resized = np.asarray(rgb.resize((spec.image_size, spec.image_size), resample=spec.resample))
+    scaled = (resized.astype(np.float64) * spec.rescale).astype(np.float32)
+    x = (scaled - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
+    return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
+
+
+def identity(pixels: np.ndarray, spec: ImageSpec) -> bytes:
+    """An image's hash: its pixels and every setting that made them or places them."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((spec.image_size, spec.resample, spec.rescale, spec.mean, spec.std, spec.token_id,
+                   spec.tokens, pixels.shape)).encode())
+    h.update(pixels.tobytes())
+    return h.digest()
+
+
+def expand(text: str, count: int, spec: ImageSpec, field: str) -> str:
+    """`text` with each image marker made the image's placeholder run, as the model's processor
+    writes it; its markers must be as many as the images."""
+    found = text.count(spec.marker)
+    if found != count:
+        raise InvalidParam(field, f"{field}: the prompt has {found} image marker(s) {spec.marker!r} for "
+                                  f"{count} image(s)")
+    return text.replace(spec.marker, spec.expansion)
+
+
+def place(ids: list[int], pixels: list[np.ndarray], spec: ImageSpec, field: str) -> list[ImageInput]:
+    """The images as the core takes them, each at its run of placeholder tokens in `ids` (in
+    order); the runs must be as many as the images, each `spec.tokens` long."""
+    starts = [i for i, t in enumerate(ids) if t == spec.token_id and (i == 0 or ids[i - 1] != spec.token_id)]
+    runs = [(s, next((j for j in range(s, len(ids)) if ids[j] != spec.token_id), len(ids)) - s)
+            for s in starts]
+    if len(runs) != len(pixels) or any(n != spec.tokens for _, n in runs):
+        raise InvalidParam(field, f"{field}: the prompt's image placeholders (runs of {[n for _, n in runs]} "
+                                  f"tokens {spec.token_id}) do not fit {len(pixels)} image(s) of "
+                                  f"{spec.tokens} tokens")
+    return [ImageInput(identity(p, spec), start, n, (p.shape[0], p.shape[1], p.shape[2]), p.tobytes())
+            for (start, n), p in zip(runs, pixels)]
+
+
+# Chat content parts that carry an image: OpenAI chat's image_url, the Responses API's input_image
+# (the other APIs' routes translate theirs into these).
+IMAGE_PARTS = ("image_url", "input_image")
+
+
+def take_images(messages: list[JSONObject]) -> tuple[list[JSONObject], list[ImageSource]]:
+    """Chat messages with each image part made {"type": "image"}, the part chat templates write
+    the image marker for, and the images they carried, in order."""
+    out, found = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(_is_image(p) for p in content):
+            out.append(message)
+            continue
+        parts: list[object] = []
+        for j, part in enumerate(content):
+            if _is_image(part):
+                field = f"messages[{i}].content[{j}].image_url"
+                url = part.get("image_url")
+                found.append(ImageSource(url.get("url") if isinstance(url, dict) else url, field))
+                parts.append(IMAGE)
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, found
+
+
+def _is_image(part: object) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_PARTS
