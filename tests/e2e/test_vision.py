@@ -78,7 +78,8 @@ def tiny_gemma3_vision(path: Path) -> Path:
     tok.add_special_tokens([AddedToken("<image_soft_token>", special=True, normalized=False)])
     assert tok.token_to_id("<image_soft_token>") == 262_144
     tok.save(str(path / "tokenizer.json"))
-    special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    special = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+               "image_token": "<image_soft_token>"}
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
         "unk_token": "<unk>", "chat_template": TEMPLATE, "extra_special_tokens": special, **special}))
@@ -141,8 +142,8 @@ def test_pixels_equal_the_hf_processor_bit_for_bit(runner, size, mode):
 
     image = picture(*size, mode=mode)
     assert runner.vision is not None
-    ours = images.prepare(images.read(images.ImageSource(png(image), "image"), images.ImageLimits(1 << 30, 1 << 30)),
-                          runner.vision.spec)
+    limits = images.ImageLimits(1 << 30, 1 << 30)
+    ours = images.prepare(images.read(images.ImageSource(png(image), "image"), limits), runner.vision.spec)
     # (do_convert_rgb: null, as published, leaves an RGBA or grayscale image unconverted, and then
     # transformers' normalize refuses it; the frontend converts every image, as the class default)
     reference = transformers.Gemma3ImageProcessorPil(**{**PREPROCESSOR, "do_convert_rgb": True})
@@ -215,3 +216,94 @@ def greedy_with_images(runner: ModelRunner, item: BatchItem, new_tokens: int) ->
         table = list(range(-(-len(ids) // runner.block_size)))
         logits = runner.forward([BatchItem([out[-1]], len(ids) - 1, table, 0, images=item.images)])
     return out
+
+
+# ---- the Python API (sglang.Engine's image_data) ------------------------------------------------
+
+PROMPT = "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from unison import Engine
+
+    with Engine(model_path=str(model_dir), quantization="none", chunked_prefill_size=64) as e:
+        yield e
+
+
+def test_engine_image_data_gives_transformers_tokens(engine, hf, processor):
+    """One picture, as bytes, a data URL, base64 text, a PIL image and a file: transformers'
+    greedy tokens; the prompt's tokens count the image's placeholders."""
+    pic = picture(120, 90, seed=7)
+    inputs = hf_inputs(processor, PROMPT, [pic])
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, n:].tolist()
+    for given in (png(pic), data_url(pic), base64.b64encode(png(pic)).decode(), pic):
+        out = engine.generate(PROMPT, GREEDY, image_data=given)
+        assert out["output_ids"] == ref
+        assert out["meta_info"]["prompt_tokens"] == n
+
+
+def test_image_requests_are_bit_identical_alone_and_batched(engine):
+    """An image request's output alone equals its output beside text prompts and other images,
+    and with the prompt chunked at 8 tokens (an image is never split: its 16 rows go together)."""
+    pics = [picture(70, 40, seed=s) for s in range(3)]
+    logprobs = {"return_logprob": True, "top_logprobs_num": 5}
+
+    def seen(out: dict) -> tuple:  # tokens and every step's top-5 logprobs, as floats
+        return tuple(out["output_ids"]), str(out["meta_info"]["output_top_logprobs"])
+
+    alone = [seen(engine.generate(PROMPT, GREEDY, image_data=p, **logprobs)) for p in pics]
+    batch = engine.generate([PROMPT, "<bos>plain text", PROMPT, PROMPT], GREEDY,
+                            image_data=[pics[0], None, pics[1], [pics[2]]], **logprobs)
+    assert [seen(batch[i]) for i in (0, 2, 3)] == alone
+    assert len({a[1] for a in alone}) == 3  # the pictures matter
+
+
+def test_chunked_prefill_never_splits_an_image(model_dir):
+    from unison import Engine
+
+    pic = picture(64, 48, seed=9)
+    with Engine(model_path=str(model_dir), quantization="none") as whole:
+        want = whole.generate(PROMPT, GREEDY, image_data=pic)["output_ids"]
+    with Engine(model_path=str(model_dir), quantization="none", chunked_prefill_size=8) as chunked:
+        assert chunked.generate(PROMPT, GREEDY, image_data=pic)["output_ids"] == want
+
+
+def test_prefix_cache_knows_a_picture_by_its_pixels(engine, model_dir):
+    """The same picture again is a hit through its image; another picture misses from its
+    image's first token on (its placeholders are the same token ids)."""
+    engine.flush_cache()
+    first, other = picture(90, 90, seed=11), picture(90, 90, seed=12)
+    engine.generate(PROMPT, GREEDY, image_data=first)
+    again = engine.generate(PROMPT, GREEDY, image_data=first)["meta_info"]["cached_tokens"]
+    from unison.frontend.text.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(model_dir).encode(PROMPT.replace("<start_of_image>", "\n\n<start_of_image>"))
+    image_start = ids.index(255999) + 1
+    assert again >= (image_start + TOKENS) // 16 * 16
+    assert engine.generate(PROMPT, GREEDY, image_data=other)["meta_info"]["cached_tokens"] <= image_start
+
+
+@pytest.mark.parametrize("given,fragment", [
+    (b"not an image", "not an image in a supported format"),
+    ("data:image/png;base64,@@@", "not base64"),
+    ("https://example.com/cat.png", "image URLs are not fetched"),
+])
+def test_engine_refuses_bad_images_by_field(engine, given, fragment):
+    from unison.errors import InvalidParam
+
+    with pytest.raises(InvalidParam, match=fragment) as e:
+        engine.generate(PROMPT, GREEDY, image_data=given)
+    assert e.value.field == "image_data"
+
+
+def test_engine_refuses_markers_that_do_not_fit(engine):
+    from unison.errors import InvalidParam
+
+    with pytest.raises(InvalidParam, match="1 image marker"):
+        engine.generate(PROMPT, GREEDY, image_data=[picture(9, 9), picture(9, 9)])
+    with pytest.raises(InvalidParam, match="placeholders"):  # placeholders given with no image
+        engine.generate(PROMPT.replace("<start_of_image>", "<image_soft_token>"), GREEDY)

@@ -31,7 +31,8 @@ PATH = "/v1/messages"
 RENAMED = [("stop", "stop_sequences"), ("response_format", "output_config.format"),
            ("reasoning_effort", "output_config.effort"),
            (r"(tools\[\d+\])\.function\.parameters", r"\1.input_schema"),
-           (r"(tools\[\d+\])\.function", r"\1")]
+           (r"(tools\[\d+\])\.function", r"\1"),
+           (r"(messages\[\d+\]\.content\[\d+\])\.image_url", r"\1.source")]
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named function
 
 
@@ -120,11 +121,15 @@ def _messages(given: list[Message]) -> list[JSONObject]:
             out.append({"role": role, "content": content})
             continue
         texts, calls, results, thoughts = [], [], [], []
+        parts: list[JSONObject] = []
         for j, block in enumerate(content):
             field = f"messages[{i}].content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
                 texts.append(_text(block, field))
+                parts.append({"type": "text", "text": texts[-1]})
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block, field)}})
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": _str(block, "id", field), "type": "function", "function": {
                     "name": _str(block, "name", field), "arguments": json.dumps(block.get("input") or {})}})
@@ -136,15 +141,30 @@ def _messages(given: list[Message]) -> list[JSONObject]:
                 thoughts.append(block["thinking"])
             elif kind not in ("thinking", "redacted_thinking"):
                 raise HTTPError(400, f"{field}.type {kind!r} is not supported in a {role} turn: text, "
-                                     "tool_use (assistant), tool_result (user) or thinking; this server "
-                                     "reads text only", param=f"{field}.type")
+                                     "image (user), tool_use (assistant), tool_result (user) or thinking",
+                                param=f"{field}.type")
         out += results
         reasoning = {"reasoning_content": "".join(thoughts)} if thoughts and role == "assistant" else {}
         if calls:
             out.append({"role": role, "content": "".join(texts), "tool_calls": calls, **reasoning})
+        elif len(parts) > len(texts):  # images among the text, in their order
+            out.append({"role": role, "content": parts})
         elif texts or not results:
             out.append({"role": role, "content": "".join(texts), **reasoning})
     return out
+
+
+def _image_url(block: JSONObject, field: str) -> str:
+    """An image block's source as a data: URL (a URL source is passed on: the frontend refuses
+    what it does not fetch)."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
+            and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise HTTPError(400, f"{field}.source must be {{\"type\": \"base64\", \"media_type\": ..., "
+                         "\"data\": ...}", param=f"{field}.source")
 
 
 def _text(content: object, field: str) -> str:

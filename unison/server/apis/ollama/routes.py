@@ -49,7 +49,8 @@ PREFIX = "/api"
 # Ollama's option names for the chat fields, and back, for the errors the pipeline raises.
 SAMPLING = LLAMA_CPP_SAMPLING | {"num_predict": "max_tokens", "seed": "seed"}
 RENAMED = [(chat, f"options.{name}") for name, chat in SAMPLING.items()] + [("response_format", "format"),
-                                                                           ("reasoning_effort", "think")]
+                                                                           ("reasoning_effort", "think"),
+           (r"(messages\[\d+\])\.content\[(\d+)\]\.image_url", r"\1.images[\2]")]
 # Options that would change the output but are not served: only their neutral values are accepted.
 NEUTRAL = {"mirostat": 0, "tfs_z": 1.0}
 
@@ -196,10 +197,10 @@ def _messages(given: list[Message]) -> list[JSONObject]:
     answer names the tool rather than the call."""
     out = []
     for i, m in enumerate(given):
-        if m.images:
-            raise HTTPError(400, f"messages[{i}].images: this server reads text only",
-                            param=f"messages[{i}].images")
         message: JSONObject = {"role": m.role, "content": m.content}
+        if m.images:  # base64 images, before the message's text (errors name images[k]: see RENAMED)
+            message["content"] = [*({"type": "image_url", "image_url": {"url": image}} for image in m.images),
+                                  {"type": "text", "text": m.content or ""}]
         if m.tool_calls:
             message["tool_calls"] = [_chat_call(c, f"messages[{i}].tool_calls[{j}]", f"call_{i}_{j}")
                                      for j, c in enumerate(m.tool_calls)]
@@ -237,7 +238,7 @@ async def chat(body: ChatBody, request: Request):
 @router.post(PREFIX + "/generate")
 async def generate(body: GenerateBody, request: Request):
     model = _model(body.model)
-    for field in ("template", "context", "images"):
+    for field in ("template", "context"):
         if getattr(body, field):
             raise HTTPError(400, f"{field} is not supported here: {_UNSUPPORTED[field]}", param=field)
     if not body.prompt and body.suffix is None:  # Ollama's way to load a model: it is loaded
@@ -246,6 +247,9 @@ async def generate(body: GenerateBody, request: Request):
                 "done_reason": "load"}
     with names_of(RENAMED):
         fields = body.fields()
+    if body.images and (body.raw or body.suffix is not None):
+        raise HTTPError(400, "images go through the chat template: send them without raw or suffix",
+                        param="images")
     if body.raw or body.suffix is not None:
         fields.pop("chat_template_kwargs", None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None  # a completion's top-k count
@@ -254,10 +258,11 @@ async def generate(body: GenerateBody, request: Request):
                 model=model, prompt=body.prompt, suffix=body.suffix, logprobs=logprobs, **fields))
             started = await start_completion(completion, request, default_max_tokens=None)
     else:
-        messages = [{"role": "system", "content": body.system}] if body.system else []
-        with names_of(RENAMED, chat=True):
+        messages = [Message(role="system", content=body.system)] if body.system else []
+        with names_of(RENAMED + [(r"messages\[\d+\]\.images", "images")], chat=True):
             chat = ChatInput.model_validate(dict(
-                model=model, messages=messages + [{"role": "user", "content": body.prompt}],
+                model=model, messages=_messages(messages + [Message(role="user", content=body.prompt,
+                                                                    images=body.images)]),
                 logprobs=body.logprobs, top_logprobs=body.top_logprobs, **fields))
             started = await start_chat(chat, request)
     distinct = body.raw or body.suffix is not None  # a completion's top tokens: distinct texts (its shape)
@@ -265,8 +270,7 @@ async def generate(body: GenerateBody, request: Request):
 
 
 _UNSUPPORTED = {"template": "the model's own chat template renders the prompt (or send raw: true)",
-                "context": "it is deprecated; send the conversation to /api/chat",
-                "images": "this server reads text only"}
+                "context": "it is deprecated; send the conversation to /api/chat"}
 
 
 async def _answer(request: Request, lines: Lines, streaming: bool):

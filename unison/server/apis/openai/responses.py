@@ -84,7 +84,7 @@ def _messages(given: str | list[JSONObject]) -> list[JSONObject]:
                 raise HTTPError(400, f"input[{i}].role must be user, assistant, system or developer, got "
                                      f"{item.get('role')!r}", param=f"input[{i}].role")
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
+            out.append({"role": role, "content": _content(item.get("content"), f"input[{i}].content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
@@ -113,14 +113,24 @@ def _reasoning(item: JSONObject) -> str:
                    if isinstance(p, dict) and p.get("type") == "reasoning_text")
 
 
+def _content(content: object, field: str) -> str | list[JSONObject]:
+    """A message's content: its text, or its text and input_image parts in order (chat parts)."""
+    def image(part: object) -> bool:
+        return isinstance(part, dict) and part.get("type") == "input_image"
+
+    if isinstance(content, list) and any(image(p) for p in content):
+        return [p if image(p) else {"type": "text", "text": _text([p], f"{field}[{j}]")}
+                for j, p in enumerate(content)]
+    return _text(content, field)
+
+
 def _text(content: object, field: str) -> str:
     if isinstance(content, str):
         return content
     parts = content if isinstance(content, list) else None
     if parts is not None and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in parts):
         return "".join(str(p.get("text", "")) for p in parts)
-    raise HTTPError(400, f"{field} must be text or a list of input_text parts (this server reads text only)",
-                    param=field)
+    raise HTTPError(400, f"{field} must be text or a list of input_text and input_image parts", param=field)
 
 
 def _chat_tool(tool: JSONObject, i: int) -> JSONObject:
