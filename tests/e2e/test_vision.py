@@ -155,10 +155,10 @@ def test_pixels_equal_the_hf_processor_bit_for_bit(runner, size, mode):
 # ---- the model against transformers --------------------------------------------------------------
 
 
-def hf_inputs(processor, text: str, pictures: list):
+def hf_inputs(processor, text: str, pictures: list, add_special_tokens: bool = True):
     """What transformers' processor makes of a prompt text (its image markers) and pictures."""
-    out = processor(text=text, images=pictures or None, return_tensors="pt")
-    return out
+    return processor(text=text, images=pictures or None, return_tensors="pt",
+                     add_special_tokens=add_special_tokens)
 
 
 def our_item(runner, ids: list[int], pictures: list, logits_start: int | None = None) -> BatchItem:
@@ -307,3 +307,147 @@ def test_engine_refuses_markers_that_do_not_fit(engine):
         engine.generate(PROMPT, GREEDY, image_data=[picture(9, 9), picture(9, 9)])
     with pytest.raises(InvalidParam, match="placeholders"):  # placeholders given with no image
         engine.generate(PROMPT.replace("<start_of_image>", "<image_soft_token>"), GREEDY)
+
+
+# ---- over HTTP: every API ------------------------------------------------------------------------
+
+CONTEXT = 96  # room for four images (20 tokens each), not five
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    from tests.serving import serve
+
+    yield from serve("vision", str(model_dir), "--served-model-name", "m", "--quantization", "none",
+                     "--context-length", str(CONTEXT), "--max-image-pixels", "20000")
+
+
+def ask(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_openai_chat_with_an_image_gives_transformers_answer(server, hf, processor):
+    import openai
+
+    pic = picture(100, 75, seed=21)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = hf_inputs(processor, text, [pic], add_special_tokens=False)  # (the template wrote <bos>)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, n:]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    out = client.chat.completions.create(model="m", messages=ask(image_part(data_url(pic))),
+                                         temperature=0, max_tokens=8)
+    assert out.choices[0].message.content == processor.tokenizer.decode(ref, skip_special_tokens=True)
+    assert out.usage.prompt_tokens == n  # the image's placeholders count
+
+
+def test_every_api_sees_the_same_picture(server):
+    """Anthropic's image block, Ollama's images, the Responses API's input_image: the chat
+    completion's answer for the same picture."""
+    pic = picture(60, 80, seed=22)
+    b64 = base64.b64encode(png(pic)).decode()
+    chat = server.post("/v1/chat/completions", {"model": "m", "messages": ask(image_part(data_url(pic))),
+                                                "temperature": 0, "max_tokens": 8}).json()
+    want = chat["choices"][0]["message"]["content"]
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
+    anthropic = server.post("/v1/messages", {"model": "m", "max_tokens": 8, "temperature": 0, "messages": [
+        {"role": "user", "content": [block, {"type": "text", "text": "What is this?"}]}]}).json()
+    assert anthropic["content"][0]["text"] == want
+    ollama = server.post("/api/chat", {
+        "model": "m", "stream": False, "options": {"temperature": 0, "num_predict": 8},
+        "messages": [{"role": "user", "content": "What is this?", "images": [b64]}]})
+    assert ollama.json()["message"]["content"] == want
+    responses = server.post("/v1/responses", {
+        "model": "m", "temperature": 0, "max_output_tokens": 8,
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(pic)},
+                                               {"type": "input_text", "text": "What is this?"}]}]}).json()
+    assert responses["output"][-1]["content"][0]["text"] == want
+
+
+def bomb() -> bytes:
+    """A small PNG whose header claims 40,000 x 40,000 pixels (its CRC fixed): refused before decoding."""
+    import struct
+    import zlib
+
+    data = bytearray(png(picture(8, 8)))
+    data[16:24] = struct.pack(">II", 40_000, 40_000)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def tiff() -> bytes:
+    out = io.BytesIO()
+    picture(8, 8).save(out, format="TIFF")
+    return out.getvalue()
+
+
+FIELD = "messages[0].content[0].image_url"
+
+
+@pytest.mark.parametrize("url,fragment", [
+    ("data:image/png;base64," + base64.b64encode(b"garbage").decode(), "not an image in a supported format"),
+    ("data:image/tiff;base64," + base64.b64encode(tiff()).decode(), "not an image in a supported format"),
+    ("data:image/png;base64,%%%", "not base64"),
+    ("https://example.com/cat.png", "image URLs are not fetched"),
+    ("data:image/png;base64," + base64.b64encode(bomb()).decode(), "over max_image_pixels"),
+])
+def test_bad_images_are_400s_naming_the_part(server, url, fragment):
+    from tests.serving import assert_openai_error
+
+    r = server.post("/v1/chat/completions", {"model": "m", "messages": ask(image_part(url)), "max_tokens": 4})
+    assert assert_openai_error(r, 400, fragment)["param"] == FIELD
+
+
+def test_too_big_and_too_many_images_are_refused_before_anything_is_queued(server):
+    from tests.serving import assert_openai_error
+
+    r = server.post("/v1/chat/completions", {"model": "m", "max_tokens": 4,
+                                             "messages": ask(image_part(data_url(picture(200, 200))))})
+    error = assert_openai_error(r, 400, "200x200 pixels, over max_image_pixels (20000)")
+    assert error["param"] == FIELD
+    five = [image_part(data_url(picture(20, 20, seed=s))) for s in range(5)]
+    r = server.post("/v1/chat/completions", {"model": "m", "messages": ask(*five), "max_tokens": 4})
+    error = assert_openai_error(r, 400, f"exceeds the context length ({CONTEXT})")
+    assert error["param"] == "messages"
+    r = server.post("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "%%"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0].source")
+    r = server.post("/api/chat", {"model": "m", "stream": False, "messages": [
+        {"role": "user", "content": "hi", "images": [base64.b64encode(tiff()).decode()]}]})
+    assert r.status_code == 400 and "messages[0].images[0]" in r.json()["error"]
+    server.wait_freed(5)
+
+
+def test_a_text_only_model_refuses_images_by_field():
+    from tests.serving import assert_openai_error, serve
+
+    for text_only in serve("text only"):  # the embedded model
+        r = text_only.post("/v1/chat/completions", {"messages": ask(image_part(data_url(picture(8, 8)))),
+                                                    "max_tokens": 4})
+        assert assert_openai_error(r, 400, "takes no images")["param"] == FIELD
+
+
+def test_compiled_decoder_equals_the_python_forward_with_images(model_dir):
+    """Quantized, a step is one C call (csrc/decoder.c): the image rows' embeddings and their
+    keys ahead go in there too, the Python forward's bits."""
+    runner = ModelRunner(model_dir, quantization="int8", num_blocks=64)
+    assert runner._compiled is not None
+    item = our_item(runner, *hf_ids_and_pictures(runner, 1), logits_start=0)
+    compiled = runner.forward([item])
+    runner._compiled = None
+    assert torch.equal(runner.forward([item]), compiled)
+
+
+def hf_ids_and_pictures(runner: ModelRunner, case: int) -> tuple[list[int], list]:
+    """TEXTS[case]'s ids as the engine makes them (markers expanded) and its pictures."""
+    from unison.frontend.text.tokenizer import Tokenizer
+
+    spec = runner.vision.spec
+    text = images.expand(TEXTS[case], len(PICTURES[case]), spec, "prompt")
+    return Tokenizer.from_dir(runner.model_dir).encode(text, add_special_tokens=False), PICTURES[case]

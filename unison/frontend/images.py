@@ -21,7 +21,6 @@ import binascii
 import hashlib
 import io
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,6 +61,9 @@ def _pil() -> object:
         from PIL import Image
     except ImportError:
         raise InvalidParam("image_data", "images need pillow: pip install pillow") from None
+    # PIL's own bomb check would refuse a huge header with an error that names no limit; ours
+    # (max_image_pixels, from the header too, before any decoding) is the one that applies.
+    Image.MAX_IMAGE_PIXELS = None
     return Image
 
 
@@ -74,19 +76,17 @@ def read(source: ImageSource, limits: ImageLimits, paths: bool = False) -> Image
         _check_pixels(data.size, limits, field)
         return data
     raw = _bytes(data, field, paths, limits)
-    with warnings.catch_warnings():  # PIL warns past its own bomb limit; ours is checked below
-        warnings.simplefilter("ignore")
-        try:
-            image = Image.open(io.BytesIO(raw), formats=FORMATS)  # type: ignore[attr-defined]
-        except Exception as e:  # noqa: BLE001 - PIL raises many kinds for a bad file
-            raise InvalidParam(field, f"{field}: not an image in a supported format ({', '.join(FORMATS)}): "
-                                      f"{type(e).__name__}") from None
-        # Only the header is read so far: a decompression bomb is refused before it is decoded.
-        _check_pixels(image.size, limits, field)
-        try:
-            image.load()
-        except Exception as e:  # noqa: BLE001
-            raise InvalidParam(field, f"{field}: the image does not decode: {e}") from None
+    try:
+        image = Image.open(io.BytesIO(raw), formats=FORMATS)  # type: ignore[attr-defined]
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds for a bad file
+        raise InvalidParam(field, f"{field}: not an image in a supported format ({', '.join(FORMATS)}): "
+                                  f"{type(e).__name__}") from None
+    # Only the header is read so far: a decompression bomb is refused before it is decoded.
+    _check_pixels(image.size, limits, field)
+    try:
+        image.load()
+    except Exception as e:  # noqa: BLE001
+        raise InvalidParam(field, f"{field}: the image does not decode: {e}") from None
     return image
 
 
