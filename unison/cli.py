@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         soak,
         speculative,
+        vision,
         weight_update,
     )
 
@@ -249,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv_events.add_parser(bench_sub)
     weight_update.add_parser(bench_sub)
     ray_hop.add_parser(bench_sub)
+    vision.add_parser(bench_sub)
     return parser
 
 

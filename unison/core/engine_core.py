@@ -380,4 +380,5 @@ def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner | EncoderRu
         state_snapshots=0 if config.disable_radix_cache else config.max_running_requests,
         pooling=(DecoderReranker.from_dir(path) if config.task == "rerank" else
                  DecoderPooling.from_dir(path) if task == "embed" or pooled else None),
+        mmproj=config.mmproj,
     )

@@ -69,11 +69,11 @@ class ModelRunner:
                  load_format: str = "auto", kv_cache_memory_gb: float | None = None,
                  mem_fraction_static: float | None = None, model_dir: str | Path | None = None,
                  pooling: DecoderPooling | DecoderReranker | None = None, state_slots: int = 64,
-                 state_snapshots: int = 0):
+                 state_snapshots: int = 0, mmproj: str | None = None):
         """`model_path`: a Hugging Face directory or a GGUF file (None: the embedded model);
         `model_dir`, when known, its resolved directory of config and tokenizer files;
         `state_slots`: the linear-attention states a hybrid model keeps (one per running request),
-        and `state_snapshots` more for its prefix cache."""
+        and `state_snapshots` more for its prefix cache; `mmproj`: llama.cpp's vision file."""
         if block_size < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"block_size ({block_size}) and num_blocks ({num_blocks}) "
                              "must be >= 1")
@@ -99,7 +99,7 @@ class ModelRunner:
         log.info("linears run as %s", ", ".join(sorted(set(self.model.linear_kinds().values()))))
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
         self.vision = None if load_format == "dummy" else Vision.load(
-            self.model_dir, self.model, self.kv_dtype, self.linear_dtype, self.quantization)
+            self.model_dir, self.model, self.kv_dtype, self.linear_dtype, self.quantization, mmproj)
         if self.kv_dtype == torch.int8 and self.config.head_dim % 32:  # before a cache of no bytes is made
             raise ValueError("kv_cache_dtype='int8' keeps blocks of 32 values per head: this model's "
                              f"head_dim ({self.config.head_dim}) is not a multiple of 32; use float16")

@@ -24,11 +24,14 @@ from unison.json_types import JSONObject
 from unison.wire.messages import ImageInput, ImageSpec
 
 from .cpu_kernels import CpuKernels, ImageRows
+from .families import ModelConfig
+from .mmproj import MmprojWeights
 from .siglip import Gemma3Vision, VisionConfig
 from .weights import WeightSource
 
 # The architectures whose images Unison reads, and the tower each loads.
 VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+MMPROJ_FAMILIES = ("gemma3",)  # text families an mmproj file's tower attaches to
 ENCODER_CACHE_BYTES = 256 << 20  # encoder outputs kept (a Gemma 3 image: 256 x 2560 floats, 2.6 MB)
 
 
@@ -47,6 +50,8 @@ class TextModel(Protocol):
     def source(self) -> WeightSource: ...
     @property
     def ops(self) -> object: ...
+    @property
+    def cfg(self) -> ModelConfig: ...
 
 
 class Vision:
@@ -60,25 +65,35 @@ class Vision:
 
     @classmethod
     def load(cls, model_dir: Path, model: TextModel, kv_dtype: torch.dtype, linear_dtype: torch.dtype,
-             quantization: str) -> Vision | None:
+             quantization: str, mmproj: str | None = None) -> Vision | None:
         """The checkpoint's vision tower (None: a text-only model), read from the text `model`'s
-        source. Its image rows see their whole image through the C attention kernel (the model's
-        ops), and not beside int8's recent rows.
+        source, or from `mmproj` (llama.cpp's file for a GGUF model). Its image rows see their
+        whole image through the C attention kernel (the model's ops), and not beside int8's
+        recent rows.
         Its linears run as the text model's float linears do (`linear_dtype`), or, beside quantized
         text linears, in bfloat16 where the CPU has bf16 units (1.4x float32's speed at Gemma 3's
         tower here); float32 is the parity reference."""
         hf = _read(model_dir / "config.json")
-        if not set(hf.get("architectures") or []) & set(VISION_ARCHITECTURES):
+        if mmproj is not None and model.cfg.family.name not in MMPROJ_FAMILIES:
+            raise ValueError(f"mmproj: a {model.cfg.family.name} model takes no vision tower "
+                             f"({', '.join(MMPROJ_FAMILIES)} do)")
+        if mmproj is None and not set(hf.get("architectures") or []) & set(VISION_ARCHITECTURES):
             return None
         if not isinstance(model.ops, CpuKernels):
             raise ValueError("images run on the C attention kernel (CPU, float32): this model's device "
                              "and dtype do not run it")
         if kv_dtype == torch.int8:
             raise ValueError("kv_cache_dtype='int8' is not supported with images yet; use float16 (auto)")
-        cfg = VisionConfig.from_hf(hf)
+        source: WeightSource = model.source
+        normalization = None
+        if mmproj is not None:
+            source = file = MmprojWeights(mmproj)
+            cfg, normalization = file.vision_config(model.cfg.hidden_size), file.normalization()
+        else:
+            cfg = VisionConfig.from_hf(hf)
         bf16 = quantization != "none" and torch.cpu._is_avx512_bf16_supported()
-        tower = Gemma3Vision.load(model.source, cfg, torch.bfloat16 if bf16 else linear_dtype)
-        return cls(tower, cfg, image_spec(model_dir, cfg))
+        tower = Gemma3Vision.load(source, cfg, torch.bfloat16 if bf16 else linear_dtype)
+        return cls(tower, cfg, image_spec(model_dir, cfg, normalization))
 
     def check(self, image: ImageInput) -> str | None:
         """What makes an image unusable (the core re-checks what its frontend prepared), or None."""
@@ -126,10 +141,14 @@ class Vision:
         return ImageRows(torch.from_numpy(np.concatenate(rows)), torch.cat(values), torch.from_numpy(ahead))
 
 
-def image_spec(model_dir: Path, cfg: VisionConfig) -> ImageSpec:
+def image_spec(model_dir: Path, cfg: VisionConfig,
+               normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None) -> ImageSpec:
     """How the checkpoint's processor prepares an image (preprocessor_config.json, else its
-    processor class's defaults) and writes it into a prompt (Gemma3Processor's text)."""
+    processor class's defaults; an mmproj file's `normalization`, mean and std) and writes it
+    into a prompt (Gemma3Processor's text)."""
     pre = _read(model_dir / "preprocessor_config.json")
+    if normalization is not None and not pre:
+        pre = {"image_mean": list(normalization[0]), "image_std": list(normalization[1])}
     if pre.get("do_pan_and_scan"):
         raise ValueError("preprocessor_config.json: do_pan_and_scan is not supported (images are "
                          "taken whole)")

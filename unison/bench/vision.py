@@ -1,0 +1,234 @@
+"""`unison bench vision`: the vision encoder's time for one 896 x 896 image at Gemma 3 4B's tower
+(SigLIP, 27 layers of 1,152, 4,096 patches), random weights, beside llama.cpp's (`llama-mtmd-cli
+--mmproj`, its "image slice encoded" / "batch encoding done" time) and transformers' on the same weights.
+
+The mmproj file llama.cpp reads is written here as llama.cpp's converter writes it
+(`write_mmproj`: its names, F16 linears, F32 embeddings and norms, the projector's norm as 1 + w):
+the converter itself needs the checkpoint's llama.cpp source tree, which is not installed here.
+The text model beside it is the Gemma 3 270M GGUF (`--text-model`), its hidden size the
+projector's output: the encoder's work does not depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from unison.model.mmproj import PROJECTOR, TOWER
+from unison.model.siglip import Gemma3Vision, VisionConfig
+from unison.model.weights import DictWeights
+
+# Gemma 3 4B's tower (google/gemma-3-4b-it's vision_config), projected to `text_hidden`.
+GEMMA3_4B = {"hidden_size": 1152, "intermediate_size": 4304, "num_layers": 27, "num_heads": 16,
+             "image_size": 896, "patch_size": 14}
+
+
+def gemma3_tower(text_hidden: int, layers: int | None = None) -> VisionConfig:
+    shape = GEMMA3_4B | ({"num_layers": layers} if layers else {})
+    return VisionConfig(**shape, layer_norm_eps=1e-6, text_hidden_size=text_hidden, mm_tokens_per_image=256,
+                        image_token_id=262_144, boi_token_id=255_999, eoi_token_id=256_000)
+
+
+def random_tower(cfg: VisionConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights for `cfg`, under the published checkpoints' names."""
+    g = torch.Generator().manual_seed(seed)
+    d, ff, p, t = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, {}
+
+    def add(name: str, *shape: int, scale: float = 0.02) -> None:
+        t[name] = torch.randn(*shape, generator=g) * scale
+
+    add(TOWER + "embeddings.patch_embedding.weight", d, 3, p, p)
+    add(TOWER + "embeddings.patch_embedding.bias", d)
+    add(TOWER + "embeddings.position_embedding.weight", cfg.patches_per_side ** 2, d)
+    for i in range(cfg.num_layers):
+        n = f"{TOWER}encoder.layers.{i}."
+        for name, rows, cols in [("self_attn.q_proj", d, d), ("self_attn.k_proj", d, d),
+                                 ("self_attn.v_proj", d, d), ("self_attn.out_proj", d, d), ("mlp.fc1", ff, d),
+                                 ("mlp.fc2", d, ff)]:
+            add(f"{n}{name}.weight", rows, cols)
+            add(f"{n}{name}.bias", rows)
+        for norm in ("layer_norm1", "layer_norm2"):
+            add(f"{n}{norm}.weight", d, scale=1.0)
+            add(f"{n}{norm}.bias", d)
+    add(TOWER + "post_layernorm.weight", d, scale=1.0)
+    add(TOWER + "post_layernorm.bias", d)
+    add(PROJECTOR + "mm_input_projection_weight", d, cfg.text_hidden_size)
+    add(PROJECTOR + "mm_soft_emb_norm.weight", d)
+    return t
+
+
+_GGUF_LAYER = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out",
+               "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+
+
+def write_mmproj(tensors: dict[str, torch.Tensor], cfg: VisionConfig, out: Path,
+                 mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5)) -> Path:
+    """Gemma 3's tower and projector (`tensors` under the published names) as llama.cpp's
+    converter writes an mmproj file."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(out, "clip")
+    w.add_type("mmproj")
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", True)
+    for key, value in [("image_size", cfg.image_size), ("patch_size", cfg.patch_size),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("block_count", cfg.num_layers), ("projection_dim", cfg.text_hidden_size),
+                       ("attention.head_count", cfg.num_heads)]:
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", cfg.layer_norm_eps)
+    w.add_array("clip.vision.image_mean", list(mean))
+    w.add_array("clip.vision.image_std", list(std))
+    for name, tensor in tensors.items():
+        gguf_name, data = _gguf_tensor(name, tensor.float().numpy())
+        w.add_tensor(gguf_name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _gguf_tensor(name: str, data: np.ndarray) -> tuple[str, np.ndarray]:
+    """A published name's mmproj name and stored data (the converter's types and its 1 + w)."""
+    if name == PROJECTOR + "mm_input_projection_weight":
+        return "mm.input_projection.weight", data.astype(np.float16)
+    if name == PROJECTOR + "mm_soft_emb_norm.weight":
+        return "mm.soft_emb_norm.weight", data + 1
+    rest = name.removeprefix(TOWER)
+    kind = rest.rpartition(".")[2]
+    if rest.startswith("embeddings."):  # forced to F32 by the converter
+        stem = "v.patch_embd" if "patch" in rest else "v.position_embd"
+        return f"{stem}.{kind}", data
+    if rest.startswith("post_layernorm."):
+        return f"v.post_ln.{kind}", data
+    m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)\.(weight|bias)", rest)
+    assert m is not None, name
+    return f"v.blk.{m[1]}.{_GGUF_LAYER[m[2]]}.{kind}", data.astype(np.float16) if data.ndim == 2 else data
+
+
+def our_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                        trials: int) -> list[float]:
+    """Seconds for one image through Gemma3Vision, after a warm-up."""
+    tower = Gemma3Vision.load(DictWeights(tensors), cfg, dtype)
+    pixels = torch.rand(1, 3, cfg.image_size, cfg.image_size) * 2 - 1
+    tower(pixels)
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        tower(pixels)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def transformers_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor],
+                                 trials: int) -> list[float]:
+    """Seconds for one image through transformers' Gemma 3 tower and projector (float32)."""
+    import transformers
+
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(hidden_size=cfg.text_hidden_size, num_hidden_layers=1,
+                                                  vocab_size=262_208),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, image_size=cfg.image_size,
+            patch_size=cfg.patch_size), mm_tokens_per_image=cfg.mm_tokens_per_image)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    state = {k.replace("vision_tower.vision_model.", "model.vision_tower.").replace(
+        "multi_modal_projector.", "model.multi_modal_projector."): v for k, v in tensors.items()}
+    model.load_state_dict(state, strict=False)
+    pixels = torch.rand(1, 3, cfg.image_size, cfg.image_size) * 2 - 1
+    times = []
+    with torch.no_grad():
+        model.model.get_image_features(pixels)
+        for _ in range(trials):
+            start = time.perf_counter()
+            model.model.get_image_features(pixels)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def llama_cpp_encoder_seconds(cli: str, text_model: Path, mmproj: Path,
+                              trials: int) -> list[tuple[float, float]]:
+    """(image slice encoded, whole run to the first token) seconds from llama-mtmd-cli, per trial,
+    for one 896 x 896 picture."""
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp:
+        image = Path(tmp, "image.png")
+        rng = np.random.default_rng(0)
+        Image.fromarray(rng.integers(0, 256, (896, 896, 3), dtype=np.uint8)).save(image)
+        out = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            run = subprocess.run([cli, "-m", str(text_model), "--mmproj", str(mmproj), "--image", str(image),
+                                  "-p", "Describe the image.", "-n", "1", "--temp", "0",
+                                  "--chat-template", "gemma"], capture_output=True, text=True, timeout=1800)
+            total = time.perf_counter() - start
+            # (build 11434 says "mtmd batch encoding done in N ms"; older ones "image slice encoded in")
+            m = re.search(r"(?:image slice encoded in|batch encoding done in) (\d+) ms",
+                          run.stdout + run.stderr)
+            if run.returncode != 0 or m is None:
+                tail = (run.stdout + run.stderr)[-2000:]
+                raise RuntimeError(f"llama-mtmd-cli failed ({run.returncode}):\n{tail}")
+            out.append((int(m[1]) / 1000, total))
+    return out
+
+
+def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | None, out_dir: Path) -> None:
+    from unison.model.gguf import hf_config, open_gguf
+
+    text_hidden = int(hf_config(open_gguf(text_model))["hidden_size"])
+    cfg = gemma3_tower(text_hidden, layers)
+    tensors = random_tower(cfg)
+    print(f"tower: {cfg.num_layers} layers of {cfg.hidden_size}, {cfg.patches_per_side ** 2} patches, "
+          f"projected to {text_hidden}; {torch.get_num_threads()} threads; {trials} trials, medians")
+    rows = []
+    for name, dtype in (("unison bf16", torch.bfloat16), ("unison float32", torch.float32)):
+        rows.append((name, our_encoder_seconds(cfg, tensors, dtype, trials)))
+    rows.append(("transformers float32", transformers_encoder_seconds(cfg, tensors, trials)))
+    if llama_mtmd:
+        mmproj = write_mmproj(tensors, cfg, out_dir / "mmproj-gemma3-4b-tower.gguf")
+        runs = llama_cpp_encoder_seconds(llama_mtmd, text_model, mmproj, trials)
+        rows.append(("llama.cpp (image slice encoded)", [e for e, _ in runs]))
+        rows.append(("llama.cpp (whole run, -n 1)", [t for _, t in runs]))
+    base = statistics.median(rows[0][1])
+    for name, times in rows:
+        med = statistics.median(times)
+        print(f"{name:34s} {', '.join(f'{t:.1f}' for t in times)} s  median {med:.1f} s  "
+              f"({med / base:.2f}x unison bf16's time)")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("vision", help="the vision encoder for one 896x896 image at Gemma 3 4B's tower, "
+                                      "beside llama.cpp's (llama-mtmd-cli) and transformers'")
+    p.add_argument("--text-model", default=None,
+                   help="the GGUF text model beside the tower (default: the Gemma 3 270M test model)")
+    p.add_argument("--llama-mtmd", default=None, help="llama.cpp's llama-mtmd-cli (default: not run)")
+    p.add_argument("--layers", type=int, default=None, help="tower layers (default: Gemma 3 4B's 27)")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--out-dir", default=tempfile.gettempdir(), help="where the mmproj file is written")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> None:
+    text = Path(args.text_model) if args.text_model else _test_gemma3()
+    run(text, args.llama_mtmd, args.trials, args.layers, Path(args.out_dir))
+
+
+def _test_gemma3() -> Path:
+    try:
+        from tests.models import gemma3_gguf
+    except ImportError:
+        raise SystemExit("give --text-model: a Gemma 3 GGUF (the default is the test suite's 270M)") from None
+    return gemma3_gguf()
