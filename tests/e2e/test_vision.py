@@ -54,7 +54,8 @@ PREPROCESSOR = {"image_processor_type": "Gemma3ImageProcessor", "processor_class
 
 
 def tiny_gemma3_vision(path: Path) -> Path:
-    """Two text layers (one sliding, one global) and a two-layer SigLIP of seeded random weights
+    """Six text layers (five sliding, one global: Gemma 3's pattern, which a GGUF implies) and a
+    two-layer SigLIP of seeded random weights
     (widened so that every image pixel matters), with Gemma 3's tokenizer (from the 270M GGUF,
     plus its <image_soft_token> at 262144) and chat template, saved by transformers."""
     import transformers
@@ -62,11 +63,11 @@ def tiny_gemma3_vision(path: Path) -> Path:
 
     torch.manual_seed(0)
     text = transformers.Gemma3TextConfig(
-        vocab_size=262_208, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, max_position_embeddings=2048,
-        layer_types=["sliding_attention", "full_attention"])
+        vocab_size=262_208, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, max_position_embeddings=2048)
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=2, image_size=64, patch_size=8)
+                                             num_attention_heads=2, image_size=64, patch_size=8,
+                                             vision_use_head=False)  # (as Gemma 3's)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS)
     hf = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -232,7 +233,7 @@ def engine(model_dir):
         yield e
 
 
-def test_engine_image_data_gives_transformers_tokens(engine, hf, processor):
+def test_engine_image_data_gives_transformers_tokens(engine, hf, processor, tmp_path):
     """One picture, as bytes, a data URL, base64 text, a PIL image and a file: transformers'
     greedy tokens; the prompt's tokens count the image's placeholders."""
     pic = picture(120, 90, seed=7)
@@ -240,7 +241,9 @@ def test_engine_image_data_gives_transformers_tokens(engine, hf, processor):
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
         ref = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, n:].tolist()
-    for given in (png(pic), data_url(pic), base64.b64encode(png(pic)).decode(), pic):
+    (tmp_path / "pic.png").write_bytes(png(pic))
+    path = str(tmp_path / "pic.png")
+    for given in (png(pic), data_url(pic), base64.b64encode(png(pic)).decode(), pic, path):
         out = engine.generate(PROMPT, GREEDY, image_data=given)
         assert out["output_ids"] == ref
         assert out["meta_info"]["prompt_tokens"] == n
@@ -424,6 +427,18 @@ def test_too_big_and_too_many_images_are_refused_before_anything_is_queued(serve
     server.wait_freed(5)
 
 
+def test_http_clients_never_name_server_files(server, tmp_path):
+    """The Python API reads its caller's files; over HTTP (SGLang's /generate takes image_data
+    too) a path is not base64, and the server never opens it."""
+    (tmp_path / "pic.png").write_bytes(png(picture(20, 20)))
+    r = server.post("/generate", {"text": PROMPT, "image_data": str(tmp_path / "pic.png"),
+                                  "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and "image_data: not base64 image data" in r.text
+    r = server.post("/generate", {"text": PROMPT, "image_data": data_url(picture(20, 20)),
+                                  "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] > TOKENS
+
+
 def test_a_text_only_model_refuses_images_by_field():
     from tests.serving import assert_openai_error, serve
 
@@ -451,3 +466,112 @@ def hf_ids_and_pictures(runner: ModelRunner, case: int) -> tuple[list[int], list
     spec = runner.vision.spec
     text = images.expand(TEXTS[case], len(PICTURES[case]), spec, "prompt")
     return Tokenizer.from_dir(runner.model_dir).encode(text, add_special_tokens=False), PICTURES[case]
+
+
+# ---- a GGUF model and llama.cpp's mmproj file ---------------------------------------------------
+
+
+def write_text_gguf(model_dir: Path, out: Path) -> Path:
+    """The tiny model's text part as llama.cpp's converter writes a gemma3 GGUF (norms as 1 + w,
+    F32), with Gemma 3's tokenizer from the 270M GGUF grown to the 4B's 262,208 tokens
+    (<image_soft_token> at 262,144, as the published files have it)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from unison.model.weights import SafetensorsWeights
+
+    cfg = json.loads((model_dir / "config.json").read_text())["text_config"]
+    src, w = SafetensorsWeights(model_dir), GGUFWriter(out, "gemma3")
+    for key, value in [("context_length", 2048), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]),
+                       ("feed_forward_length", cfg["intermediate_size"]),
+                       ("head_count", cfg["num_attention_heads"]),
+                       ("head_count_kv", cfg["num_key_value_heads"]),
+                       ("key_length", cfg["head_dim"]), ("value_length", cfg["head_dim"]),
+                       ("layer_norm_rms_eps", cfg["rms_norm_eps"]), ("rope_freq_base", 1e6),
+                       ("sliding_window", cfg["sliding_window"])]:
+        getattr(w, f"add_{key}")(value)
+    extra = cfg["vocab_size"] - 262_144
+    added = ["<image_soft_token>"] + [f"<unused_image_{i}>" for i in range(extra - 1)]
+    grown = {"tokenizer.ggml.tokens": added,
+             "tokenizer.ggml.scores": [0.0] * extra, "tokenizer.ggml.token_type": [3] * extra}  # 3: control
+    for name, field in GGUFReader(gemma3_gguf()).fields.items():
+        if name.startswith("tokenizer."):
+            kind, value = field.types[0], field.contents()
+            sub = field.types[1] if kind == GGUFValueType.ARRAY else None
+            w.add_key_value(name, value + grown[name] if name in grown else value, kind, sub_type=sub)
+    roles = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name in sorted(src.names()):
+        if not name.startswith("language_model.model."):
+            continue
+        rest, t = name.removeprefix("language_model.model."), src.float(name).numpy()
+        if rest == "embed_tokens.weight":
+            w.add_tensor("token_embd.weight", t)
+        elif rest == "norm.weight":
+            w.add_tensor("output_norm.weight", t + 1)
+        else:
+            layer, role = rest.removeprefix("layers.").split(".", 1)
+            role = role.removesuffix(".weight")
+            w.add_tensor(f"blk.{layer}.{roles[role]}.weight", t + 1 if "norm" in role else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def tower_tensors(model_dir: Path) -> dict:
+    """The tiny model's tower and projector under the published checkpoints' names."""
+    from unison.model.weights import SafetensorsWeights
+
+    src = SafetensorsWeights(model_dir)
+    return {name.replace("vision_tower.", "vision_tower.vision_model.", 1): src.float(name)
+            for name in src.names() if name.startswith(("vision_tower.", "multi_modal_projector."))}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    from unison.bench.vision import write_mmproj
+    from unison.model.siglip import VisionConfig
+
+    out = tmp_path_factory.mktemp("gemma3-gguf")
+    cfg = VisionConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    return (write_text_gguf(model_dir, out / "text.gguf"),
+            write_mmproj(tower_tensors(model_dir), cfg, out / "mmproj.gguf", float16=False))
+
+
+def test_a_gguf_with_its_mmproj_sees_pictures_as_the_checkpoint_does(engine, gguf_files):
+    """The same weights as a GGUF and an mmproj file (float32, as llama.cpp's converter writes
+    them with --outtype f32): the Hugging Face directory's tokens, and its logprobs within 1e-3
+    (the file keeps the projector's norm as 1 + w, which float32 does not give back exactly)."""
+    from unison import Engine
+
+    text, mmproj = gguf_files
+    logprobs = {"return_logprob": True, "top_logprobs_num": 5}
+    pics = [picture(77, 55, seed=31), picture(40, 90, seed=32)]
+    want = [engine.generate(PROMPT, GREEDY, image_data=p, **logprobs) for p in pics]
+    with Engine(model_path=str(text), mmproj=str(mmproj), quantization="none") as e:
+        got = [e.generate(PROMPT, GREEDY, image_data=p, **logprobs) for p in pics]
+    for a, b in zip(got, want):
+        assert a["output_ids"] == b["output_ids"]
+        for x, y in zip(a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]):
+            assert [t for _, t, _ in x] == [t for _, t, _ in y]
+            assert max(abs(p - q) for (p, _, _), (q, _, _) in zip(x, y)) < 1e-3
+
+
+def test_mmproj_refusals_name_the_file(gguf_files, tmp_path):
+    from unison import Engine
+    from unison.bench.vision import random_tower, write_mmproj
+    from unison.model.siglip import VisionConfig
+
+    _, mmproj = gguf_files
+    with pytest.raises(Exception, match="mmproj: a llama model takes no vision tower"):
+        Engine(mmproj=str(mmproj))  # the embedded model: a Llama
+    other = VisionConfig(32, 64, 1, 2, 64, 8, 1e-6, 48, 16, 262_144, 255_999, 256_000)
+    wrong = write_mmproj(random_tower(other), other, tmp_path / "other.gguf")
+    with pytest.raises(Exception, match="projection_dim 48 is not the text model's hidden size 64"):
+        Engine(model_path=str(gguf_files[0]), mmproj=str(wrong))

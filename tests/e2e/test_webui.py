@@ -352,3 +352,26 @@ def test_engine_view_lists_each_models_core(browser, tmp_path_factory, tmp_path)
             assert not tab.errors, tab.errors
         finally:
             tab.context.close()
+
+
+def test_a_picture_goes_with_the_next_message(tab, tmp_path):
+    """Attached pictures show above the message, go as image_url parts of the next user turn
+    (data: URLs), and leave with it; a text-only model's 400 names the part."""
+    import base64
+
+    png = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMI"
+                           "QAAAABJRU5ErkJggg==")  # a 1x1 PNG
+    picture = tmp_path / "dot.png"
+    picture.write_bytes(png)
+    tab.open()
+    tab.page.set_input_files("#attach", str(picture))
+    expect(tab.page.locator("#attached img")).to_have_count(1)
+    with tab.page.expect_request("**/v1/chat/completions") as sent:
+        tab.ask("What is this?")
+    content = sent.value.post_data_json["messages"][-1]["content"]
+    assert content[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert content[-1] == {"type": "text", "text": "What is this?"}
+    expect(tab.page.locator("#attached")).to_be_hidden()
+    expect(tab.page.locator(".msg.user img")).to_have_count(1)
+    error = tab.page.locator(LAST_REPLY).locator(".error")
+    expect(error).to_contain_text("messages[0].content[0].image_url: this model takes no images")

@@ -34,6 +34,7 @@ from unison.frontend.generate_args import (
     SamplingArg,
     with_generate_args,
 )
+from unison.frontend.images import read_paths
 from unison.frontend.request import GenerateRequest
 from unison.frontend.worker import TokenizerWorker
 from unison.json_types import JSONObject
@@ -373,7 +374,7 @@ def _generate_args(prompt: Prompt, sampling_params: SamplingArg, input_ids: Inpu
     expect("stream", stream, bool, "True or False")
     _refuse_unsupported(**{k: v for k, v in kwargs.items() if k not in FIELDS})
     return GenerateArgs(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-                        image_data=image_data, **{k: v for k, v in kwargs.items() if k in FIELDS})
+                        image_data=read_paths(image_data), **{k: v for k, v in kwargs.items() if k in FIELDS})
 
 
 def _refuse_unsupported(**args: object) -> None:

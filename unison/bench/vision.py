@@ -71,9 +71,10 @@ _GGUF_LAYER = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "
 
 
 def write_mmproj(tensors: dict[str, torch.Tensor], cfg: VisionConfig, out: Path,
-                 mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5)) -> Path:
+                 mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5),
+                 float16: bool = True) -> Path:
     """Gemma 3's tower and projector (`tensors` under the published names) as llama.cpp's
-    converter writes an mmproj file."""
+    converter writes an mmproj file (`float16` False: its --outtype f32)."""
     from gguf import GGUFWriter
 
     w = GGUFWriter(out, "clip")
@@ -87,11 +88,15 @@ def write_mmproj(tensors: dict[str, torch.Tensor], cfg: VisionConfig, out: Path,
                        ("attention.head_count", cfg.num_heads)]:
         w.add_uint32(f"clip.vision.{key}", value)
     w.add_float32("clip.vision.attention.layer_norm_epsilon", cfg.layer_norm_eps)
+    if cfg.pool != 4:  # patches pooled per token, per side: written where not clip.cpp's default
+        w.add_uint32("clip.vision.projector.scale_factor", cfg.pool)
     w.add_array("clip.vision.image_mean", list(mean))
     w.add_array("clip.vision.image_std", list(std))
     for name, tensor in tensors.items():
+        if name.startswith(TOWER + "head."):  # SigLIP's pooling head: Gemma 3 reads no pooled output
+            continue
         gguf_name, data = _gguf_tensor(name, tensor.float().numpy())
-        w.add_tensor(gguf_name, data)
+        w.add_tensor(gguf_name, data if float16 else data.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

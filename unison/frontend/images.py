@@ -67,15 +67,16 @@ def _pil() -> object:
     return Image
 
 
-def read(source: ImageSource, limits: ImageLimits, paths: bool = False) -> Image.Image:
+def read(source: ImageSource, limits: ImageLimits) -> Image.Image:
     """The image `source` holds, decoded and checked; InvalidParam naming its field otherwise.
-    `paths`: a string may be a local file (the Python API; never an HTTP client's)."""
+    (A file path is never read here: a frontend serves HTTP clients too. The Python API reads
+    its caller's files first, `read_paths`.)"""
     Image = _pil()
     data, field = source.data, source.field
     if isinstance(data, Image.Image):  # type: ignore[attr-defined]
         _check_pixels(data.size, limits, field)
         return data
-    raw = _bytes(data, field, paths, limits)
+    raw = _bytes(data, field, limits)
     try:
         image = Image.open(io.BytesIO(raw), formats=FORMATS)  # type: ignore[attr-defined]
     except Exception as e:  # noqa: BLE001 - PIL raises many kinds for a bad file
@@ -90,11 +91,11 @@ def read(source: ImageSource, limits: ImageLimits, paths: bool = False) -> Image
     return image
 
 
-def _bytes(data: object, field: str, paths: bool, limits: ImageLimits) -> bytes:
+def _bytes(data: object, field: str, limits: ImageLimits) -> bytes:
     if isinstance(data, (bytes, bytearray, memoryview)):
         raw = bytes(data)
     elif isinstance(data, str):
-        raw = _text_bytes(data, field, paths)
+        raw = _text_bytes(data, field)
     else:
         raise InvalidParam(field, f"{field}: an image must be bytes, a data: URL or base64 text, got "
                                   f"{type(data).__name__}")
@@ -104,7 +105,7 @@ def _bytes(data: object, field: str, paths: bool, limits: ImageLimits) -> bytes:
     return raw
 
 
-def _text_bytes(text: str, field: str, paths: bool) -> bytes:
+def _text_bytes(text: str, field: str) -> bytes:
     if text.startswith(("http://", "https://")):
         raise InvalidParam(field, f"{field}: image URLs are not fetched; send the image inline as a "
                                   "data: URL (data:image/png;base64,...)")
@@ -113,13 +114,21 @@ def _text_bytes(text: str, field: str, paths: bool) -> bytes:
         if head is None:
             raise InvalidParam(field, f"{field}: a data URL must be data:image/<format>;base64,<data>")
         text = text[head.end():]
-    elif paths and len(text) < 4096 and Path(text).is_file():
-        return Path(text).read_bytes()
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidParam(field, f"{field}: not base64 image data"
-                                  f"{' nor a file' if paths else ''}") from None
+        raise InvalidParam(field, f"{field}: not base64 image data") from None
+
+
+def read_paths(image_data: object) -> object:
+    """The Python API's image_data with each string that names a local file replaced by the
+    file's bytes (in the caller's process: frontends read no paths), lists kept as given."""
+    if isinstance(image_data, list):
+        return [read_paths(x) for x in image_data]
+    if isinstance(image_data, str) and not image_data.startswith(("data:", "http://", "https://")) \
+            and len(image_data) < 4096 and Path(image_data).is_file():
+        return Path(image_data).read_bytes()
+    return image_data
 
 
 def _check_pixels(size: tuple[int, int], limits: ImageLimits, field: str) -> None:

@@ -221,16 +221,16 @@ class TokenizerWorker:
 
     def _images(self, data: object) -> list[np.ndarray]:
         """One prompt's images (image_data's, or a chat's ImageSources), read and prepared."""
-        if data is None or data == []:
+        if data is None or (isinstance(data, list) and not data):
             return []
         if self.info.image is None:
             raise InvalidParam("image_data", "this model takes no images (a text-only model)")
-        sources = data if isinstance(data, list) else [data]
+        given = data if isinstance(data, list) else [data]
+        sources = [s if isinstance(s, images.ImageSource) else
+                   images.ImageSource(s, f"image_data[{i}]" if isinstance(data, list) else "image_data")
+                   for i, s in enumerate(given)]
         limits = images.ImageLimits(self.config.max_image_bytes, self.config.max_image_pixels)
-        return [images.prepare(images.read(s if isinstance(s, images.ImageSource) else images.ImageSource(
-                    s, f"image_data[{i}]" if isinstance(data, list) else "image_data"), limits, paths=True),
-                    self.info.image)
-                for i, s in enumerate(sources)]
+        return [images.prepare(images.read(s, limits), self.info.image) for s in sources]
 
     def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
                     add_special_tokens: bool = True) -> list[int]:

@@ -32,6 +32,7 @@ from unison.server.errors import HTTPError, error_kind, error_response, field_pa
 from unison.server.pipeline.inputs import generation_defaults
 from unison.server.pipeline.start import invalid_param
 from unison.server.settings import ServeSettings, WorkerSettings
+from unison.wire.messages import CoreInfo
 
 log = logging.getLogger("unison.server")
 
@@ -66,6 +67,7 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
         app.state.replicas = replicas
         worker = replicas.any
         app.state.context_length = worker.info.context_length
+        app.state.image_bytes = image_body_bytes(worker.info, worker.config.max_image_bytes)
         app.state.sampling_defaults = generation_defaults(serve.generation_config, worker.info.model_dir)
         app.state.chat_template = _template_text(serve.chat_template)
         log.info("worker %d attached as frontend %d of %d replica(s)", os.getpid(), worker.worker_id,
@@ -79,7 +81,8 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
     app.state.settings = settings
     if not embedded:
         app.add_middleware(Gate, api_key=serve.api_key, ui=not serve.disable_ui,
-                           max_body=lambda: max_body_of(serve, getattr(app.state, "context_length", None)))
+                           max_body=lambda: max_body_of(serve, getattr(app.state, "context_length", None),
+                                                        getattr(app.state, "image_bytes", 0)))
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -88,13 +91,22 @@ def create_app(settings: WorkerSettings | None = None, embedded: bool = False) -
     return app
 
 
-def max_body_of(serve: ServeSettings, context_length: int | None = None) -> int:
-    """--max-request-bytes, or the default for a model of `context_length` tokens."""
+def max_body_of(serve: ServeSettings, context_length: int | None = None, image_bytes: int = 0) -> int:
+    """--max-request-bytes, or the default for a model of `context_length` tokens (and
+    `image_bytes` for the images its context holds, a vision model's)."""
     if serve.max_request_bytes is not None:
         return serve.max_request_bytes
     if context_length is None:
         return MAX_REQUEST_BYTES
-    return REQUEST_BYTES_BASE + REQUEST_BYTES_PER_TOKEN * context_length
+    return REQUEST_BYTES_BASE + REQUEST_BYTES_PER_TOKEN * context_length + image_bytes
+
+
+def image_body_bytes(info: CoreInfo, max_image_bytes: int) -> int:
+    """Body room for a vision model's images: as many as its context holds (at most 16), each
+    up to max_image_bytes, base64-encoded (4 characters per 3 bytes)."""
+    if info.image is None:
+        return 0
+    return min(info.context_length // info.image.tokens, 16) * -(-max_image_bytes * 4 // 3)
 
 
 def add_ui(app: FastAPI) -> None:

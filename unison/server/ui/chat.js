@@ -16,6 +16,7 @@ function el(tag, className, text) {
 export class Chat {
   constructor() {
     this.turns = []; // the conversation as sent: {role, content}
+    this.pictures = []; // data: URLs that go with the next message, as image_url parts
     this.controller = null; // aborts the reply in flight
     this.list = $("messages");
     $("composer").addEventListener("submit", (e) => {
@@ -27,6 +28,11 @@ export class Chat {
         e.preventDefault();
         this.send();
       }
+    });
+    $("attach").addEventListener("change", async (e) => {
+      for (const file of e.target.files) this.pictures.push(await dataUrl(file));
+      e.target.value = "";
+      this.showAttached();
     });
     $("stop").addEventListener("click", () => this.controller?.abort());
     $("regenerate").addEventListener("click", () => this.regenerate());
@@ -45,11 +51,20 @@ export class Chat {
     const text = $("prompt").value;
     if (!text.trim() || this.controller) return;
     $("prompt").value = "";
-    this.turns.push({ role: "user", content: text });
+    const pictures = this.pictures.map((url) => ({ type: "image_url", image_url: { url } }));
+    this.turns.push({ role: "user", content: pictures.length ? [...pictures, { type: "text", text }] : text });
     const bubble = el("div", "msg user");
+    for (const url of this.pictures) bubble.append(thumbnail(url));
     bubble.append(el("p", "", text));
     this.list.append(bubble);
+    this.pictures = [];
+    this.showAttached();
     this.reply();
+  }
+
+  showAttached() {
+    $("attached").replaceChildren(...this.pictures.map(thumbnail));
+    $("attached").hidden = this.pictures.length === 0;
   }
 
   regenerate() {
@@ -63,6 +78,8 @@ export class Chat {
   clear() {
     this.controller?.abort();
     this.turns = [];
+    this.pictures = [];
+    this.showAttached();
     this.list.replaceChildren();
     this.busy(false);
     $("prompt").focus();
@@ -183,6 +200,22 @@ class Reply {
 
 // Fenced code blocks (``` ... ```, also while the fence is still open) as <pre><code>, `inline`
 // code as <code>, the rest as text. Built as nodes, never as HTML: the model's text is not markup.
+function thumbnail(url) {
+  const img = el("img", "thumbnail");
+  img.src = url;
+  img.alt = "attached picture";
+  return img;
+}
+
+function dataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
 export function render(node, text) {
   const parts = [];
   let at = 0;
