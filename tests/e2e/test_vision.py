@@ -575,3 +575,15 @@ def test_mmproj_refusals_name_the_file(gguf_files, tmp_path):
     wrong = write_mmproj(random_tower(other), other, tmp_path / "other.gguf")
     with pytest.raises(Exception, match="projection_dim 48 is not the text model's hidden size 64"):
         Engine(model_path=str(gguf_files[0]), mmproj=str(wrong))
+
+
+def test_the_encoder_runs_once_per_picture(model_dir):
+    """A picture's embeddings are kept by its hash: a second prompt with it, or a later chunk
+    of the same prompt, does not run the tower again; another picture does."""
+    runner = ModelRunner(model_dir, quantization="none", num_blocks=64)
+    ids, pictures = hf_ids_and_pictures(runner, 0)
+    runner.forward([our_item(runner, ids, pictures)])
+    runner.forward([our_item(runner, ids, pictures)])
+    assert runner.vision.encoded == 1
+    runner.forward([our_item(runner, ids, [picture(80, 60, seed=99)])])
+    assert runner.vision.encoded == 2

@@ -278,3 +278,26 @@ def test_the_prefix_cache_never_shares_blocks_across_adapters():
     cache.drop(1)  # the adapter is gone: its tree with it
     assert cache.num_blocks == 0 and pool.num_free == 8 and cache.match([1, 2, 3, 4], adapter=1)[0] == []
     check(pool, cache)
+
+
+def test_chunks_never_split_an_image_and_the_cache_keys_it_by_hash():
+    """A prefill chunk ends before an image or takes all of it (its tokens see one another);
+    the prefix cache keys an image's placeholders by the image's hash."""
+    from unison.core.request import image_key
+    from unison.wire.messages import ImageInput
+
+    pool = BlockPool(64)
+    sched = Scheduler(pool, block_size=BS, max_running=4, token_budget=5, cache=RadixCache(pool, BS))
+    image = ImageInput(b"\x01\x02\x03\x04", offset=3, tokens=6, shape=(3, 1, 1), pixels=b"")
+    req = _req("a", [10, 11, 12] + [7] * 6 + [13, 14], max_new=1)
+    req.images = [image]
+    sched.add(req)
+    chunks = []
+    while req.num_computed_tokens < req.num_prompt_tokens:
+        [item] = sched.schedule()
+        chunks.append(item.num_new)
+        req.num_computed_tokens += item.num_new
+    assert chunks == [3, 6, 2]  # before the image; the image whole (past the budget of 5); the rest
+    key = image_key(image.hash)
+    assert req.cache_ids == [10, 11, 12] + [key] * 6 + [13, 14] and key >= 1 << 40
+    assert req.token_ids == [10, 11, 12] + [7] * 6 + [13, 14]  # what the model and sampler see
