@@ -108,6 +108,8 @@ def test_messages_errors_in_anthropics_shape(server, claude):
         (base | {"stop_sequences": "x"}, 400, "invalid_request_error", "stop_sequences"),
         (base | {"model": "nope"}, 404, "not_found_error", "model"),
         (base | {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+         "invalid_request_error", "messages[0].content[0].source"),
+        (base | {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
          "invalid_request_error", "messages[0].content[0].type"),
         (base | {"tool_choice": {"type": "sometimes"}}, 400, "invalid_request_error", "tool_choice.type"),
         (base | {"top_k": 1, "bogus": 1}, 400, "invalid_request_error", "bogus"),

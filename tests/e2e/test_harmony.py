@@ -128,7 +128,7 @@ def test_refusals_name_their_field(answering):
              ({"messages": [*ASK, {"role": "tool", "tool_call_id": "nope", "content": "x"}]},
               "messages[1].tool_call_id"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-              "messages[0].content[0]"),
+              "messages[0].content[0].image_url"),
              ({"messages": [*ASK, {"role": "assistant", "content": "Sun"}], "continue_final_message": True,
                "add_generation_prompt": False}, "continue_final_message")]
     for body, field in cases:

@@ -120,11 +120,14 @@ def test_generate_signature_is_sglangs():
 
 
 def test_unsupported_generate_arguments_are_refused_by_name(engine):
-    for name, value in [("image_data", "cat.png"), ("custom_logit_processor", "{}"),
+    for name, value in [("audio_data", "cat.wav"), ("custom_logit_processor", "{}"),
                         ("session_params", {"id": "s"})]:
         with pytest.raises(InvalidParam, match=f"{name} is not supported by Unison") as e:
             engine.generate("Hi", GREEDY, **{name: value})
         assert e.value.field == name
+    with pytest.raises(InvalidParam, match="this model takes no images") as e:  # a text-only model's
+        engine.generate("Hi", GREEDY, image_data=b"cat")
+    assert e.value.field == "image_data"
     with pytest.raises(TypeError, match="unexpected keyword argument 'imagedata'"):
         engine.generate("Hi", GREEDY, imagedata="x")
     out = engine.generate("Hi", GREEDY, None, None, lora_path=None, return_hidden_states=False,

@@ -587,3 +587,23 @@ def test_the_encoder_runs_once_per_picture(model_dir):
     assert runner.vision.encoded == 1
     runner.forward([our_item(runner, ids, [picture(80, 60, seed=99)])])
     assert runner.vision.encoded == 2
+
+
+def test_a_gguf_repository_brings_its_mmproj(gguf_files, engine, monkeypatch, tmp_path):
+    """A GGUF repository with an mmproj file beside the model (as llama.cpp's -hf takes it): the
+    engine named by the repository sees pictures with it; --mmproj is not needed."""
+    from tests.hub import StandInHub, point_at
+    from unison import Engine
+
+    text, mmproj = gguf_files
+    pic = picture(66, 44, seed=41)
+    want = engine.generate(PROMPT, GREEDY, image_data=pic)["output_ids"]
+    with StandInHub() as hub:
+        point_at(monkeypatch, hub.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        hub.add("org/tiny-gemma3-vision-GGUF", {"tiny-F32.gguf": text.read_bytes(),
+                                                "mmproj-tiny-F32.gguf": mmproj.read_bytes()})
+        with Engine(model_path="org/tiny-gemma3-vision-GGUF:F32", download_dir=str(tmp_path / "cache"),
+                    quantization="none") as named:
+            assert named.generate(PROMPT, GREEDY, image_data=pic)["output_ids"] == want

@@ -48,6 +48,7 @@ class Located:
     repo: str  # the name as given (owner/name[:tag][@revision])
     commit: str
     files: tuple[str, ...]  # what was taken, as the repository names them
+    mmproj: Path | None = None  # a GGUF repository's vision file (llama.cpp's mmproj), when taken
 
 
 def is_repo_id(value: str | None) -> bool:
@@ -74,8 +75,11 @@ def locate_config(config: EngineConfig, quiet: bool = False,
         return config
     assert config.model_path is not None  # (a repo id)
     found = locate(config.model_path, config.revision, config.download_dir, quiet, progress=progress)
+    mmproj = config.mmproj
+    if mmproj is None and found.mmproj is not None and runs_beside(found.path, found.mmproj):
+        mmproj = str(found.mmproj)  # the repository's vision file, for a model whose tower Unison runs
     return dataclasses.replace(config, model_path=str(found.path), model_repo=found.repo,
-                               model_commit=found.commit)
+                               model_commit=found.commit, mmproj=mmproj)
 
 
 def locate(name: str, revision: str | None = None, download_dir: str | None = None, quiet: bool = False,
@@ -117,7 +121,8 @@ def _located(name: str, commit: str, chosen: list[str], paths: list[Path]) -> Lo
                                 "again to resume it)")
     first = paths[0]
     path = first if chosen[0].endswith(".gguf") else first.parents[len(PurePosixPath(chosen[0]).parts) - 1]
-    return Located(path, name, commit, tuple(chosen))
+    mmproj = next((p for f, p in zip(chosen, paths) if _is_mmproj(f)), None)
+    return Located(path, name, commit, tuple(chosen), mmproj)
 
 
 def _listing(name: str, repo: str, rev: str) -> tuple[dict[str, int | None] | None, str]:
@@ -186,6 +191,23 @@ def _choose(name: str, files: Mapping[str, int | None], tag: str | None, tokeniz
     kinds = sorted({PurePosixPath(f).suffix or f for f in files if not f.startswith(SKIPPED_DIRS)})
     raise ValueError(f"{name}: nothing Unison can run: it reads GGUF files or safetensors beside a "
                      f"config.json, and the repository holds {kinds}")
+
+
+def runs_beside(text_model: Path, mmproj: Path) -> bool:
+    """Whether Unison runs `mmproj`'s tower beside the GGUF `text_model`: a Gemma 3 with a gemma3
+    projector (model/mmproj.py's PROJECTORS). A repository's other vision files are left aside and
+    its text model served alone. (The gguf package only: this process imports no torch.)"""
+    from gguf import GGUFReader
+
+    def field(path: Path, key: str) -> object:
+        f = GGUFReader(path).fields.get(key)
+        return None if f is None else f.contents()
+
+    try:
+        return field(text_model, "general.architecture") == "gemma3" \
+            and field(mmproj, "clip.projector_type") == "gemma3"
+    except (ValueError, OSError):
+        return False
 
 
 def _is_mmproj(filename: str) -> bool:  # a vision projector beside the model (llama.cpp's mtmd)

@@ -18,13 +18,17 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from unison.model.mmproj import PROJECTOR, TOWER
-from unison.model.siglip import Gemma3Vision, VisionConfig
-from unison.model.weights import DictWeights
+if TYPE_CHECKING:  # (torch and the model load inside the command: `unison serve` imports this parser)
+    import torch
+
+    from unison.model.siglip import VisionConfig
+
+# The published checkpoints' prefixes (unison/model/mmproj.py's, which imports torch)
+TOWER, PROJECTOR = "vision_tower.vision_model.", "multi_modal_projector."
 
 # Gemma 3 4B's tower (google/gemma-3-4b-it's vision_config), projected to `text_hidden`.
 GEMMA3_4B = {"hidden_size": 1152, "intermediate_size": 4304, "num_layers": 27, "num_heads": 16,
@@ -32,6 +36,8 @@ GEMMA3_4B = {"hidden_size": 1152, "intermediate_size": 4304, "num_layers": 27, "
 
 
 def gemma3_tower(text_hidden: int, layers: int | None = None) -> VisionConfig:
+    from unison.model.siglip import VisionConfig
+
     shape = GEMMA3_4B | ({"num_layers": layers} if layers else {})
     return VisionConfig(**shape, layer_norm_eps=1e-6, text_hidden_size=text_hidden, mm_tokens_per_image=256,
                         image_token_id=262_144, boi_token_id=255_999, eoi_token_id=256_000)
@@ -39,6 +45,8 @@ def gemma3_tower(text_hidden: int, layers: int | None = None) -> VisionConfig:
 
 def random_tower(cfg: VisionConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Seeded random weights for `cfg`, under the published checkpoints' names."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     d, ff, p, t = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, {}
 
@@ -125,6 +133,11 @@ def _gguf_tensor(name: str, data: np.ndarray) -> tuple[str, np.ndarray]:
 def our_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                         trials: int) -> list[float]:
     """Seconds for one image through Gemma3Vision, after a warm-up."""
+    import torch
+
+    from unison.model.siglip import Gemma3Vision
+    from unison.model.weights import DictWeights
+
     tower = Gemma3Vision.load(DictWeights(tensors), cfg, dtype)
     pixels = torch.rand(1, 3, cfg.image_size, cfg.image_size) * 2 - 1
     tower(pixels)
@@ -139,6 +152,7 @@ def our_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dty
 def transformers_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor],
                                  trials: int) -> list[float]:
     """Seconds for one image through transformers' Gemma 3 tower and projector (float32)."""
+    import torch
     import transformers
 
     config = transformers.Gemma3Config(
@@ -191,6 +205,8 @@ def llama_cpp_encoder_seconds(cli: str, text_model: Path, mmproj: Path,
 
 
 def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | None, out_dir: Path) -> None:
+    import torch
+
     from unison.model.gguf import hf_config, open_gguf
 
     text_hidden = int(hf_config(open_gguf(text_model))["hidden_size"])
