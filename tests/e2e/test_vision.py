@@ -265,12 +265,12 @@ def test_image_requests_are_bit_identical_alone_and_batched(engine):
     assert len({a[1] for a in alone}) == 3  # the pictures matter
 
 
-def test_chunked_prefill_never_splits_an_image(model_dir):
+def test_chunked_prefill_never_splits_an_image(engine, model_dir):
     from unison import Engine
 
     pic = picture(64, 48, seed=9)
-    with Engine(model_path=str(model_dir), quantization="none") as whole:
-        want = whole.generate(PROMPT, GREEDY, image_data=pic)["output_ids"]
+    engine.flush_cache()
+    want = engine.generate(PROMPT, GREEDY, image_data=pic)["output_ids"]  # one chunk of 64
     with Engine(model_path=str(model_dir), quantization="none", chunked_prefill_size=8) as chunked:
         assert chunked.generate(PROMPT, GREEDY, image_data=pic)["output_ids"] == want
 
@@ -544,37 +544,17 @@ def gguf_files(model_dir, tmp_path_factory) -> tuple[Path, Path]:
             write_mmproj(tower_tensors(model_dir), cfg, out / "mmproj.gguf", float16=False))
 
 
-def test_a_gguf_with_its_mmproj_sees_pictures_as_the_checkpoint_does(engine, gguf_files):
-    """The same weights as a GGUF and an mmproj file (float32, as llama.cpp's converter writes
-    them with --outtype f32): the Hugging Face directory's tokens, and its logprobs within 1e-3
-    (the file keeps the projector's norm as 1 + w, which float32 does not give back exactly)."""
-    from unison import Engine
-
-    text, mmproj = gguf_files
-    logprobs = {"return_logprob": True, "top_logprobs_num": 5}
-    pics = [picture(77, 55, seed=31), picture(40, 90, seed=32)]
-    want = [engine.generate(PROMPT, GREEDY, image_data=p, **logprobs) for p in pics]
-    with Engine(model_path=str(text), mmproj=str(mmproj), quantization="none") as e:
-        got = [e.generate(PROMPT, GREEDY, image_data=p, **logprobs) for p in pics]
-    for a, b in zip(got, want):
-        assert a["output_ids"] == b["output_ids"]
-        for x, y in zip(a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]):
-            assert [t for _, t, _ in x] == [t for _, t, _ in y]
-            assert max(abs(p - q) for (p, _, _), (q, _, _) in zip(x, y)) < 1e-3
-
-
-def test_mmproj_refusals_name_the_file(gguf_files, tmp_path):
-    from unison import Engine
+def test_mmproj_refusals_name_the_file(gguf_files, model_dir, tmp_path):
     from unison.bench.vision import random_tower, write_mmproj
     from unison.model.siglip import VisionConfig
 
     _, mmproj = gguf_files
-    with pytest.raises(Exception, match="mmproj: a llama model takes no vision tower"):
-        Engine(mmproj=str(mmproj))  # the embedded model: a Llama
+    with pytest.raises(ValueError, match="mmproj: a llama model takes no vision tower"):
+        ModelRunner(None, mmproj=str(mmproj), num_blocks=8)  # the embedded model: a Llama
     other = VisionConfig(32, 64, 1, 2, 64, 8, 1e-6, 48, 16, 262_144, 255_999, 256_000)
     wrong = write_mmproj(random_tower(other), other, tmp_path / "other.gguf")
-    with pytest.raises(Exception, match="projection_dim 48 is not the text model's hidden size 64"):
-        Engine(model_path=str(gguf_files[0]), mmproj=str(wrong))
+    with pytest.raises(ValueError, match="projection_dim 48 is not the text model's hidden size 64"):
+        ModelRunner(model_dir, mmproj=str(wrong), quantization="none", num_blocks=8)
 
 
 def test_the_encoder_runs_once_per_picture(model_dir):
@@ -589,15 +569,20 @@ def test_the_encoder_runs_once_per_picture(model_dir):
     assert runner.vision.encoded == 2
 
 
-def test_a_gguf_repository_brings_its_mmproj(gguf_files, engine, monkeypatch, tmp_path):
-    """A GGUF repository with an mmproj file beside the model (as llama.cpp's -hf takes it): the
-    engine named by the repository sees pictures with it; --mmproj is not needed."""
+def test_a_gguf_with_its_mmproj_sees_pictures_as_the_checkpoint_does(gguf_files, engine, monkeypatch,
+                                                                    tmp_path):
+    """The same weights as a GGUF and an mmproj file (float32, as llama.cpp's converter writes
+    them with --outtype f32), in a repository as llama.cpp's -hf takes them (the mmproj file
+    beside the model: --mmproj is set from it): the Hugging Face directory's tokens, and its
+    logprobs within 1e-3 (the file keeps the projector's norm as 1 + w, which float32 does not
+    give back exactly)."""
     from tests.hub import StandInHub, point_at
     from unison import Engine
 
     text, mmproj = gguf_files
-    pic = picture(66, 44, seed=41)
-    want = engine.generate(PROMPT, GREEDY, image_data=pic)["output_ids"]
+    logprobs = {"return_logprob": True, "top_logprobs_num": 5}
+    pics = [picture(77, 55, seed=31), picture(40, 90, seed=32)]
+    want = [engine.generate(PROMPT, GREEDY, image_data=p, **logprobs) for p in pics]
     with StandInHub() as hub:
         point_at(monkeypatch, hub.url)
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -606,4 +591,10 @@ def test_a_gguf_repository_brings_its_mmproj(gguf_files, engine, monkeypatch, tm
                                                 "mmproj-tiny-F32.gguf": mmproj.read_bytes()})
         with Engine(model_path="org/tiny-gemma3-vision-GGUF:F32", download_dir=str(tmp_path / "cache"),
                     quantization="none") as named:
-            assert named.generate(PROMPT, GREEDY, image_data=pic)["output_ids"] == want
+            assert Path(named.get_server_info()["mmproj"]).name == "mmproj-tiny-F32.gguf"
+            got = [named.generate(PROMPT, GREEDY, image_data=p, **logprobs) for p in pics]
+    for a, b in zip(got, want):
+        assert a["output_ids"] == b["output_ids"]
+        for x, y in zip(a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]):
+            assert [t for _, t, _ in x] == [t for _, t, _ in y]
+            assert max(abs(p - q) for (p, _, _), (q, _, _) in zip(x, y)) < 1e-3
