@@ -52,7 +52,7 @@ class ImageLimits:
 class ImageSource:
     """An image as a request gives it, with the request field it came in (errors name it)."""
 
-    data: object  # bytes, a data: URL or base64 text, a PIL image; a path from the Python API only
+    data: object  # bytes, a data: URL or base64 text, a PIL image (read_paths reads a caller's files)
     field: str
 
 

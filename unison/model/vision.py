@@ -95,15 +95,6 @@ class Vision:
         tower = Gemma3Vision.load(source, cfg, torch.bfloat16 if bf16 else linear_dtype)
         return cls(tower, cfg, image_spec(model_dir, cfg, normalization))
 
-    def check(self, image: ImageInput) -> str | None:
-        """What makes an image unusable (the core re-checks what its frontend prepared), or None."""
-        size, spec = self.spec.image_size, self.spec
-        if image.shape != (3, size, size) or len(image.pixels) != 4 * 3 * size * size:
-            return f"an image must be float32 pixels of shape (3, {size}, {size}), got {image.shape}"
-        if image.tokens != spec.tokens:
-            return f"an image fills {spec.tokens} placeholder tokens, not {image.tokens}"
-        return None
-
     def embeddings(self, image: ImageInput) -> torch.Tensor:
         """The image's embeddings [tokens, hidden], from the cache or the tower."""
         hit = self._cache.get(image.hash)
