@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
@@ -25,7 +26,6 @@ from unison.model.runner import BatchItem, ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="images run on the C attention kernel")
 
-PIL = pytest.importorskip("PIL.Image")
 WINDOW = 48  # the sliding layer's: prompts run past it, so an image's rows test its edge
 TOKENS = 16  # per image
 # Gemma 3's published chat template (google/gemma-3-4b-it): an image part writes <start_of_image>.
@@ -115,7 +115,7 @@ def picture(width: int, height: int, mode: str = "RGB", seed: int = 0):
     rng = np.random.default_rng(seed)
     channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
     data = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
-    return PIL.fromarray(data[..., 0] if channels == 1 else data, mode)
+    return PIL.Image.fromarray(data[..., 0] if channels == 1 else data, mode)
 
 
 def png(image) -> bytes:
