@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
-from tests.e2e.test_data_parallel import DPServer, _marked
+from tests.e2e.test_data_parallel import CACHE_ENV, DPServer, _marked
 from tests.utils import wait_until
 from unison.deploy.replicas import Replicas
 from unison.wire.kv_events import KVEventsInfo, LoadReport, block_hashes
@@ -147,7 +147,7 @@ def dp(tmp_path_factory):
     mark = str(tmp_path_factory.mktemp("dpkv"))
     conftest.MODULE_TREES.add(mark)
     server = DPServer("--routing", "kv", ray_address=None,
-                      env={"UNISON_TEST_MODULE_TREE": mark, "HOME": mark})
+                      env={"UNISON_TEST_MODULE_TREE": mark, "HOME": mark, **CACHE_ENV})
     try:
         yield server
     finally:
