@@ -588,3 +588,21 @@ def test_radix_cache_keeps_blocks_only_with_a_snapshot_and_matches_back_to_one()
     assert cache.match(b + [1])[0] == [] and cache.num_blocks == blocks_before - 2 + 1
     cache.check_integrity()
     pool.check_integrity([cache.blocks()])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_compiled_forward_is_the_python_forward(models, kind: str, quantization: str, monkeypatch):
+    """Quantized on CPU, a step is one C call (csrc/decoder.c): the Gated DeltaNet layers over
+    the state pool, the gated attention, the shared expert. Its logits and the states it leaves
+    are the Python forward's, bit for bit, prefill and decode, 16 requests together."""
+    runner = ModelRunner(models[kind], quantization=quantization, num_blocks=512, block_size=8,
+                         state_slots=16)
+    assert runner._compiled is not None
+    compiled = _prefill_and_decode(runner, PROMPTS)
+    states = None if runner.states is None else (runner.states.conv.clone(), runner.states.rec.clone())
+    monkeypatch.setattr(runner, "_compiled", None)  # the Python forward, kernel by kernel
+    python = _prefill_and_decode(runner, PROMPTS)
+    assert torch.equal(compiled[0], python[0]) and torch.equal(compiled[1], python[1])
+    if states is not None:
+        assert torch.equal(states[0], runner.states.conv) and torch.equal(states[1], runner.states.rec)

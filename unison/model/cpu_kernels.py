@@ -495,20 +495,34 @@ class MoeLayerC(ctypes.Structure):
                 ("down_bias", _PTR)]
 
 
+class DeltaLayerC(ctypes.Structure):
+    _fields_ = [("in_proj", QLinearC), ("out_proj", QLinearC), ("order", _PTR), ("conv_w", _PTR),
+                ("dt_bias", _PTR), ("neg_a", _PTR), ("norm", _PTR), ("conv_state", _PTR), ("rec_state", _PTR),
+                ("k_heads", _I64), ("v_heads", _I64), ("k_dim", _I64), ("v_dim", _I64), ("conv_kernel", _I64),
+                ("tiled", _INT)]
+
+
+class SharedMlpC(ctypes.Structure):
+    _fields_ = [("gate_up", QLinearC), ("down", QLinearC), ("gate", _PTR), ("intermediate", _I64),
+                ("activation", _INT)]
+
+
 class DLayerC(ctypes.Structure):
     _fields_ = [("qkv", QLinearC), ("o_proj", QLinearC), ("gate_up", QLinearC), ("down", QLinearC),
                 ("input_norm", _PTR), ("post_attention_norm", _PTR), ("pre_mlp_norm", _PTR),
                 ("post_mlp_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("rope", _I64), ("window", _I64),
                 ("k_cache", _PTR), ("v_cache", _PTR), ("key_weight", _PTR), ("key_mean", _PTR),
-                ("moe", ctypes.POINTER(MoeLayerC)), ("sinks", _PTR)]
+                ("moe", ctypes.POINTER(MoeLayerC)), ("sinks", _PTR), ("delta", ctypes.POINTER(DeltaLayerC)),
+                ("shared", ctypes.POINTER(SharedMlpC)), ("kv_layer", _I64)]
 
 
 class DModelC(ctypes.Structure):
     _fields_ = [("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("vocab", _I64), ("block_size", _I64), ("eps", _F32),
                 ("attention_scale", _F32), ("embed_scale", _F32), ("activation", _INT), ("qk_norm", _INT),
-                ("kv_dtype", _INT), ("embed_record", _I64), ("embed_kp", _I64), ("embed", _PTR),
-                ("norm", _PTR), ("lm_head", QLinearC), ("layer", ctypes.POINTER(DLayerC))]
+                ("kv_dtype", _INT), ("output_gate", _INT), ("rotary_dim", _I64), ("embed_record", _I64),
+                ("embed_kp", _I64), ("embed", _PTR), ("norm", _PTR), ("lm_head", QLinearC),
+                ("layer", ctypes.POINTER(DLayerC))]
 
 
 class DStepC(ctypes.Structure):
@@ -518,16 +532,17 @@ class DStepC(ctypes.Structure):
                 ("logits", _PTR), ("num_threads", _INT), ("attention_threads", _INT), ("lora_row", _PTR),
                 ("lora", _PTR), ("recent_k", _PTR), ("recent_v", _PTR), ("twin_k", _PTR), ("twin_v", _PTR),
                 ("twin_layer", _I64), ("twin_slots", _PTR), ("first_row", _PTR), ("twin", _PTR),
-                ("embed_count", _I64), ("embed_rows", _PTR), ("embed_values", _PTR), ("row_ahead", _PTR)]
+                ("embed_count", _I64), ("embed_rows", _PTR), ("embed_values", _PTR), ("row_ahead", _PTR),
+                ("state_items", _I64), ("state_slots", _PTR), ("state_start", _PTR), ("state_count", _PTR)]
 
 
 def struct_mirrors() -> dict[str, type[ctypes.Structure]]:
     """The C structs the kernels take (by their C names) and their ctypes mirrors."""
     from unison.model.lora import LoraLinearC, LoraPartC
 
-    return {"QLinear": QLinearC, "ExpertLinear": ExpertLinearC, "MoeLayer": MoeLayerC, "DLayer": DLayerC,
-            "DModel": DModelC, "DStep": DStepC, "RecentRows": RecentRowsC, "LoraPart": LoraPartC,
-            "LoraLinear": LoraLinearC}
+    return {"QLinear": QLinearC, "ExpertLinear": ExpertLinearC, "MoeLayer": MoeLayerC,
+            "DeltaLayer": DeltaLayerC, "SharedMlp": SharedMlpC, "DLayer": DLayerC, "DModel": DModelC,
+            "DStep": DStepC, "RecentRows": RecentRowsC, "LoraPart": LoraPartC, "LoraLinear": LoraLinearC}
 
 
 def check_struct_layout(lib: ctypes.CDLL) -> None:
@@ -554,51 +569,75 @@ def _qlinear(plan: QuantPlan, bias: torch.Tensor | None) -> QLinearC:
                     plan.out_cols, _ptr(bias))
 
 
+def _delta_layer(d, cfg, states, index: int) -> DeltaLayerC:
+    """A linear_attention.DeltaNet as csrc/decoder.c takes it, over linear layer `index`'s states."""
+    conv, rec = states.layer(index)
+    return DeltaLayerC(_qlinear(d.in_proj.plan, d.in_proj.bias), _qlinear(d.out_proj.plan, d.out_proj.bias),
+                       _ptr(d.order), d.conv_weight.data_ptr(), d.dt_bias.data_ptr(), d.neg_a.data_ptr(),
+                       d.norm.data_ptr(), conv.data_ptr(), rec.data_ptr(), cfg.num_k_heads, cfg.num_v_heads,
+                       cfg.head_k_dim, cfg.head_v_dim, cfg.conv_kernel, int(cfg.tiled))
+
+
 QK_NORMS = {None: 0, "head": 1, "full": 2}
 NORMS = ("input_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 
 
 class CompiledDecoder:
     """A quantized decoder.DecoderModel and its KV cache as csrc/decoder.c takes them: a step's
-    forward in one call (the model's Python forward calls the same kernels one by one)."""
+    forward in one call (the model's Python forward calls the same kernels one by one). A hybrid's
+    linear-attention layers run over `states` (linear_attention.DeltaStates), by slot."""
 
     def __init__(self, kernels: CpuKernels, model, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 key_rounding: KeyRounding | None) -> None:
+                 key_rounding: KeyRounding | None, states=None) -> None:
         cfg, self.kernels, self.model = model.cfg, kernels, model
         self.vocab = cfg.vocab_size
         layers = (DLayerC * len(model.layers))()
+        parts: list[ctypes.Structure] = []  # the layers' own structs, kept alive with them
         for i, (layer, c) in enumerate(zip(model.layers, layers)):
-            c.qkv = _qlinear(layer.qkv.plan, layer.qkv.bias)
-            c.o_proj = _qlinear(layer.o_proj.plan, layer.o_proj.bias)
-            c.sinks = _ptr(layer.sinks)
+            if layer.delta is not None:
+                parts.append(_delta_layer(layer.delta, cfg.linear, states, model.linear_index[i]))
+                c.delta = ctypes.pointer(parts[-1])
+            else:
+                kv = c.kv_layer = model.kv_index[i]
+                c.qkv = _qlinear(layer.qkv.plan, layer.qkv.bias)
+                c.o_proj = _qlinear(layer.o_proj.plan, layer.o_proj.bias)
+                c.sinks, c.window = _ptr(layer.sinks), cfg.layer_window[i] or 0
+                c.k_cache, c.v_cache = k_cache[kv].data_ptr(), v_cache[kv].data_ptr()
+                if key_rounding is not None:
+                    c.key_weight, c.key_mean = _ptr(key_rounding.weight[kv]), _ptr(key_rounding.mean[kv])
             if layer.moe is not None:
                 c.moe = ctypes.pointer(layer.moe.c)
             else:
                 c.gate_up, c.down = _qlinear(layer.gate_up.plan, None), _qlinear(layer.down.plan, None)
+            if layer.shared is not None:
+                sh = layer.shared
+                parts.append(SharedMlpC(_qlinear(sh.gate_up.plan, None), _qlinear(sh.down.plan, None),
+                                        sh.gate.data_ptr(), sh.down.plan.k, ACTIVATIONS[sh.activation]))
+                c.shared = ctypes.pointer(parts[-1])
             for name in NORMS:
                 setattr(c, name, _ptr(getattr(layer, name)))
-            c.rope, c.window = layer.rope, cfg.layer_window[i] or 0
-            c.k_cache, c.v_cache = k_cache[i].data_ptr(), v_cache[i].data_ptr()
-            if key_rounding is not None:
-                c.key_weight, c.key_mean = _ptr(key_rounding.weight[i]), _ptr(key_rounding.mean[i])
+            c.rope = layer.rope
         head, embed = model.lm_head, model.embed.quant
         mlp = cfg.moe.intermediate_size if cfg.moe else cfg.intermediate_size  # sizes the dense buffers
         self.c = DModelC(
             len(model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, mlp, cfg.vocab_size, k_cache.shape[2], cfg.rms_norm_eps,
             cfg.attention_scale, model.embed_scale or 0.0, ACTIVATIONS[cfg.family.activation],
-            QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], embed.format, embed.kp,
-            embed.packed.data_ptr(), model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)
-        self._keep = (layers, k_cache, v_cache, key_rounding)
+            QK_NORMS[cfg.family.qk_norm], KV_DTYPES[k_cache.dtype], int(cfg.family.attn_output_gate),
+            cfg.rotary_dim or cfg.head_dim, embed.format, embed.kp, embed.packed.data_ptr(),
+            model.norm.data_ptr(), _qlinear(head.plan, head.bias), layers)
+        self._keep = (layers, parts, k_cache, v_cache, key_rounding, states)
         self._workspace = torch.empty(0, dtype=torch.uint8)
 
     def forward(self, ids: torch.Tensor, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
                 slots: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
                 logits_rows: torch.Tensor | None, serial: bool, lora=None,
-                recent: Recent | None = None, images: ImageRows | None = None) -> torch.Tensor:
+                recent: Recent | None = None, images: ImageRows | None = None,
+                delta: DeltaStep | None = None) -> torch.Tensor:
         """`lora`: the step's lora.LoraStep, when a row runs with an adapter; `recent`: an int8
         cache's recent rows, its twins every layer's ([layers, twins, ...]); `images`: the rows
-        that are images' (their embeddings, and what each row sees past itself)."""
+        that are images' (their embeddings, and what each row sees past itself); `delta`: a
+        hybrid's items' state slots and rows (its DeltaStates opened for this step)."""
         n = ids.numel()
         need = self.kernels.lib.decoder_workspace_bytes(ctypes.byref(self.c), n)
         if self._workspace.numel() < need:  # grown, never shrunk: one forward runs at a time
@@ -621,6 +660,9 @@ class CompiledDecoder:
         if images is not None:
             step.embed_count, step.embed_rows = images.rows.numel(), images.rows.data_ptr()
             step.embed_values, step.row_ahead = images.values.data_ptr(), _ptr(images.ahead)
+        if delta is not None:
+            step.state_items, step.state_slots = len(delta.slots), delta.slots.data_ptr()
+            step.state_start, step.state_count = delta.row_start.data_ptr(), delta.row_count.data_ptr()
         if self.kernels.lib.decoder_forward(ctypes.byref(self.c), ctypes.byref(step)) != 0:
             raise MemoryError("decoder forward: out of memory for the attention scores")
         return logits[: rows * self.vocab].view(rows, self.vocab)

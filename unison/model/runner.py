@@ -159,15 +159,13 @@ class ModelRunner:
         if measure_keys and self.kv_dtype == torch.int8 and self.task == "generate":
             attention.key_rounding = self._measure_key_rounding()
         # Quantized on CPU: each step's forward is one C call (csrc/decoder.c), the same kernels
-        # in the same order as the Python forward, without its per-op cost.
-        # Pooling's rows come from the Python forward (the same kernels), and so do a hybrid's
-        # and a shared expert's, whose layers csrc/decoder.c does not run.
-        moe = self.config.moe
-        plain = self.config.linear is None and (moe is None or not moe.shared_intermediate_size)
+        # in the same order as the Python forward, without its per-op cost. Pooling's rows come
+        # from the Python forward (the same kernels), and so does a hybrid's drafted step, whose
+        # linear layers record their inputs for the replay.
         self._compiled = (cpu_kernels.CompiledDecoder(kernel, self.model, attention.k_cache,
-                                                      attention.v_cache, attention.key_rounding)
+                                                      attention.v_cache, attention.key_rounding, self.states)
                           if kernel is not None and self.quantization != "none" and self.task == "generate"
-                          and plain else None)
+                          else None)
 
     @torch.inference_mode()
     def _measure_key_rounding(self) -> key_rounding.KeyRounding | None:
@@ -300,7 +298,7 @@ class ModelRunner:
                 hidden = self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
                                             head=False, states=states)
                 return F.normalize(hidden, p=2, dim=-1) if self.normalize else hidden
-            if self._compiled is None:
+            if self._compiled is None or (states is not None and states.drafted):
                 return self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
                                           states=states, images=images)
             p = step.paged
@@ -309,7 +307,8 @@ class ModelRunner:
             rows = self.attention.recent
             recent = None if rows is None or p.recent is None else rows.layer(p.recent, None)
             return self._compiled.forward(ids, cos_sin, step.slots, p.tables, p.row_seq, p.row_len,
-                                          logits_rows, step.serial, lora, recent, images)
+                                          logits_rows, step.serial, lora, recent, images,
+                                          None if states is None else states.current)
 
     def keep_drafted_rows(self, kept: dict[int, int]) -> None:
         """After the last step's drafts were verified: each drafted state slot keeps the state of
