@@ -23,10 +23,13 @@ from .families import ModelConfig
 from .key_rounding import KeyRounding
 from .recent_rows import Item, RecentRows, RecentStep
 
-# Attention work (query rows x context tokens, summed) up to which a step's attention runs on one
-# thread: a parallel region over so little work costs more than it saves, and when the other
-# cores are busy a preempted worker stalls every such op (50-100x slower, measured under load).
-SERIAL_ATTENTION_WORK = 8192
+# Attention work per layer (query rows x the keys each sees x query heads x head_dim: QK^T's
+# multiply-adds) up to which a step's attention runs on one thread: a parallel region over so
+# little work costs more than it saves, and when the other cores are busy a preempted worker
+# stalls every such op (50-100x slower, measured under load). That is 8,192 keys at the embedded
+# model's 9 heads of 64; a Qwen3.5 layer (16 heads of 256) goes parallel past 1,152 keys (on one
+# thread, its 8,000-token decode ran at 0.80 of its 500-token speed).
+SERIAL_ATTENTION_WORK = 8192 * 9 * 64
 
 # Torch's decode path (no C kernel): a decode group is split so that the K/V it gathers (8 MiB) is
 # still in cache when SDPA reads it: 1.7x faster at 64 requests x 300 tokens than one gather.
@@ -177,7 +180,8 @@ class PagedAttention:
             table = np.asarray(item.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             row, work = row + n, work + n * (start + n)
-        serial = self.device.type == "cpu" and work <= SERIAL_ATTENTION_WORK
+        width = self.config.num_attention_heads * self.config.head_dim
+        serial = self.device.type == "cpu" and work * width <= SERIAL_ATTENTION_WORK
         step_slots = torch.from_numpy(np.concatenate(slots)).to(self.device)
         if self.kernel is not None:
             return StepMeta(step_slots, serial, paged=self._paged_meta(batch, positions))
