@@ -182,7 +182,7 @@ class CpuKernels:
         lib.rope_partial.restype = None
         lib.gated_delta.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
                                     _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _PTR, _INT]
-        lib.gated_delta.restype = _INT
+        lib.gated_delta.restype = None
         lib.row_gates.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR]
         lib.row_gates.restype = None
         lib.mul_act.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT]
@@ -354,13 +354,11 @@ class CpuKernels:
         hk = (x.shape[1] - hv * dv) // (2 * dk)
         work = torch.empty(rows, x.shape[1])
         out = torch.empty(rows, hv * dv)
-        rc = self.lib.gated_delta(x.data_ptr(), x.stride(0), g.data_ptr(), beta.data_ptr(), g.stride(0),
-                                  conv_weight.data_ptr(), conv_weight.shape[1], conv_state.data_ptr(),
-                                  rec_state.data_ptr(), step.slots.data_ptr(), step.row_start.data_ptr(),
-                                  step.row_count.data_ptr(), len(step.slots), hk, hv, dk, dv, int(tiled),
-                                  work.data_ptr(), out.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("gated delta kernel: out of memory")
+        self.lib.gated_delta(x.data_ptr(), x.stride(0), g.data_ptr(), beta.data_ptr(), g.stride(0),
+                             conv_weight.data_ptr(), conv_weight.shape[1], conv_state.data_ptr(),
+                             rec_state.data_ptr(), step.slots.data_ptr(), step.row_start.data_ptr(),
+                             step.row_count.data_ptr(), len(step.slots), hk, hv, dk, dv, int(tiled),
+                             work.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
     def norm_groups_(self, x: torch.Tensor, groups: int, dim: int, weight: torch.Tensor, eps: float) -> None:

@@ -37,11 +37,11 @@ void mul_act(float *x, int64_t x_stride, const float *gate, int64_t gate_stride,
 void row_gates(const float *x, int64_t row_stride, const float *w, int64_t rows, int64_t dim, float *out);
 void delta_gates(const float *a, const float *b, int64_t stride, int64_t rows, int64_t heads,
                  const float *dt_bias, const float *neg_a, float *g, float *beta);
-int gated_delta(const float *x, int64_t x_stride, const float *g, const float *beta, int64_t gb_stride,
-                const float *conv_w, int64_t K, float *conv_state, float *rec_state,
-                const int64_t *slots, const int64_t *row_start, const int64_t *row_count, int64_t items,
-                int64_t hk, int64_t hv, int64_t dk, int64_t dv, int tiled, float *c, float *out,
-                int num_threads);
+void gated_delta(const float *x, int64_t x_stride, const float *g, const float *beta, int64_t gb_stride,
+                 const float *conv_w, int64_t K, float *conv_state, float *rec_state,
+                 const int64_t *slots, const int64_t *row_start, const int64_t *row_count, int64_t items,
+                 int64_t hk, int64_t hv, int64_t dk, int64_t dv, int tiled, float *c, float *out,
+                 int num_threads);
 void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache, void *v_cache,
               const int64_t *slots, int64_t rows, int64_t width, int64_t head_dim, int dtype,
               const float *key_weight, const float *key_mean, void *recent_k, void *recent_v, void *twin_k,
@@ -276,8 +276,8 @@ static int attention_mixer(const DModel *m, const DLayer *L, int64_t li, const D
 
 // A Gated DeltaNet layer: x [n, H] -> out [n, H], advancing the step's items' states, as
 // linear_attention.py's DeltaNet.forward does (its kernels, in its order).
-static int delta_mixer(const DModel *m, const DeltaLayer *D, const DStep *s, const float *x, float *out,
-                       Buffers *b) {
+static void delta_mixer(const DModel *m, const DeltaLayer *D, const DStep *s, const float *x, float *out,
+                        Buffers *b) {
     const int64_t n = s->rows, P = D->in_proj.n, hv = D->v_heads, vd = hv * D->v_dim;
     const int64_t conv = 2 * D->k_heads * D->k_dim + vd;
     const int t = s->num_threads;
@@ -289,14 +289,12 @@ static int delta_mixer(const DModel *m, const DeltaLayer *D, const DStep *s, con
         proj = b->ordered;
     }
     delta_gates(proj + conv + vd + hv, proj + conv + vd, P, n, hv, D->dt_bias, D->neg_a, b->g, b->beta);
-    if (gated_delta(proj, P, b->g, b->beta, hv, D->conv_w, D->conv_kernel, D->conv_state, D->rec_state,
-                    s->state_slots, s->state_start, s->state_count, s->state_items, D->k_heads, hv, D->k_dim,
-                    D->v_dim, D->tiled, b->conv, b->attn, t) != 0)
-        return -1;
+    gated_delta(proj, P, b->g, b->beta, hv, D->conv_w, D->conv_kernel, D->conv_state, D->rec_state,
+                s->state_slots, s->state_start, s->state_count, s->state_items, D->k_heads, hv, D->k_dim,
+                D->v_dim, D->tiled, b->conv, b->attn, t);
     norm_groups(b->attn, vd, n, hv, D->v_dim, D->norm, m->eps);
     mul_act(b->attn, vd, proj + conv, P, n, vd, ACT_SILU, t);
     linear(&D->out_proj, b->attn, n, out, b, t);
-    return 0;
 }
 
 // The MLP: x [n, H] -> out [n, H]: dense, or a mixture of experts plus its shared expert's
@@ -342,9 +340,10 @@ int decoder_forward(const DModel *m, const DStep *s) {
     add_norm(h, NULL, m->layer[0].input_norm, x, n, H, m->eps, t);
     for (int64_t li = 0; li < m->layers; li++) {
         const DLayer *L = &m->layer[li];
-        const int rc = L->delta ? delta_mixer(m, L->delta, s, x, delta, &b)
-                                : attention_mixer(m, L, li, s, x, delta, &b);
-        if (rc != 0) return -1;
+        if (L->delta)
+            delta_mixer(m, L->delta, s, x, delta, &b);
+        else if (attention_mixer(m, L, li, s, x, delta, &b) != 0)
+            return -1;
         if (L->post_attention_norm) add_rms_norm(delta, NULL, L->post_attention_norm, delta, n, H, m->eps, t);
         add_norm(h, delta, L->pre_mlp_norm, x, n, H, m->eps, t);
         mlp(m, L, li, s, x, delta, &b);

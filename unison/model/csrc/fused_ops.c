@@ -284,20 +284,7 @@ void store_kv(const float *k, const float *v, int64_t row_stride, void *k_cache,
 }
 
 #ifdef UNISON_AVX2
-// silu(x) = x / (1 + exp(-x)) and tanh(x), with exp taken of -|x| only (it cannot overflow).
-static inline __m256 silu8(__m256 x) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
-    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e / (1 + e)
-    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
-
-// sigmoid(v): e / (1 + e) for v < 0, 1 / (1 + e) else, e = exp(-|v|).
-static inline __m256 sigmoid8(__m256 v) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)));
-    const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, v);
-    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
-
+// tanh(x), with exp taken of -|x| only (it cannot overflow).
 static inline __m256 tanh8(__m256 x) {
     const __m256 sign = _mm256_and_ps(_mm256_set1_ps(-0.0f), x);
     const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));

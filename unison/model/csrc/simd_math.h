@@ -1,4 +1,5 @@
-// Small vector math shared by the kernels (AVX2 + FMA): a horizontal sum and exp(x) for x <= 0.
+// Small vector math shared by the kernels (AVX2 + FMA): a horizontal sum, exp(x) for x <= 0, and
+// silu and sigmoid from it.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -29,5 +30,19 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// silu(x) = x / (1 + exp(-x)), with exp taken of -|x| only (it cannot overflow).
+static inline __m256 silu8(__m256 x) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e / (1 + e)
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// sigmoid(v): e / (1 + e) for v < 0, 1 / (1 + e) else, e = exp(-|v|).
+static inline __m256 sigmoid8(__m256 v) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)));
+    const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, v);
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 #endif
