@@ -2,7 +2,8 @@
 reads, so the bound on one stream's speed: bandwidth / step bytes tokens a second.
 
 At one stream a decode step reads every weight once (every linear, each mixture's routed experts,
-the LM head) and does little arithmetic with each byte: the memory sets the pace. The bandwidth is
+the LM head; a hybrid also reads and writes its linear-attention state) and does little arithmetic
+with each byte: the memory sets the pace. The bandwidth is
 measured as the kernels meet it (csrc/bandwidth.c: threads streaming 256-bit loads over a buffer
 far past the caches), best of several trials, on the threads the core would use.
 """
@@ -38,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
 
         model = ModelRunner(args.model_path, num_blocks=1).model
         step = model.step_bytes()
-        print(f"{args.model_path}: a decode step reads {step / 2**20:.1f} MiB of weights "
+        print(f"{args.model_path}: a decode step moves {step / 2**20:.1f} MiB (weights, a hybrid's state) "
               f"(all weights as executed: {model.weights_bytes() / 2**20:.1f} MiB)")
         print(f"one stream's bound: {gbps * 1e9 / step:.1f} tokens/s ({step / gbps / 1e6:.2f} ms a token)")
     if args.result_file:

@@ -175,15 +175,19 @@ class DecoderModel:
         return isinstance(self.lm_head, QuantLinear) and self.lm_head.parts[0] is self.embed.quant
 
     def step_bytes(self) -> int:
-        """Bytes of weights one decode step of one sequence reads (the bound on its speed is the
-        memory's bandwidth over this): every linear and norm, each mixture's router and top_k
-        experts, one row of the embedding (all of it where it is also the LM head)."""
+        """Bytes one decode step of one sequence moves (the bound on its speed is the memory's
+        bandwidth over this): every linear and norm, each mixture's router and top_k experts, one
+        row of the embedding (all of it where it is also the LM head), and a hybrid's
+        linear-attention state, read and written (4.4 MB a linear layer at Qwen3.5-35B-A3B's shape,
+        about a tenth of what a layer's weights take at one token)."""
         total = self.weights_bytes()
         moes = [x for layer in self.layers for x in layer.linears.values()
                 if isinstance(x, FloatMoe | QuantMoe)]
         total -= sum(m.nbytes - m.step_nbytes for m in moes)
         row = self.embed.nbytes // self.cfg.vocab_size
-        return total + row if self._head_is_embed() else total - self.embed.nbytes + row
+        linear = self.cfg.linear
+        state = 0 if linear is None else 2 * 4 * linear.state_floats * len(self.cfg.linear_layers)
+        return state + (total + row if self._head_is_embed() else total - self.embed.nbytes + row)
 
     def linear_kinds(self) -> dict[str, str]:
         """What each linear (and the embedding) runs as: float32, int8, int4 or a mix."""

@@ -116,7 +116,7 @@ class CoreInfo(msgspec.Struct):
     kv_cache_dtype: str
     weights: dict[str, str]  # linear -> what it runs as (float32, int8, int4, ...)
     weights_bytes: int
-    step_bytes: int  # of weights one decode step of one sequence reads (0: not a decoder)
+    step_bytes: int  # one decode step of one sequence moves: weights, a hybrid's state (0: not a decoder)
     max_queued_requests: int | None = None  # when set, Generate asks to hear it was queued
     tcp_address: str | None = None  # where remote frontends attach (listen), as bound
     server_key: str | None = None  # the core's CURVE public key (Z85), for them
