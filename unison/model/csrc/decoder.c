@@ -179,7 +179,7 @@ static Buffers carve(const DModel *m, int64_t rows, void *base) {
     const DeltaLayer *D = first_delta(m);
     const int64_t proj = D ? D->in_proj.n : 0, conv = D ? 2 * D->k_heads * D->k_dim + value_width(D) : 0;
     const int64_t any_order = D && D->order ? proj : 0, hv = D ? D->v_heads : 0;
-    const int64_t mlp = max64(m->intermediate, shared_width(m)), shared = shared_width(m) ? H : 0;
+    const int64_t mlp = max64(m->intermediate, shared_width(m)), shared = shared_width(m) ? H + PAD : 0;
     const int64_t qkv = max64((m->output_gate ? 2 : 1) * q + 2 * kv, proj);
     const int64_t widths[] = {H, H, H + PAD, qkv + PAD, q, max64(q, value_width(D)), 2 * mlp + PAD, mlp,
                               m->output_gate ? q : 0, hv, hv, conv, any_order, shared, shared ? 1 : 0};
