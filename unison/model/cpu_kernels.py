@@ -501,8 +501,7 @@ class DeltaLayerC(ctypes.Structure):
 
 
 class SharedMlpC(ctypes.Structure):
-    _fields_ = [("gate_up", QLinearC), ("down", QLinearC), ("gate", _PTR), ("intermediate", _I64),
-                ("activation", _INT)]
+    _fields_ = [("gate_up", QLinearC), ("down", QLinearC), ("gate", _PTR)]
 
 
 class DLayerC(ctypes.Structure):
@@ -610,7 +609,7 @@ class CompiledDecoder:
             if layer.shared is not None:
                 sh = layer.shared
                 parts.append(SharedMlpC(_qlinear(sh.gate_up.plan, None), _qlinear(sh.down.plan, None),
-                                        sh.gate.data_ptr(), sh.down.plan.k, ACTIVATIONS[sh.activation]))
+                                        sh.gate.data_ptr()))
                 c.shared = ctypes.pointer(parts[-1])
             for name in NORMS:
                 setattr(c, name, _ptr(getattr(layer, name)))

@@ -186,7 +186,7 @@ class DecoderModel:
         total -= sum(m.nbytes - m.step_nbytes for m in moes)
         row = self.embed.nbytes // self.cfg.vocab_size
         linear = self.cfg.linear
-        state = 0 if linear is None else 2 * 4 * linear.state_floats * len(self.cfg.linear_layers)
+        state = 0 if linear is None else 2 * DeltaStates.slot_bytes(linear, len(self.cfg.linear_layers))
         return state + (total + row if self._head_is_embed() else total - self.embed.nbytes + row)
 
     def linear_kinds(self) -> dict[str, str]:

@@ -75,10 +75,8 @@ typedef struct {  // a Gated DeltaNet layer (linear_attention.py DeltaNet) and i
 } DeltaLayer;
 
 typedef struct {  // moe.py SharedExpert: a dense gated MLP every row runs, scaled by sigmoid(x . gate)
-    QLinear gate_up, down;
+    QLinear gate_up, down;  // its width is down.k; its activation the model's
     const float *gate;  // [hidden]
-    int64_t intermediate;
-    int activation;
 } SharedMlp;
 
 typedef struct {
@@ -163,7 +161,7 @@ static const DeltaLayer *first_delta(const DModel *m) {  // every linear layer h
 static int64_t shared_width(const DModel *m) {
     int64_t w = 0;
     for (int64_t i = 0; i < m->layers; i++)
-        if (m->layer[i].shared) w = max64(w, m->layer[i].shared->intermediate);
+        if (m->layer[i].shared) w = max64(w, m->layer[i].shared->down.k);
     return w;
 }
 
@@ -316,7 +314,7 @@ static void mlp(const DModel *m, const DLayer *L, int64_t li, const DStep *s, co
     const SharedMlp *S = L->shared;
     if (!S) return;
     linear(&S->gate_up, x, n, b->gate_up, b, t);
-    act_mul(b->gate_up, b->act, n, S->intermediate, S->activation, t);
+    act_mul(b->gate_up, b->act, n, S->down.k, m->activation, t);
     linear(&S->down, b->act, n, b->shared, b, t);
     row_gates(x, H, S->gate, n, H, b->row_gate);
     for (int64_t r = 0; r < n; r++)
@@ -380,8 +378,7 @@ int decoder_forward(const DModel *m, const DStep *s) {
     X(DeltaLayer, dt_bias) X(DeltaLayer, neg_a) X(DeltaLayer, norm) X(DeltaLayer, conv_state)           \
     X(DeltaLayer, rec_state) X(DeltaLayer, k_heads) X(DeltaLayer, v_heads) X(DeltaLayer, k_dim)         \
     X(DeltaLayer, v_dim) X(DeltaLayer, conv_kernel) X(DeltaLayer, tiled)                                \
-    X(SharedMlp, gate_up) X(SharedMlp, down) X(SharedMlp, gate) X(SharedMlp, intermediate)              \
-    X(SharedMlp, activation)                                                                            \
+    X(SharedMlp, gate_up) X(SharedMlp, down) X(SharedMlp, gate)                                         \
     X(DModel, layers) X(DModel, hidden) X(DModel, heads) X(DModel, kv_heads) X(DModel, head_dim)        \
     X(DModel, intermediate) X(DModel, vocab) X(DModel, block_size) X(DModel, eps)                       \
     X(DModel, attention_scale) X(DModel, embed_scale) X(DModel, activation) X(DModel, qk_norm)          \
