@@ -294,7 +294,8 @@ def _int8_caches(kc, vc, head_dim, key_mean=None):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 64, None), (16, 2, 64, 30),
-                                                            (16, 2, 128, None), (4, 4, 128, 20)])
+                                                            (16, 2, 128, None), (4, 4, 128, 20),
+                                                            (16, 2, 256, None), (6, 2, 256, 20)])
 def test_int8_decode_rows_have_the_bits_of_prefill_rows(heads, kv_heads, head_dim, window):
     """A row alone (a decode step: the int8 cache's one-row path) gets the bits it gets inside a
     tile of several rows (prefill: the general path), so a token's output does not depend on how

@@ -288,9 +288,9 @@ static inline void dequant_e5m2(float *restrict dst, const uint8_t *restrict src
 #define KV_ROW(heads, d) ((heads) * (d))
 #include "paged_attention_body.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// Decode over an int8 cache: one query row, heads [h0, h1), head_dim 16 * nc. Each key and value
-// row is converted in registers once for all the query heads that read it, their dot products are
-// reduced four at a time, and the output stays in registers across the values. Every result has
+// Decode over an int8 cache: one query row, heads [h0, h1), head_dim 16 * nc (64, 128 or 256). Each
+// key and value row is converted once for all the query heads that read it, and the dot products
+// are reduced four at a time. Every result has
 // the bits of attend_tile's general path (the same products and sums, in the same order), which
 // prefill's rows take: a token's output does not depend on how it was batched.
 static inline __m512 q8_load16(const int8_t *p) {
@@ -358,7 +358,7 @@ static inline __attribute__((always_inline)) void decode_scores_i8(
         const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
         const float *mean = key_mean != NULL ? key_mean + kh * d : NULL;
         for (int64_t pos = lo; pos < len; pos++) {
-            __m512 key[8];
+            __m512 key[16];
             decode_row(key, k_cache, table, pos, len, kh, row, nc, block_size, recent, 0, kv_heads, mean);
             for (int64_t h = ha; h < hb; h += 4) {
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
@@ -375,31 +375,38 @@ static inline __attribute__((always_inline)) void decode_scores_i8(
     }
 }
 
-// out_h = sum over pos of scores_h[pos] * value_pos, the sums in registers (16 of them at most).
+// out_h = sum over pos of scores_h[pos] * value_pos. DECODE_ROWS value rows at a time are
+// converted once into `rows` (L1) for all the heads that read them, and each head's sums go
+// through them in position order: axpy_wide's products and sums, so the general path's bits.
+#define DECODE_ROWS 8
 static inline __attribute__((always_inline)) void decode_values_i8(
         const int8_t *v_cache, const int64_t *table, int64_t len, int64_t lo, float *out, int64_t h0,
         int64_t h1, int64_t group, int64_t row, const int64_t nc, int64_t block_size, const Recent *recent,
         int64_t kv_heads, const float *scores) {
-    const int64_t d = 16 * nc, span = len - lo, per = 16 / nc;  // heads summed per pass over the values
+    const int64_t d = 16 * nc, span = len - lo;
+    __m512 rows[DECODE_ROWS][16];
+    for (int64_t h = h0; h < h1; h++) memset(out + h * d, 0, sizeof(float) * d);
     for (int64_t kh = h0 / group; kh * group < h1; kh++) {
         const int64_t ha = kh * group > h0 ? kh * group : h0;
         const int64_t hb = (kh + 1) * group < h1 ? (kh + 1) * group : h1;
-        for (int64_t h = ha; h < hb; h += per) {
-            const int64_t n = hb - h < per ? hb - h : per;
-            __m512 acc[16];
-            for (int64_t a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
-            for (int64_t pos = lo; pos < len; pos++) {
-                __m512 value[8];
-                decode_row(value, v_cache, table, pos, len, kh, row, nc, block_size, recent, 1, kv_heads, NULL);
-                for (int64_t j = 0; j < n; j++) {
-                    const __m512 s = _mm512_set1_ps(scores[(h + j - h0) * span + pos - lo]);
-                    for (int64_t c = 0; c < nc; c++)
-                        acc[j * nc + c] = _mm512_fmadd_ps(s, value[c], acc[j * nc + c]);
+        for (int64_t p0 = lo; p0 < len; p0 += DECODE_ROWS) {
+            const int64_t n = len - p0 < DECODE_ROWS ? len - p0 : DECODE_ROWS;
+            for (int64_t i = 0; i < n; i++)
+                decode_row(rows[i], v_cache, table, p0 + i, len, kh, row, nc, block_size, recent, 1, kv_heads,
+                           NULL);
+            for (int64_t h = ha; h < hb; h++) {
+                const float *s = scores + (h - h0) * span + p0 - lo;
+                __m512 weight[DECODE_ROWS];
+                for (int64_t i = 0; i < n; i++) weight[i] = _mm512_set1_ps(s[i]);
+                for (int64_t c = 0; c < nc; c++) {
+                    __m512 acc = _mm512_loadu_ps(out + h * d + 16 * c);
+                    if (n == DECODE_ROWS)  // (a constant count: unrolled)
+                        for (int64_t i = 0; i < DECODE_ROWS; i++) acc = _mm512_fmadd_ps(weight[i], rows[i][c], acc);
+                    else
+                        for (int64_t i = 0; i < n; i++) acc = _mm512_fmadd_ps(weight[i], rows[i][c], acc);
+                    _mm512_storeu_ps(out + h * d + 16 * c, acc);
                 }
             }
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t c = 0; c < nc; c++)
-                    _mm512_storeu_ps(out + (h + j) * d + 16 * c, acc[j * nc + c]);
         }
     }
 }
@@ -426,6 +433,9 @@ static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, cons
                   sinks, scores);
     else if (head_dim == 128)
         decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 8, block_size, scale, key_mean, recent,
+                  sinks, scores);
+    else if (head_dim == 256)
+        decode_i8(q, k, v, table, len, lo, out, h0, h1, group, kv_heads, 16, block_size, scale, key_mean, recent,
                   sinks, scores);
     else
         return 0;
