@@ -22,6 +22,13 @@ def option(default: Any, help: str) -> Any:  # Any: the field's own type, as dat
     the default, the type and the help declared together, once."""
     return field(default=default, metadata={"help": help})
 
+# vLLM's names for a checkpoint's own multi-token-prediction head as the draft, and SGLang's.
+MTP_METHODS = frozenset({"mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp", "glm4_moe_mtp", "ernie_mtp"})
+SGLANG_MTP = frozenset({"NEXTN", "EAGLE"})  # SGLang drafts with the MTP layers under either name
+MTP_REFUSAL = ("the checkpoint's multi-token-prediction (MTP) head is not run as a draft yet: Unison "
+               "skips its layers at load")
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's spelling. "ngram" (prompt lookup): the draft is what followed
@@ -38,6 +45,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
 
     def __post_init__(self) -> None:
+        _check(self.method not in MTP_METHODS, "speculative_config.method",
+               f"{self.method!r}: {MTP_REFUSAL}; use 'ngram'")
         _check(self.method == "ngram", "speculative_config.method",
                f"must be 'ngram' (prompt lookup; no draft model), got {self.method!r}")
         _check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
@@ -406,6 +415,9 @@ def _sglang_speculation(kwargs: JSONObject) -> None:
         if given:
             raise ValueError(f"{sorted(given)}: set speculative_algorithm='NGRAM' with them")
         return
+    if str(algorithm).upper() in SGLANG_MTP:
+        raise ValueError(f"speculative_algorithm={algorithm!r}: {MTP_REFUSAL}; "
+                         "use speculative_algorithm='NGRAM'")
     if str(algorithm).upper() != "NGRAM":
         raise ValueError(f"speculative_algorithm={algorithm!r}: Unison speculates with NGRAM only (no "
                          "draft model); use speculative_algorithm='NGRAM'")

@@ -211,7 +211,13 @@ def test_config_spellings_and_errors():
         with pytest.raises(ValueError, match=field):
             EngineConfig(speculative_config=bad)
     with pytest.raises(ValueError, match="speculative_algorithm"):
-        EngineConfig.from_kwargs(speculative_algorithm="EAGLE")
+        EngineConfig.from_kwargs(speculative_algorithm="SUFFIX")
+    # Qwen3.5's and Qwen3-Next's own draft head, in vLLM's and SGLang's spellings: refused by name
+    for spelled in ({"speculative_config": {"method": "mtp"}},
+                    {"speculative_config": {"method": "qwen3_next_mtp"}},
+                    {"speculative_algorithm": "NEXTN"}, {"speculative_algorithm": "EAGLE"}):
+        with pytest.raises(ValueError, match=r"\(MTP\) head is not run"):
+            EngineConfig.from_kwargs(**spelled)
 
 
 def test_propose_takes_the_latest_longest_match():
