@@ -444,3 +444,37 @@ def test_concurrent_conversion_runs_once(tmp_path: Path, monkeypatch):
         t.join()
     assert len(calls) == 1 and len(set(results)) == 1 and len(results) == 3
     assert (results[0] / "config.json").is_file() and results[0].parent.parent == tmp_path / "cache"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2moe"])
+def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path):
+    """Where the GGUF's architecture names a tokenizer class, the conversion names it and skips
+    transformers' slow read of the file's config: the files it writes are those AutoTokenizer
+    writes when it reads the config itself."""
+    import filecmp
+
+    from gguf import GGUFWriter
+    from transformers import AutoTokenizer
+
+    from unison.bench.model import _copy_tokenizer, embedded_gguf
+    from unison.model.gguf import _convert_tokenizer, _tokenizer_type
+
+    path = tmp_path / f"{arch}.gguf"
+    w = GGUFWriter(path, arch)
+    for key, value in [("block_count", 1), ("context_length", 512), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2)]:
+        getattr(w, f"add_{key}")(value)
+    _copy_tokenizer(w, embedded_gguf())
+    w.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert _tokenizer_type(arch) == {"qwen3": "qwen3", "qwen2moe": "qwen2_moe"}[arch]
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir(), theirs.mkdir()
+    _convert_tokenizer(path, ours, 512)
+    AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name).save_pretrained(theirs)
+    assert filecmp.cmp(ours / "tokenizer.json", theirs / "tokenizer.json", shallow=False)
+    mine = json.loads((ours / "tokenizer_config.json").read_text())
+    want = json.loads((theirs / "tokenizer_config.json").read_text())
+    for key in ("is_local", "local_files_only", "name_or_path"):  # as _convert_tokenizer drops them
+        want.pop(key, None)
+    assert mine == {**want, "model_max_length": 512}
