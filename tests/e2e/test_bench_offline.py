@@ -118,6 +118,11 @@ def test_make_model_writes_a_llama_gguf_both_kinds_of_reader_load(tmp_path, caps
     assert cli.main(["bench", "kernels", "--model-path", str(path), "--m", "1,16", "--reps", "1"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()[1:]
     assert "int4/" in header and "fp32" in header and [r.split()[0] for r in rows] == ["1", "16"]
+    for dtype in ("int8", "float16"):  # one decode row's attention, small
+        assert cli.main(["bench", "kernels", "--attention", "--keys", "300", "--head-dim", "64",
+                         "--kv-cache-dtype", dtype, "--reps", "2", "--num-threads", "1"]) == 0
+        line = capsys.readouterr().out.strip()
+        assert line.startswith(f"one decode row over 300 keys, 16 heads of 64 (2 KV heads), {dtype} cache")
 
 
 def test_make_model_writes_a_qwen35_moe_gguf_as_llama_cpp_lays_it_out(tmp_path):
