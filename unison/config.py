@@ -227,6 +227,11 @@ class EngineConfig:
     max_image_bytes: int = option(20 << 20, "an image's encoded bytes at most (a bigger one is refused)")
     max_image_pixels: int = option(33_177_600, "an image's width x height at most (7680 x 4320; a bigger "
                                                "one, or a decompression bomb, is refused before decoding)")
+    # Image URLs are fetched by the frontends from these hosts only: a server that fetches any URL
+    # a client names can be aimed at the hosts behind it (SSRF). Redirects are not followed.
+    image_url_hosts: tuple[str, ...] = option((), "hosts whose http(s) image URLs the frontends fetch "
+                                                  "(\"*\": any host); none by default: images come inline")
+    image_fetch_timeout_s: float = option(10.0, "an image URL's fetch, whole, at most (then a 400)")
     startup_timeout: float = option(300.0, "seconds to wait for the core to load the model")
     log_level: str = option("warning", "debug, info, warning, error or critical")
     # SGLang's options, with SGLang's meaning:
@@ -311,6 +316,12 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         _check(self.max_image_bytes >= 1 and self.max_image_pixels >= 1, "max_image_bytes",
                "max_image_bytes and max_image_pixels must be >= 1")
+        if isinstance(self.image_url_hosts, str):
+            self.image_url_hosts = (self.image_url_hosts,)
+        self.image_url_hosts = tuple(self.image_url_hosts)
+        _check(all(isinstance(h, str) and h and "/" not in h for h in self.image_url_hosts),
+               "image_url_hosts", "must be host names (example.com, 127.0.0.1) or \"*\"")
+        _check(self.image_fetch_timeout_s > 0, "image_fetch_timeout_s", "must be > 0")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",

@@ -7,9 +7,11 @@ chunked prefill, batching, the prefix cache and the encoder's cache, and every A
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -322,7 +324,8 @@ def server(model_dir):
     from tests.serving import serve
 
     yield from serve("vision", str(model_dir), "--served-model-name", "m", "--quantization", "none",
-                     "--context-length", str(CONTEXT), "--max-image-pixels", "20000")
+                     "--context-length", str(CONTEXT), "--max-image-pixels", "20000",
+                     "--image-url-hosts", "127.0.0.1", "--image-fetch-timeout-s", "2")
 
 
 def ask(*parts: dict) -> list[dict]:
@@ -397,7 +400,7 @@ FIELD = "messages[0].content[0].image_url"
     ("data:image/png;base64," + base64.b64encode(b"garbage").decode(), "not an image in a supported format"),
     ("data:image/tiff;base64," + base64.b64encode(tiff()).decode(), "not an image in a supported format"),
     ("data:image/png;base64,%%%", "not base64"),
-    ("https://example.com/cat.png", "image URLs are not fetched"),
+    ("https://example.com/cat.png", "image URLs from 'example.com' are not fetched"),
     ("data:image/png;base64," + base64.b64encode(bomb()).decode(), "over max_image_pixels"),
 ])
 def test_bad_images_are_400s_naming_the_part(server, url, fragment):
@@ -424,6 +427,70 @@ def test_too_big_and_too_many_images_are_refused_before_anything_is_queued(serve
     r = server.post("/api/chat", {"model": "m", "stream": False, "messages": [
         {"role": "user", "content": "hi", "images": [base64.b64encode(tiff()).decode()]}]})
     assert r.status_code == 400 and "messages[0].images[0]" in r.json()["error"]
+    server.wait_freed(5)
+
+
+@contextlib.contextmanager
+def image_host(body: bytes):
+    """A local HTTP server: /cat.png is `body`; /huge.png declares a gigabyte; /slow.png answers
+    only once the block ends; anything else is a 404."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    done = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path not in ("/cat.png", "/huge.png", "/slow.png"):
+                self.send_error(404)
+                return
+            if self.path == "/slow.png":
+                done.wait()
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(1 << 30 if self.path == "/huge.png" else len(body)))
+            self.end_headers()
+            if self.path != "/huge.png":
+                self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, name="image-host")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        done.set()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+def test_image_urls_are_fetched_from_the_hosts_allowed_within_the_limits(server):
+    """--image-url-hosts 127.0.0.1: a picture's URL there gives the data URL's answer, through the
+    chat route and SGLang's /generate; another host, a 404, a declared size over max_image_bytes
+    and a fetch past image_fetch_timeout_s are 400s naming the part, and nothing is queued."""
+    from tests.serving import assert_openai_error
+
+    pic = picture(50, 70, seed=23)
+
+    def chat(url: str):
+        return server.post("/v1/chat/completions", {"model": "m", "messages": ask(image_part(url)),
+                                                    "temperature": 0, "max_tokens": 8})
+
+    want = chat(data_url(pic)).json()["choices"][0]["message"]["content"]
+    with image_host(png(pic)) as host:
+        assert chat(host + "/cat.png").json()["choices"][0]["message"]["content"] == want
+        r = server.post("/generate", {"text": PROMPT, "image_data": host + "/cat.png",
+                                      "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] > TOKENS
+        for url, fragment in [(host.replace("127.0.0.1", "localhost") + "/cat.png",
+                               "image URLs from 'localhost' are not fetched"),
+                              (host + "/missing.png", "fetching the image gave HTTP 404"),
+                              (host + "/huge.png", "over max_image_bytes"),
+                              (host + "/slow.png", "took over image_fetch_timeout_s (2 s)")]:
+            assert assert_openai_error(chat(url), 400, fragment)["param"] == FIELD, url
     server.wait_freed(5)
 
 

@@ -212,6 +212,7 @@ class Engine(EngineControls):
                           RuntimeWarning, stacklevel=2)
         args = _generate_args(prompt, sampling_params, input_ids, image_data, stream, kwargs)
         worker = self._worker()
+        self._loop.run(worker.fetch_image_urls(args))
         collector = self._loop.run(worker.submit(worker.make_request(args)))
         if stream:
             return _Stream(_items(collector.follow_sync(), collector), collector.close)
@@ -226,6 +227,7 @@ class Engine(EngineControls):
         """As generate(); with stream=True it returns an async iterator (`async for x in await ...`)."""
         args = _generate_args(prompt, sampling_params, input_ids, image_data, stream, kwargs)
         worker = self._worker()
+        await worker.fetch_image_urls(args)
         # Tokenizing (a long prompt, a JSON schema's grammar) must not stall the caller's loop.
         req = await asyncio.to_thread(worker.make_request, args)
         submitted = self._loop.submit(worker.submit(req))

@@ -16,6 +16,7 @@ them: the prefix cache, KV events and the core's encoder cache all know a pictur
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -108,7 +109,8 @@ def _bytes(data: object, field: str, limits: ImageLimits) -> bytes:
 def _text_bytes(text: str, field: str) -> bytes:
     if text.startswith(("http://", "https://")):
         raise InvalidParam(field, f"{field}: image URLs are not fetched; send the image inline as a "
-                                  "data: URL (data:image/png;base64,...)")
+                                  "data: URL (data:image/png;base64,...), or allow its host with "
+                                  "--image-url-hosts")
     if text.startswith("data:"):
         head = _DATA_URL.match(text)
         if head is None:
@@ -118,6 +120,59 @@ def _text_bytes(text: str, field: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidParam(field, f"{field}: not base64 image data") from None
+
+
+@dataclass(frozen=True)
+class UrlPolicy:
+    """Which image URLs a frontend fetches (image_url_hosts; "*": any) and within what."""
+
+    hosts: tuple[str, ...]
+    timeout_s: float
+    max_bytes: int
+
+
+async def fetch_urls(image_data: object, policy: UrlPolicy, field: str = "image_data") -> object:
+    """image_data (values, lists of them, or a chat's ImageSources) with each http(s) URL whose
+    host `policy` allows replaced by the bytes it names; InvalidParam naming the field for a host
+    it does not allow, or a fetch that fails. Without hosts, URLs stay (read() refuses them)."""
+    if isinstance(image_data, list):
+        return [await fetch_urls(x, policy, f"{field}[{i}]") for i, x in enumerate(image_data)]
+    if isinstance(image_data, ImageSource):
+        fetched = await fetch_urls(image_data.data, policy, image_data.field)
+        return image_data if fetched is image_data.data else ImageSource(fetched, image_data.field)
+    if not policy.hosts or not isinstance(image_data, str) or not image_data.startswith(("http://", "https://")):
+        return image_data
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(image_data).hostname or "").lower()
+    if "*" not in policy.hosts and host not in policy.hosts:
+        raise InvalidParam(field, f"{field}: image URLs from {host!r} are not fetched (image_url_hosts: "
+                                  f"{', '.join(policy.hosts)})")
+    try:
+        return await asyncio.wait_for(_get(image_data, field, policy), policy.timeout_s)
+    except TimeoutError:
+        raise InvalidParam(field, f"{field}: fetching the image took over image_fetch_timeout_s "
+                                  f"({policy.timeout_s:g} s)") from None
+
+
+async def _get(url: str, field: str, policy: UrlPolicy) -> bytes:
+    import httpx
+
+    too_big = f"{field}: the image is over max_image_bytes ({policy.max_bytes})"
+    try:
+        async with httpx.AsyncClient(follow_redirects=False) as client, client.stream("GET", url) as reply:
+            if reply.status_code != 200:
+                raise InvalidParam(field, f"{field}: fetching the image gave HTTP {reply.status_code}")
+            if int(reply.headers.get("content-length") or 0) > policy.max_bytes:
+                raise InvalidParam(field, too_big)
+            body = bytearray()
+            async for chunk in reply.aiter_bytes():  # a server that sends more than it declared
+                body += chunk
+                if len(body) > policy.max_bytes:
+                    raise InvalidParam(field, too_big)
+            return bytes(body)
+    except httpx.HTTPError as e:
+        raise InvalidParam(field, f"{field}: the image could not be fetched: {type(e).__name__}") from None
 
 
 def read_paths(image_data: object) -> object:

@@ -219,6 +219,15 @@ class TokenizerWorker:
         return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, by_id, lora_path,
                              images=placed)
 
+    async def fetch_image_urls(self, args: GenerateArgs) -> None:
+        """Fetches the image URLs among args.image_data that image_url_hosts allows (in place),
+        before make_request reads the images: waiting on a remote host never blocks this loop."""
+        config = self.config
+        if args.image_data is not None and config.image_url_hosts:
+            policy = images.UrlPolicy(config.image_url_hosts, config.image_fetch_timeout_s,
+                                      config.max_image_bytes)
+            args.image_data = await images.fetch_urls(args.image_data, policy)
+
     def _images(self, data: object) -> list[np.ndarray]:
         """One prompt's images (image_data's, or a chat's ImageSources), read and prepared."""
         if data is None or (isinstance(data, list) and not data):

@@ -282,6 +282,7 @@ def _harmony_params(params: SamplingParams, tokenizer: Tokenizer) -> None:
 async def _submit(request: Request, worker: TokenizerWorker, text: str | None, args: GenerateArgs,
                   add_special_tokens: bool = True) -> Collector:
     """Check with any replica's frontend, then queue on the one routing picks for `text`."""
+    await worker.fetch_image_urls(args)
     req = worker.make_request(args, add_special_tokens)  # an InvalidParam: the app's handler names the field
     req.batch = True  # choices are indexed whatever the prompt's form
     collector = await route(request, text, req).submit(req)

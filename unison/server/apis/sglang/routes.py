@@ -174,7 +174,9 @@ async def generate(body: GenerateBody, request: Request):
     await _checked(request, body)
     if body.text is not None and body.input_ids is not None:
         raise HTTPError(400, "give exactly one of text and input_ids", param="text")
-    req = worker_of(request).make_request(body.args())  # InvalidParam: the app's handler
+    args = body.args()
+    await worker_of(request).fetch_image_urls(args)
+    req = worker_of(request).make_request(args)  # InvalidParam: the app's handler
     collector = await route(request, body.text if isinstance(body.text, str) else None, req).submit(req)
     await collector.admitted()
     if body.stream:
