@@ -526,6 +526,40 @@ def test_compiled_decoder_equals_the_python_forward_with_images(model_dir):
     assert torch.equal(runner.forward([item]), compiled)
 
 
+def test_int8_kv_beside_images_gives_the_same_bits_however_batched_or_chunked(model_dir):
+    """The int8 cache (each query's own block read as float16) beside image rows that see their
+    whole image: a prompt's last logits are the same whole, in chunks cut at its images' edges and
+    mid-text, and beside another image prompt; the compiled decoder's are the Python forward's;
+    and they stay near the float16 cache's."""
+    runner = ModelRunner(model_dir, quantization="int8", kv_cache_dtype="int8", num_blocks=64)
+    fp16 = ModelRunner(model_dir, quantization="int8", num_blocks=64)
+    assert runner.kv_dtype == torch.int8 and runner._compiled is not None
+    spec, bs = runner.vision.spec, runner.block_size
+    ids, pics = hf_ids_and_pictures(runner, 1)  # two pictures, past the sliding window
+    placed = images.place(ids, [images.prepare(p, spec) for p in pics], spec, "prompt")
+    n, width = len(ids), -(-len(ids) // bs)
+    tables = iter(list(range(i * width, (i + 1) * width)) for i in range(64 // width))
+
+    def whole(r: ModelRunner) -> torch.Tensor:
+        return r.forward([BatchItem(ids, 0, next(tables), n - 1, images=placed)])
+
+    want = whole(runner)
+    cuts = sorted({0, n, 37} | {i.offset for i in placed} | {i.offset + i.tokens for i in placed})
+    table = next(tables)
+    for a, b in zip(cuts, cuts[1:]):
+        last = runner.forward([BatchItem(ids[a:b], a, table, n - 1 - a if b == n else b - a, images=placed)])
+    assert torch.equal(last, want)
+    other_ids, other_pics = hf_ids_and_pictures(runner, 2)
+    other = images.place(other_ids, [images.prepare(p, spec) for p in other_pics], spec, "prompt")
+    both = runner.forward([BatchItem(other_ids, 0, next(tables), len(other_ids) - 1, images=other),
+                           BatchItem(ids, 0, next(tables), n - 1, images=placed)])
+    assert torch.equal(both[1:], want)
+    runner._compiled = None
+    assert torch.equal(whole(runner), want)
+    near = (torch.log_softmax(want, -1) - torch.log_softmax(whole(fp16), -1)).abs().max()
+    assert near < 0.05, near
+
+
 def hf_ids_and_pictures(runner: ModelRunner, case: int) -> tuple[list[int], list]:
     """TEXTS[case]'s ids as the engine makes them (markers expanded) and its pictures."""
     from unison.frontend.text.tokenizer import Tokenizer

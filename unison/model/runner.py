@@ -99,7 +99,7 @@ class ModelRunner:
         log.info("linears run as %s", ", ".join(sorted(set(self.model.linear_kinds().values()))))
         self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
         self.vision = None if load_format == "dummy" else Vision.load(
-            self.model_dir, self.model, self.kv_dtype, self.linear_dtype, self.quantization, mmproj)
+            self.model_dir, self.model, self.linear_dtype, self.quantization, mmproj)
         if self.kv_dtype == torch.int8 and self.config.head_dim % 32:  # before a cache of no bytes is made
             raise ValueError("kv_cache_dtype='int8' keeps blocks of 32 values per head: this model's "
                              f"head_dim ({self.config.head_dim}) is not a multiple of 32; use float16")

@@ -64,12 +64,11 @@ class Vision:
         self.encoded = 0  # images run through the tower (the tests count cache hits by it)
 
     @classmethod
-    def load(cls, model_dir: Path, model: TextModel, kv_dtype: torch.dtype, linear_dtype: torch.dtype,
-             quantization: str, mmproj: str | None = None) -> Vision | None:
+    def load(cls, model_dir: Path, model: TextModel, linear_dtype: torch.dtype, quantization: str,
+             mmproj: str | None = None) -> Vision | None:
         """The checkpoint's vision tower (None: a text-only model), read from the text `model`'s
         source, or from `mmproj` (llama.cpp's file for a GGUF model). Its image rows see their
-        whole image through the C attention kernel (the model's ops), and not beside int8's
-        recent rows.
+        whole image through the C attention kernel (the model's ops).
         Its linears run as the text model's float linears do (`linear_dtype`), or, beside quantized
         text linears, in bfloat16 where the CPU has bf16 units (1.4x float32's speed at Gemma 3's
         tower here); float32 is the parity reference."""
@@ -82,8 +81,6 @@ class Vision:
         if not isinstance(model.ops, CpuKernels):
             raise ValueError("images run on the C attention kernel (CPU, float32): this model's device "
                              "and dtype do not run it")
-        if kv_dtype == torch.int8:
-            raise ValueError("kv_cache_dtype='int8' is not supported with images yet; use float16 (auto)")
         source: WeightSource = model.source
         normalization = None
         if mmproj is not None:

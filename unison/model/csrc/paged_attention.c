@@ -463,7 +463,9 @@ static int decode_i8_tile(const float *q, const int8_t *k, const int8_t *v, cons
 // blocks were stored less (q8.h); NULL: none were. recent: int8's recent rows (q8.h), or NULL.
 // sinks: a learned logit per query head in each softmax's denominator (gpt-oss), or NULL.
 // row_ahead: where a row sees keys past its own position (an image's tokens see their whole
-// image, Gemma 3), or NULL: causal. Not with int8's recent rows (the runner refuses the pair).
+// image, Gemma 3), or NULL: causal. With int8's recent rows, such a row reads exact the block of
+// the last key it sees (its position plus its keys ahead): a rule of positions, as for any row;
+// an image is never split over forwards, so its keys ahead are all this forward's rows.
 // Returns -1 when out of memory for the scores.
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int64_t *block_tables, int64_t table_stride, const int64_t *row_seq,
