@@ -21,6 +21,7 @@ import torch
 
 from tests.models import gemma3_gguf
 from tests.utils import top_logprobs
+from unison.bench.vision import GEMMA3_TEMPLATE as TEMPLATE
 from unison.frontend import images
 from unison.model import cpu_kernels
 from unison.model.loader import resolve_model_dir
@@ -30,24 +31,6 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="images run o
 
 WINDOW = 48  # the sliding layer's: prompts run past it, so an image's rows test its edge
 TOKENS = 16  # per image
-# Gemma 3's published chat template (google/gemma-3-4b-it): an image part writes <start_of_image>.
-TEMPLATE = (
-    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
-    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
-    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
-    "{%- endif -%}{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
-    "{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
-    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
-    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
-    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}"
-    "{{ raise_exception(\"Invalid content type\") }}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}")
 PREPROCESSOR = {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
                 "do_resize": True, "size": {"height": 64, "width": 64}, "resample": 2, "do_rescale": True,
                 "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],

@@ -12,6 +12,7 @@ projector's output: the encoder's work does not depend on it.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -230,6 +231,137 @@ def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | Non
               f"({med / base:.2f}x unison bf16's time)")
 
 
+# ---- served: time to first token, and several clients at once -----------------------------------
+
+
+QUESTION = "Describe the image."
+# Gemma 3's published chat template (google/gemma-3-4b-it): an image part writes <start_of_image>.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}"
+    "{{ raise_exception(\"Invalid content type\") }}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}")
+IMAGE_VOCAB = 262_208  # the published multimodal Gemma 3 files': <image_soft_token> at 262,144
+
+
+def grown_gemma3(text_model: Path, out: Path) -> Path:
+    """A copy of the Gemma 3 text GGUF `text_model` (the 270M's 262,144 tokens) grown to the
+    multimodal files' vocabulary (<image_soft_token> at 262,144, the rest unused) with zero
+    embedding rows for the new tokens, and the instruct models' chat template where it has none:
+    a text model that takes pictures, for the served figures."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(text_model)
+    writer = GGUFWriter(out, reader.fields["general.architecture"].contents())
+    extra = IMAGE_VOCAB - len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = ["<image_soft_token>"] + [f"<unused_image_{i}>" for i in range(extra - 1)]
+    added = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": [0.0] * extra,
+             "tokenizer.ggml.token_type": [3] * extra}  # 3: control
+    if "tokenizer.chat_template" not in reader.fields:  # (a base model's file: the instruct one's)
+        writer.add_chat_template(GEMMA3_TEMPLATE)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":  # (the writer's own)
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        writer.add_key_value(name, value + added[name] if name in added else value, kind,
+                             sub_type=field.types[1] if kind == GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        data = np.asarray(tensor.data)
+        if tensor.name == "token_embd.weight":  # zero bytes are a zero row in every block format
+            data = np.concatenate([data, np.zeros((extra, *data.shape[1:]), data.dtype)])
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _picture_url(seed: int) -> str:
+    """A different 896 x 896 picture per seed (a repeated one would hit the encoder's cache), PNG."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (896, 896, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _ask(url: str, seed: int) -> float:
+    """Seconds until the one-token answer to QUESTION about picture `seed`: the TTFT."""
+    import httpx
+
+    content = [{"type": "image_url", "image_url": {"url": _picture_url(seed)}},
+               {"type": "text", "text": QUESTION}]
+    body = {"model": "m", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "user", "content": content}]}
+    start = time.perf_counter()
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=1800)
+    if reply.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text[:500]}")
+    return time.perf_counter() - start
+
+
+def served(text_model: Path, mmproj: Path, clients: int, trials: int, llama_server: str | None) -> None:
+    """TTFT of one picture and QUESTION through `unison serve` (and llama-server --mmproj on the same
+    files, the same request), then `clients` different pictures at once through `clients` HTTP
+    workers: their TTFTs, and the core's and the workers' CPU over the wall (whether the frontends'
+    preparing of pictures ever leaves the core waiting)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from unison.bench.frontend import _attached, _proc_cpu_seconds
+    from unison.bench.local_server import serving
+
+    ours = [sys.executable, "-m", "unison.cli", "serve", "--model-path", str(text_model), "--mmproj",
+            str(mmproj), "--served-model-name", "m", "--tokenizer-worker-num", str(clients),
+            "--log-level", "error"]
+    servers = [("unison", ours, "/v1/models")]
+    if llama_server:
+        servers.append(("llama-server", [llama_server, "-m", str(text_model), "--mmproj", str(mmproj),
+                                         "-c", "4096", "--host", "127.0.0.1"], "/health"))
+    ttft: dict[str, list[float]] = {}
+    for name, cmd, ready in servers:
+        with serving(cmd, f"bench-vision-{name}", ready_path=ready, timeout=600) as url:
+            _ask(url, 999)  # warm up
+            ttft[name] = [_ask(url, seed) for seed in range(trials)]
+            if name != "unison":
+                continue
+            info = _attached(url, clients)
+            pids = [fe.pid for fe in info.frontends]
+            core0, fe0 = _proc_cpu_seconds(info.core_pid), sum(map(_proc_cpu_seconds, pids))
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                together = sorted(pool.map(lambda seed: _ask(url, seed), range(100, 100 + clients)))
+            wall = time.perf_counter() - t0
+            core, fe = _proc_cpu_seconds(info.core_pid) - core0, sum(map(_proc_cpu_seconds, pids)) - fe0
+    print(f"TTFT of one 896x896 picture and {QUESTION!r}, {trials} trials (a new picture each), s:")
+    for name, times in ttft.items():
+        print(f"  {name:14s} {', '.join(f'{t:.2f}' for t in times)}  median {statistics.median(times):.2f}")
+    if "llama-server" in ttft:
+        print(f"  ratio of medians (llama-server / unison): "
+              f"{statistics.median(ttft['llama-server']) / statistics.median(ttft['unison']):.2f}x")
+    print(f"{clients} clients, a different picture each, at once through {clients} HTTP workers: TTFTs "
+          f"{', '.join(f'{t:.2f}' for t in together)} s over {wall:.2f} s; CPU over the wall: the core "
+          f"{core / wall:.2f}, the workers {fe / wall:.2f} in all ({os.cpu_count()} cores here)")
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("vision", help="the vision encoder for one 896x896 image at Gemma 3 4B's tower, "
                                       "beside llama.cpp's (llama-mtmd-cli) and transformers'")
@@ -239,12 +371,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--layers", type=int, default=None, help="tower layers (default: Gemma 3 4B's 27)")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--out-dir", default=tempfile.gettempdir(), help="where the mmproj file is written")
+    p.add_argument("--served", action="store_true", help="time to first token through `unison serve` "
+                   "(and --llama-server beside it), then --clients pictures at once, instead")
+    p.add_argument("--clients", type=int, default=4, help="--served: pictures sent at once")
+    p.add_argument("--llama-server", default=None, help="--served: llama.cpp's llama-server (default: none)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> None:
     text = Path(args.text_model) if args.text_model else _test_gemma3()
-    run(text, args.llama_mtmd, args.trials, args.layers, Path(args.out_dir))
+    if not args.served:
+        run(text, args.llama_mtmd, args.trials, args.layers, Path(args.out_dir))
+        return
+    from unison.model.gguf import hf_config, open_gguf
+
+    cfg = gemma3_tower(int(hf_config(open_gguf(text))["hidden_size"]), args.layers)
+    out = Path(args.out_dir)
+    if int(hf_config(open_gguf(text))["vocab_size"]) < IMAGE_VOCAB:  # (the 270M: no image token)
+        text = grown_gemma3(text, out / f"{text.stem}-image-tokens.gguf")
+    mmproj = write_mmproj(random_tower(cfg), cfg, out / f"mmproj-gemma3-4b-tower-{cfg.num_layers}.gguf")
+    served(text, mmproj, args.clients, args.trials, args.llama_server)
+
 
 
 def _test_gemma3() -> Path:
