@@ -23,7 +23,7 @@ def option(default: Any, help: str) -> Any:  # Any: the field's own type, as dat
     return field(default=default, metadata={"help": help})
 
 # vLLM's names for a checkpoint's own multi-token-prediction head as the draft, and SGLang's.
-MTP_METHODS = frozenset({"mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp", "glm4_moe_mtp", "ernie_mtp"})
+MTP_METHODS = frozenset({"mtp", "qwen3_next_mtp", "deepseek_mtp", "glm4_moe_mtp", "ernie_mtp", "mimo_mtp"})
 SGLANG_MTP = frozenset({"NEXTN", "EAGLE"})  # SGLang drafts with the MTP layers under either name
 MTP_REFUSAL = ("the checkpoint's multi-token-prediction (MTP) head is not run as a draft yet: Unison "
                "skips its layers at load")
