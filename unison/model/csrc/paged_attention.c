@@ -290,9 +290,9 @@ static inline void dequant_e5m2(float *restrict dst, const uint8_t *restrict src
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // Decode over an int8 cache: one query row, heads [h0, h1), head_dim 16 * nc (64, 128 or 256). Each
 // key and value row is converted once for all the query heads that read it, and the dot products
-// are reduced four at a time. Every result has
-// the bits of attend_tile's general path (the same products and sums, in the same order), which
-// prefill's rows take: a token's output does not depend on how it was batched.
+// are reduced four at a time. Every result has the bits of attend_tile's general path (the same
+// products and sums, in the same order), which prefill's rows take: a token's output does not
+// depend on how it was batched.
 static inline __m512 q8_load16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -332,7 +332,8 @@ static inline __attribute__((always_inline)) void q8_row_at(
         int64_t row, const int64_t nc, int64_t block_size, const float *mean) {
     const int64_t head = Q8_HEAD(16 * nc), ahead = pos + ROWS_AHEAD;
     if (ahead < len) {
-        const int8_t *next = cache + (table[ahead / block_size] * block_size + ahead % block_size) * row + kh * head;
+        const int8_t *next =
+            cache + (table[ahead / block_size] * block_size + ahead % block_size) * row + kh * head;
         prefetch_row(next, head);
         __builtin_prefetch(next + head - 1);
     }
