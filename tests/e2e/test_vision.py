@@ -465,6 +465,11 @@ def test_image_urls_are_fetched_from_the_hosts_allowed_within_the_limits(server)
     want = chat(data_url(pic)).json()["choices"][0]["message"]["content"]
     with image_host(png(pic)) as host:
         assert chat(host + "/cat.png").json()["choices"][0]["message"]["content"] == want
+        block = {"type": "image", "source": {"type": "url", "url": host + "/cat.png"}}  # Anthropic's
+        messages = [{"role": "user", "content": [block, {"type": "text", "text": "What is this?"}]}]
+        anthropic = server.post("/v1/messages", {"model": "m", "max_tokens": 8, "temperature": 0,
+                                                 "messages": messages}).json()
+        assert anthropic["content"][0]["text"] == want
         r = server.post("/generate", {"text": PROMPT, "image_data": host + "/cat.png",
                                       "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] > TOKENS

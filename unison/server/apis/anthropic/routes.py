@@ -155,8 +155,8 @@ def _messages(given: list[Message]) -> list[JSONObject]:
 
 
 def _image_url(block: JSONObject, field: str) -> str:
-    """An image block's source as a data: URL (a URL source is passed on: the frontend refuses
-    what it does not fetch)."""
+    """An image block's source as a data: URL (a URL source is passed on: the frontend fetches it
+    where --image-url-hosts allows its host, and refuses it by name otherwise)."""
     source = block.get("source")
     if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
             and isinstance(source.get("media_type"), str):
@@ -164,7 +164,7 @@ def _image_url(block: JSONObject, field: str) -> str:
     if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
         return source["url"]
     raise HTTPError(400, f"{field}.source must be {{\"type\": \"base64\", \"media_type\": ..., "
-                         "\"data\": ...}", param=f"{field}.source")
+                         "\"data\": ...} or {\"type\": \"url\", \"url\": ...}", param=f"{field}.source")
 
 
 def _text(content: object, field: str) -> str:
