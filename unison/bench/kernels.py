@@ -73,7 +73,7 @@ def attention(args: argparse.Namespace) -> int:
 
     from unison.model import cpu_kernels
     from unison.model.attention import kv_head_bytes
-    from unison.model.runner import _resolve_kv_dtype
+    from unison.model.runner import resolve_kv_dtype
 
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -82,7 +82,7 @@ def attention(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(0)
     bs, d, kv = 16, args.head_dim, args.kv_heads
     blocks = -(-args.keys // bs)
-    dtype = _resolve_kv_dtype(args.kv_cache_dtype, torch.float32, "int4")
+    dtype = resolve_kv_dtype(args.kv_cache_dtype, torch.float32, "int4")
     width = kv_head_bytes(d, dtype) // dtype.itemsize
     layers = []
     for _ in range(ATTENTION_LAYERS):  # keys that share a direction, as real keys do

@@ -97,7 +97,7 @@ class ModelRunner:
         else:
             self.quantization, self.model = self._load(model_path, self.model_dir, self.config)
         log.info("linears run as %s", ", ".join(sorted(set(self.model.linear_kinds().values()))))
-        self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.linear_dtype, self.quantization)
         self.vision = None if load_format == "dummy" else Vision.load(
             self.model_dir, self.model, self.linear_dtype, self.quantization, mmproj)
         if self.kv_dtype == torch.int8 and self.config.head_dim % 32:  # before a cache of no bytes is made
@@ -371,7 +371,7 @@ def _check_same_shapes(old: ModelConfig, new: ModelConfig, where: str | Path) ->
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def _resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) -> torch.dtype:
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantization: str) -> torch.dtype:
     """The KV cache's element type. auto: float16 beside quantized weights on CPU (the C decode
     attention reads it 20-25 % faster than float32, in half the memory); otherwise the model's
     dtype (float32 on CPU: the reference path stays exact)."""
