@@ -416,13 +416,18 @@ def test_too_big_and_too_many_images_are_refused_before_anything_is_queued(serve
 @contextlib.contextmanager
 def image_host(body: bytes):
     """A local HTTP server: /cat.png is `body`; /huge.png declares a gigabyte; /slow.png answers
-    only once the block ends; anything else is a 404."""
+    only once the block ends; /moved.png redirects to /cat.png; anything else is a 404."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     done = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+                return
             if self.path not in ("/cat.png", "/huge.png", "/slow.png"):
                 self.send_error(404)
                 return
@@ -452,8 +457,9 @@ def image_host(body: bytes):
 
 def test_image_urls_are_fetched_from_the_hosts_allowed_within_the_limits(server):
     """--image-url-hosts 127.0.0.1: a picture's URL there gives the data URL's answer, through the
-    chat route and SGLang's /generate; another host, a 404, a declared size over max_image_bytes
-    and a fetch past image_fetch_timeout_s are 400s naming the part, and nothing is queued."""
+    chat route, Anthropic's url source and SGLang's /generate; another host, a 404, a redirect
+    (not followed), a declared size over max_image_bytes and a fetch past image_fetch_timeout_s
+    are 400s naming the part, and nothing is queued."""
     from tests.serving import assert_openai_error
 
     pic = picture(50, 70, seed=23)
@@ -476,6 +482,7 @@ def test_image_urls_are_fetched_from_the_hosts_allowed_within_the_limits(server)
         for url, fragment in [(host.replace("127.0.0.1", "localhost") + "/cat.png",
                                "image URLs from 'localhost' are not fetched"),
                               (host + "/missing.png", "fetching the image gave HTTP 404"),
+                              (host + "/moved.png", "fetching the image gave HTTP 302"),  # not followed
                               (host + "/huge.png", "over max_image_bytes"),
                               (host + "/slow.png", "took over image_fetch_timeout_s (2 s)")]:
             assert assert_openai_error(chat(url), 400, fragment)["param"] == FIELD, url
