@@ -318,9 +318,9 @@ class EngineConfig:
                "max_image_bytes and max_image_pixels must be >= 1")
         if isinstance(self.image_url_hosts, str):
             self.image_url_hosts = (self.image_url_hosts,)
-        self.image_url_hosts = tuple(self.image_url_hosts)
         _check(all(isinstance(h, str) and h and "/" not in h for h in self.image_url_hosts),
                "image_url_hosts", "must be host names (example.com, 127.0.0.1) or \"*\"")
+        self.image_url_hosts = tuple(h.lower() for h in self.image_url_hosts)  # as URLs' hosts compare
         _check(self.image_fetch_timeout_s > 0, "image_fetch_timeout_s", "must be > 0")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         _check(self.task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")

@@ -573,6 +573,7 @@ def write_text_gguf(model_dir: Path, out: Path) -> Path:
     (<image_soft_token> at 262,144, as the published files have it)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
+    from unison.bench.vision import image_tokens
     from unison.model.weights import SafetensorsWeights
 
     cfg = json.loads((model_dir / "config.json").read_text())["text_config"]
@@ -586,10 +587,7 @@ def write_text_gguf(model_dir: Path, out: Path) -> Path:
                        ("layer_norm_rms_eps", cfg["rms_norm_eps"]), ("rope_freq_base", 1e6),
                        ("sliding_window", cfg["sliding_window"])]:
         getattr(w, f"add_{key}")(value)
-    extra = cfg["vocab_size"] - 262_144
-    added = ["<image_soft_token>"] + [f"<unused_image_{i}>" for i in range(extra - 1)]
-    grown = {"tokenizer.ggml.tokens": added,
-             "tokenizer.ggml.scores": [0.0] * extra, "tokenizer.ggml.token_type": [3] * extra}  # 3: control
+    grown = image_tokens(cfg["vocab_size"] - 262_144)
     for name, field in GGUFReader(gemma3_gguf()).fields.items():
         if name.startswith("tokenizer."):
             kind, value = field.types[0], field.contents()

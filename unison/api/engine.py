@@ -212,7 +212,8 @@ class Engine(EngineControls):
                           RuntimeWarning, stacklevel=2)
         args = _generate_args(prompt, sampling_params, input_ids, image_data, stream, kwargs)
         worker = self._worker()
-        self._loop.run(worker.fetch_image_urls(args))
+        if args.image_data is not None:  # (a hop to the frontend's loop: only where there are images)
+            self._loop.run(worker.fetch_image_urls(args))
         collector = self._loop.run(worker.submit(worker.make_request(args)))
         if stream:
             return _Stream(_items(collector.follow_sync(), collector), collector.close)

@@ -22,13 +22,11 @@ import resource
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from unison import Engine
-from unison.bench.local_server import serving
-from unison.wire.messages import ServerInfo
+from unison.bench.local_server import attached, proc_cpu_seconds, serving
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -159,12 +157,6 @@ def run_engine(workers: int, load: Load, model_path: str | None) -> Run:
 # ---- HTTP workers ---------------------------------------------------------------------------
 
 
-def _proc_cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields_ = f.read().rpartition(")")[2].split()
-    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 async def _sse_client(url: str, load: Load) -> tuple[int, int, int]:
     """`load` as streamed chat completions (a user message of the prompt); the bytes are read,
     counted (deliveries: SSE events bearing tokens) and dropped."""
@@ -192,31 +184,20 @@ async def _sse_client(url: str, load: Load) -> tuple[int, int, int]:
     return tokens, prompt_tokens, deliveries
 
 
-def _attached(url: str, workers: int, timeout: float = 120) -> ServerInfo:
-    """The server's info once `workers` HTTP workers have attached."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with urllib.request.urlopen(url + "/get_server_info", timeout=5) as r:
-            info = ServerInfo.from_dict(json.load(r))
-        if len(info.frontends) >= workers or time.monotonic() > deadline:
-            return info
-        time.sleep(0.2)
-
-
 def run_http(workers: int, load: Load, model_path: str | None) -> Run:
     """`unison serve --tokenizer-worker-num workers` in front of a dummy core: its workers' CPU."""
     cmd = [sys.executable, "-m", "unison.cli", "serve", "--load-format", "dummy",
            "--tokenizer-worker-num", str(workers), "--max-running-requests", str(max(load.streams, 64)),
            "--log-level", "error", *(["--model-path", model_path] if model_path else [])]
     with serving(cmd, "bench-frontend-http", timeout=120) as url:
-        info = _attached(url, workers)
+        info = attached(url, workers)
         pids = [fe.pid for fe in info.frontends]
         asyncio.run(_sse_client(url, Load(2, 4, 8)))  # warm up
-        cpu0, core0 = sum(map(_proc_cpu_seconds, pids)), _proc_cpu_seconds(info.core_pid)
+        cpu0, core0 = sum(map(proc_cpu_seconds, pids)), proc_cpu_seconds(info.core_pid)
         t0 = time.perf_counter()
         counts = asyncio.run(_sse_client(url, load))
         wall = time.perf_counter() - t0
-        cpu, core = sum(map(_proc_cpu_seconds, pids)) - cpu0, _proc_cpu_seconds(info.core_pid) - core0
+        cpu, core = sum(map(proc_cpu_seconds, pids)) - cpu0, proc_cpu_seconds(info.core_pid) - core0
     return Run(workers, wall, cpu, *counts, core_busy=core / wall)
 
 

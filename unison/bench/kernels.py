@@ -64,6 +64,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+ATTENTION_LAYERS = 6  # more caches than the last-level cache holds at 8,000 keys: rows come from memory
+
+
 def attention(args: argparse.Namespace) -> int:
     """One decode row over `--keys` cached tokens, the caches of ATTENTION_LAYERS layers taken in
     turn (so their rows come from memory, as a decode step's layers read them); median and best."""
@@ -107,9 +110,6 @@ def attention(args: argparse.Namespace) -> int:
           f"{args.kv_cache_dtype} cache, {threads} threads: median {times[len(times) // 2] * 1e3:.3f} ms, "
           f"best {times[0] * 1e3:.3f} ms ({len(times)} calls over {ATTENTION_LAYERS} layers' caches)")
     return 0
-
-
-ATTENTION_LAYERS = 6  # more caches than the last-level cache holds at 8,000 keys: rows come from memory
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

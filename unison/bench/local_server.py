@@ -1,8 +1,9 @@
 """A server a benchmark starts on this machine: a free port, waiting until it answers, stopping it
-with everything it started."""
+with everything it started; its processes' CPU time, and its info once its workers attached."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from unison.wire.messages import ServerInfo
 
 
 def free_port() -> int:
@@ -69,3 +72,21 @@ def serving(cmd: list[str], log_name: str, ready_path: str = "/v1/models", timeo
             yield url
         finally:
             stop(proc, stop_timeout)
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """The process's CPU seconds so far (user + system), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields_ = f.read().rpartition(")")[2].split()
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def attached(url: str, workers: int, timeout: float = 120) -> ServerInfo:
+    """The server's info once `workers` HTTP workers have attached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=5) as r:
+            info = ServerInfo.from_dict(json.load(r))
+        if len(info.frontends) >= workers or time.monotonic() > deadline:
+            return info
+        time.sleep(0.2)

@@ -256,6 +256,14 @@ GEMMA3_TEMPLATE = (
 IMAGE_VOCAB = 262_208  # the published multimodal Gemma 3 files': <image_soft_token> at 262,144
 
 
+def image_tokens(extra: int) -> dict[str, list]:
+    """The `extra` tokens the multimodal Gemma 3 files add past the 270M's 262,144, as the GGUF
+    tokenizer arrays they extend: <image_soft_token> first, the rest unused, all control tokens."""
+    tokens = ["<image_soft_token>"] + [f"<unused_image_{i}>" for i in range(extra - 1)]
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": [0.0] * extra,
+            "tokenizer.ggml.token_type": [3] * extra}  # 3: control
+
+
 def grown_gemma3(text_model: Path, out: Path) -> Path:
     """A copy of the Gemma 3 text GGUF `text_model` (the 270M's 262,144 tokens) grown to the
     multimodal files' vocabulary (<image_soft_token> at 262,144, the rest unused) with zero
@@ -266,9 +274,7 @@ def grown_gemma3(text_model: Path, out: Path) -> Path:
     reader = GGUFReader(text_model)
     writer = GGUFWriter(out, reader.fields["general.architecture"].contents())
     extra = IMAGE_VOCAB - len(reader.fields["tokenizer.ggml.tokens"].data)
-    tokens = ["<image_soft_token>"] + [f"<unused_image_{i}>" for i in range(extra - 1)]
-    added = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": [0.0] * extra,
-             "tokenizer.ggml.token_type": [3] * extra}  # 3: control
+    added = image_tokens(extra)
     if "tokenizer.chat_template" not in reader.fields:  # (a base model's file: the instruct one's)
         writer.add_chat_template(GEMMA3_TEMPLATE)
     for name, field in reader.fields.items():
@@ -326,8 +332,7 @@ def served(text_model: Path, mmproj: Path, clients: int, trials: int, llama_serv
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    from unison.bench.frontend import _attached, _proc_cpu_seconds
-    from unison.bench.local_server import serving
+    from unison.bench.local_server import attached, proc_cpu_seconds, serving
 
     ours = [sys.executable, "-m", "unison.cli", "serve", "--model-path", str(text_model), "--mmproj",
             str(mmproj), "--served-model-name", "m", "--tokenizer-worker-num", str(clients),
@@ -343,14 +348,14 @@ def served(text_model: Path, mmproj: Path, clients: int, trials: int, llama_serv
             ttft[name] = [_ask(url, seed) for seed in range(trials)]
             if name != "unison":
                 continue
-            info = _attached(url, clients)
+            info = attached(url, clients)
             pids = [fe.pid for fe in info.frontends]
-            core0, fe0 = _proc_cpu_seconds(info.core_pid), sum(map(_proc_cpu_seconds, pids))
+            core0, fe0 = proc_cpu_seconds(info.core_pid), sum(map(proc_cpu_seconds, pids))
             t0 = time.perf_counter()
             with ThreadPoolExecutor(clients) as pool:
                 together = sorted(pool.map(lambda seed: _ask(url, seed), range(100, 100 + clients)))
             wall = time.perf_counter() - t0
-            core, fe = _proc_cpu_seconds(info.core_pid) - core0, sum(map(_proc_cpu_seconds, pids)) - fe0
+            core, fe = proc_cpu_seconds(info.core_pid) - core0, sum(map(proc_cpu_seconds, pids)) - fe0
     print(f"TTFT of one 896x896 picture and {QUESTION!r}, {trials} trials (a new picture each), s:")
     for name, times in ttft.items():
         print(f"  {name:14s} {', '.join(f'{t:.2f}' for t in times)}  median {statistics.median(times):.2f}")

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 # The formats a browser or a phone sends; anything else is refused before it is decoded.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,", re.ASCII)
+URL_SCHEMES = ("http://", "https://")  # what a frontend may fetch (image_url_hosts)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def _bytes(data: object, field: str, limits: ImageLimits) -> bytes:
 
 
 def _text_bytes(text: str, field: str) -> bytes:
-    if text.startswith(("http://", "https://")):
+    if text.startswith(URL_SCHEMES):
         raise InvalidParam(field, f"{field}: image URLs are not fetched; send the image inline as a "
                                   "data: URL (data:image/png;base64,...), or allow its host with "
                                   "--image-url-hosts")
@@ -140,10 +142,8 @@ async def fetch_urls(image_data: object, policy: UrlPolicy, field: str = "image_
     if isinstance(image_data, ImageSource):
         fetched = await fetch_urls(image_data.data, policy, image_data.field)
         return image_data if fetched is image_data.data else ImageSource(fetched, image_data.field)
-    if not policy.hosts or not isinstance(image_data, str) or not image_data.startswith(("http://", "https://")):
+    if not policy.hosts or not isinstance(image_data, str) or not image_data.startswith(URL_SCHEMES):
         return image_data
-    from urllib.parse import urlsplit
-
     host = (urlsplit(image_data).hostname or "").lower()
     if "*" not in policy.hosts and host not in policy.hosts:
         raise InvalidParam(field, f"{field}: image URLs from {host!r} are not fetched (image_url_hosts: "
@@ -180,7 +180,7 @@ def read_paths(image_data: object) -> object:
     file's bytes (in the caller's process: frontends read no paths), lists kept as given."""
     if isinstance(image_data, list):
         return [read_paths(x) for x in image_data]
-    if isinstance(image_data, str) and not image_data.startswith(("data:", "http://", "https://")) \
+    if isinstance(image_data, str) and not image_data.startswith(("data:", *URL_SCHEMES)) \
             and len(image_data) < 4096 and Path(image_data).is_file():
         return Path(image_data).read_bytes()
     return image_data
