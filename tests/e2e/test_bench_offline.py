@@ -178,7 +178,9 @@ def test_activations_round_per_row_and_block():
         y = rounded(x, bits)
         blocks = torch.nn.functional.pad(x, (0, 26)).view(3, 3, 32).abs().amax(-1)
         step = torch.repeat_interleave(blocks / limit, 32, dim=1)[:, :70]
-        assert y.shape == x.shape and ((y - x).abs() <= step / 2 * 1.0001 + 1e-12).all()
+        # half a step, and the float32 rounding of x itself (one ulp: 16-bit steps go below it,
+        # which failed 1 seed in 40)
+        assert y.shape == x.shape and ((y - x).abs() <= step / 2 * 1.0001 + x.abs() * 2**-23 + 1e-12).all()
         assert (y[1, 32:64] == 0).all()
 
 
