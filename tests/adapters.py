@@ -35,7 +35,7 @@ def _base_model(model_dir: str | None):
     if model_dir is not None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     from tests.utils import hf_state_dict
-    from unison.model.loader import resolve_model_dir
+    from unison.model.weights.loader import resolve_model_dir
 
     config = AutoConfig.from_pretrained(resolve_model_dir(None))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -83,7 +83,7 @@ def peft_reference(adapter_dir: str | Path, prompts_ids: list[list[int]], max_ne
     and this code."""
     from tests.references import cached_reference, file_sha256
     from tests.utils import _gguf, _hf_greedy
-    from unison.model.loader import default_gguf_path
+    from unison.model.weights.loader import default_gguf_path
 
     adapter_dir = Path(adapter_dir)
     base = Path(model_dir) / "model.safetensors" if model_dir else _gguf(default_gguf_path())

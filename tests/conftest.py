@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
-from unison.model.loader import resolve_model_dir  # noqa: E402
+from unison.model.weights.loader import resolve_model_dir  # noqa: E402
 from unison.wire.registry import REGISTRY_DIR  # noqa: E402
 
 # Every process this run starts inherits the mark, so it is found even once orphaned (a core

@@ -86,7 +86,7 @@ def hf_model(path=None):
 
 
 def _gguf(path) -> Path:
-    from unison.model.loader import default_gguf_path
+    from unison.model.weights.loader import default_gguf_path
 
     return Path(path or default_gguf_path())
 

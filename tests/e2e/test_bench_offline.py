@@ -13,7 +13,7 @@ import pytest
 from unison import Engine, cli
 from unison.bench import ceiling
 from unison.bench.datasets import random_requests
-from unison.model.loader import default_gguf_path
+from unison.model.weights.loader import default_gguf_path
 
 
 def test_ceiling_total_of_shapes():

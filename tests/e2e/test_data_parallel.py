@@ -28,7 +28,7 @@ from tests.serving import free_port
 from tests.utils import wait_until
 from unison import Engine
 from unison.deploy.replicas import Replicas
-from unison.model.loader import cache_root, default_gguf_path
+from unison.model.weights.loader import cache_root, default_gguf_path
 
 pytest.importorskip("ray", reason="the data-parallel tests need the ray extra (make test installs it)")
 

@@ -357,7 +357,7 @@ def test_a_decoder_reranks_by_yes_and_no(pooled_decoder, tmp_path):
     import torch
     import transformers
 
-    from unison.model.encoder_config import QWEN3_RERANKER_TEMPLATE, RERANK_INSTRUCTION
+    from unison.model.pooling.encoder_config import QWEN3_RERANKER_TEMPLATE, RERANK_INSTRUCTION
 
     path = tmp_path / "reranker"
     shutil.copytree(pooled_decoder, path, ignore=shutil.ignore_patterns("modules.json", "1_Pooling"))

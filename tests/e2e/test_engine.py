@@ -82,7 +82,7 @@ def hf_references() -> list[tuple[Path | None, list[list[int]], int]]:
     """The transformers references this module asks for: (GGUF, prompts, tokens) for
     hf_reference (tests/references.py computes them ahead of the tests, in the background)."""
     from unison.frontend.text.tokenizer import Tokenizer  # inside: spawned children import this module
-    from unison.model.loader import resolve_model_dir
+    from unison.model.weights.loader import resolve_model_dir
 
     tok = Tokenizer.from_dir(resolve_model_dir(None))
     return [(None, [tok.encode(p) for p in parity_prompts(tok)], PARITY_TOKENS)]

@@ -16,8 +16,8 @@ import torch
 from tests.utils import Blocks, assert_greedy_close, greedy, hf_reference, on_test_device
 from unison import Engine
 from unison.frontend.text.tokenizer import Tokenizer
-from unison.model.loader import resolve_model_dir
 from unison.model.runner import BatchItem, ModelRunner
+from unison.model.weights.loader import resolve_model_dir
 
 NEW_TOKENS = 24
 QUANTIZED_GAP = 0.15  # tests/unit/test_quant.py's bound for quantized weights against float32
@@ -137,7 +137,7 @@ def test_gguf_rope_freqs_match_transformers_llama3(tmp_path: Path):
     import transformers
     from gguf import GGUFWriter
 
-    from unison.model.gguf import write_config
+    from unison.model.weights.gguf import write_config
 
     torch.manual_seed(0)
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -15,8 +15,8 @@ import torch
 
 from tests.e2e.test_moe import PROMPTS, QUANTIZED_GAP, _prefill_and_decode
 from tests.utils import _hf_greedy, greedy
-from unison.model import cpu_kernels
 from unison.model.families import ModelConfig
+from unison.model.kernels import cpu_kernels
 from unison.model.runner import ModelRunner
 
 KERNELS = cpu_kernels.load()
@@ -59,7 +59,7 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "MXFP4", narrow: str |
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from unison.bench.model import _copy_tokenizer, embedded_gguf
-    from unison.model.weights import SafetensorsWeights
+    from unison.model.weights.sources import SafetensorsWeights
 
     cfg = json.loads((model_dir / "config.json").read_text())
     src = SafetensorsWeights(model_dir)
@@ -123,7 +123,7 @@ def dequantized_dir(gguf: Path, model_dir: Path, out: Path) -> Path:
     transformers' reference for the quantized file."""
     from safetensors.torch import save_file
 
-    from unison.model.gguf import GGUFWeights, hf_config, open_gguf
+    from unison.model.weights.gguf import GGUFWeights, hf_config, open_gguf
 
     out.mkdir()
     (out / "config.json").write_text((model_dir / "config.json").read_text())

@@ -18,7 +18,7 @@ from tests.hub import StandInHub, point_at
 from tests.serving import serve
 from tests.unit.test_model import split_gguf, tiny_model
 from unison import Engine
-from unison.model.loader import default_gguf_path, resolve_model_dir
+from unison.model.weights.loader import default_gguf_path, resolve_model_dir
 
 PARAMS = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 

@@ -20,7 +20,7 @@ from unison.core.engine_core import EngineCore
 from unison.core.kv import disk_cache
 from unison.core.kv.disk_cache import MAGIC
 from unison.deploy.kv_index import KVIndex
-from unison.model.loader import resolve_model_dir
+from unison.model.weights.loader import resolve_model_dir
 from unison.wire.kv_events import DISK, MEDIUM, BlockRemoved, BlockStored, block_hashes
 from unison.wire.messages import CoreSamplingParams, Generate
 

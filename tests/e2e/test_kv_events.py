@@ -26,7 +26,7 @@ from unison.core.engine_core import EngineCore
 from unison.core.kv.publisher import Publisher
 from unison.core.weight_update import load_weights
 from unison.deploy.kv_index import KVIndex
-from unison.model.loader import default_gguf_path
+from unison.model.weights.loader import default_gguf_path
 from unison.wire.kv_events import LoadReport, block_hashes, offset_port
 from unison.wire.messages import CoreSamplingParams, Generate
 

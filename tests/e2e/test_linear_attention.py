@@ -15,10 +15,10 @@ import torch
 
 from tests.utils import _hf_greedy, greedy
 from unison import Engine
-from unison.model import cpu_kernels
 from unison.model.decoder import TorchOps
 from unison.model.families import ModelConfig
-from unison.model.linear_attention import DeltaStates, delta_rule_reference
+from unison.model.kernels import cpu_kernels
+from unison.model.layers.linear_attention import DeltaStates, delta_rule_reference
 from unison.model.runner import BatchItem, ModelRunner
 
 KERNELS = cpu_kernels.load()
@@ -105,7 +105,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from unison.bench.model import _copy_tokenizer, embedded_gguf
-    from unison.model.weights import SafetensorsWeights
+    from unison.model.weights.sources import SafetensorsWeights
 
     mc = ModelConfig.from_dir(model_dir)
     src, arch, lin, moe = SafetensorsWeights(model_dir), GGUF_ARCH[kind], mc.linear, mc.moe
@@ -459,7 +459,7 @@ def test_lora_on_attention_and_mlp_matches_peft(models, tmp_path: Path, kind: st
     from safetensors.torch import load_file, save_file
 
     from tests.adapters import make_adapter, peft_model
-    from unison.model.lora import read_peft
+    from unison.model.layers.lora import read_peft
 
     adapter = make_adapter(tmp_path / "a", targets=targets, rank=4, model_dir=models[kind])
     runner = ModelRunner(models[kind], quantization="none", num_blocks=64, block_size=8, state_slots=4)
@@ -535,7 +535,7 @@ def test_fused_projections_are_reordered_as_transformers_splits_them():
     import transformers
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from unison.model.linear_attention import projection_order
+    from unison.model.layers.linear_attention import projection_order
 
     cfg = transformers.Qwen3NextConfig(**(SHAPE | LINEAR | MOE))
     layer = Qwen3NextGatedDeltaNet(cfg, 0)

@@ -27,7 +27,7 @@ from tests.utils import wait_until
 from unison import Engine
 from unison.bench.lora import TARGETS, write_adapter
 from unison.errors import UnknownAdapterError
-from unison.model.loader import resolve_model_dir
+from unison.model.weights.loader import resolve_model_dir
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = INVARIANCE_PROMPTS  # 16 short, different prompts

@@ -17,7 +17,7 @@ from tests.models import gemma3_gguf, minilm_dir
 from tests.serving import ModelsServer, assert_openai_error, models_server
 from tests.utils import wait_until
 from unison.deploy.model_pool import check_name, find_models
-from unison.model.loader import default_gguf_path
+from unison.model.weights.loader import default_gguf_path
 
 SMOL = default_gguf_path()
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}

@@ -15,10 +15,10 @@ import torch
 
 from tests.utils import Blocks, _hf_greedy, greedy
 from unison import Engine
-from unison.model import cpu_kernels
 from unison.model.families import ModelConfig
-from unison.model.gguf import GGUFWeights
+from unison.model.kernels import cpu_kernels
 from unison.model.runner import BatchItem, ModelRunner
+from unison.model.weights.gguf import GGUFWeights
 
 KERNELS = cpu_kernels.load()
 VOCAB = 49152  # the embedded tokenizer's, which the GGUFs carry: the engine tests send text
@@ -68,7 +68,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from unison.bench.model import _copy_tokenizer, embedded_gguf
-    from unison.model.weights import SafetensorsWeights
+    from unison.model.weights.sources import SafetensorsWeights
 
     cfg = json.loads((model_dir / "config.json").read_text())
     family, moe = ModelConfig.from_dir(model_dir).family, ModelConfig.from_dir(model_dir).moe
@@ -132,7 +132,7 @@ def dequantized_dir(gguf: Path, model_dir: Path, out: Path) -> Path:
     an HF directory beside `model_dir`'s config: transformers' reference for the quantized file."""
     from safetensors.torch import save_file
 
-    from unison.model.gguf import hf_config, open_gguf
+    from unison.model.weights.gguf import hf_config, open_gguf
 
     out.mkdir()
     shutil.copy(model_dir / "config.json", out / "config.json")
@@ -258,7 +258,7 @@ def test_compiled_forward_and_every_path_give_the_same_bits(models, monkeypatch)
 def test_experts_stay_in_their_blocks(models):
     """The Q4_0 experts run in the file's own 4.5 bits a weight (144-byte records: m = -8 d is
     computed by the kernel), no float copy: the experts as executed are the file's bytes."""
-    from unison.model.gguf import open_gguf
+    from unison.model.weights.gguf import open_gguf
 
     path = models["olmoe", "q4"]
     runner = ModelRunner(path, num_blocks=8)
@@ -331,7 +331,7 @@ def test_variants_it_does_not_run_are_refused_by_name(models, tmp_path: Path, ch
 
 def test_lora_on_the_experts_is_refused_by_name(models, tmp_path: Path):
     from tests.adapters import make_adapter
-    from unison.model.lora import read_peft
+    from unison.model.layers.lora import read_peft
 
     cfg = ModelConfig.from_dir(models["olmoe", "hf"])
     adapter = make_adapter(tmp_path / "a", targets=("q_proj",), rank=4, model_dir=models["olmoe", "hf"])

@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.test_quant import KERNELS
 from unison import Engine
-from unison.model.loader import default_gguf_path
+from unison.model.weights.loader import default_gguf_path
 
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here: no quantized kernels")
 

@@ -174,7 +174,7 @@ def test_a_dead_or_silent_core_is_an_engine_dead_error_within_the_bound(fault):
 def test_a_core_busy_past_the_heartbeat_bound_is_not_dead(engine):
     """libzmq answers the heartbeats while the core's loop is busy (here: a weight load of
     about a second, over twice the frontend's 0.4 s bound); only silence is death."""
-    from unison.model.loader import default_gguf_path
+    from unison.model.weights.loader import default_gguf_path
 
     remote = attach(engine, heartbeat_timeout_s=0.4)
     try:

@@ -26,7 +26,7 @@ import pytest
 from tests.serving import FIGURES, Server, assert_openai_error, serve
 from tests.utils import wait_until
 from unison import Engine
-from unison.model.loader import default_gguf_path
+from unison.model.weights.loader import default_gguf_path
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-unison-test"

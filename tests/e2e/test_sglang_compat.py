@@ -24,8 +24,8 @@ from tests.utils import wait_until
 from unison import Engine
 from unison.config import EngineConfig
 from unison.errors import InvalidParam
-from unison.model.loader import default_gguf_path
-from unison.model.weights import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
+from unison.model.weights.loader import default_gguf_path
+from unison.model.weights.sources import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 LONG = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
@@ -395,7 +395,7 @@ def test_tensor_updates_that_do_not_fit_are_refused_and_change_nothing(tiny_engi
 
 
 def test_tensor_files_go_to_disk_when_shared_memory_is_full(tmp_path, monkeypatch):
-    from unison.model import weights
+    from unison.model.weights import sources as weights
 
     full, disk = tmp_path / "shm", tmp_path / "disk"
     full.mkdir()

@@ -23,9 +23,9 @@ from tests.models import gemma3_gguf
 from tests.utils import top_logprobs
 from unison.bench.vision import GEMMA3_TEMPLATE as TEMPLATE
 from unison.frontend import images
-from unison.model import cpu_kernels
-from unison.model.loader import resolve_model_dir
+from unison.model.kernels import cpu_kernels
 from unison.model.runner import BatchItem, ModelRunner
+from unison.model.weights.loader import resolve_model_dir
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="images run on the C attention kernel")
 
@@ -574,7 +574,7 @@ def write_text_gguf(model_dir: Path, out: Path) -> Path:
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     from unison.bench.vision import image_tokens
-    from unison.model.weights import SafetensorsWeights
+    from unison.model.weights.sources import SafetensorsWeights
 
     cfg = json.loads((model_dir / "config.json").read_text())["text_config"]
     src, w = SafetensorsWeights(model_dir), GGUFWriter(out, "gemma3")
@@ -620,7 +620,7 @@ def write_text_gguf(model_dir: Path, out: Path) -> Path:
 
 def tower_tensors(model_dir: Path) -> dict:
     """The tiny model's tower and projector under the published checkpoints' names."""
-    from unison.model.weights import SafetensorsWeights
+    from unison.model.weights.sources import SafetensorsWeights
 
     src = SafetensorsWeights(model_dir)
     return {name.replace("vision_tower.", "vision_tower.vision_model.", 1): src.float(name)
@@ -630,7 +630,7 @@ def tower_tensors(model_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def gguf_files(model_dir, tmp_path_factory) -> tuple[Path, Path]:
     from unison.bench.vision import write_mmproj
-    from unison.model.siglip import VisionConfig
+    from unison.model.vision.siglip import VisionConfig
 
     out = tmp_path_factory.mktemp("gemma3-gguf")
     cfg = VisionConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
@@ -640,7 +640,7 @@ def gguf_files(model_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_mmproj_refusals_name_the_file(gguf_files, model_dir, tmp_path):
     from unison.bench.vision import random_tower, write_mmproj
-    from unison.model.siglip import VisionConfig
+    from unison.model.vision.siglip import VisionConfig
 
     _, mmproj = gguf_files
     with pytest.raises(ValueError, match="mmproj: a llama model takes no vision tower"):

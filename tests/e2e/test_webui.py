@@ -328,7 +328,7 @@ def test_engine_view_lists_each_models_core(browser, tmp_path_factory, tmp_path)
     controls act on it."""
     from tests.models import minilm_dir
     from tests.serving import models_server
-    from unison.model.loader import default_gguf_path
+    from unison.model.weights.loader import default_gguf_path
 
     with models_server(tmp_path_factory, "--model", f"smol={default_gguf_path()}", "--model",
                        f"minilm={minilm_dir()}", "--preload", "smol") as server:

@@ -9,7 +9,7 @@ import pytest
 
 from unison import cli
 from unison.config import HELP, EngineConfig
-from unison.model.loader import default_gguf_path
+from unison.model.weights.loader import default_gguf_path
 
 
 def test_every_engine_option_has_one_line_of_help():

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unison.model import cpu_kernels, key_rounding
 from unison.model.decoder import TorchOps
-from unison.model.recent_rows import RecentRows
+from unison.model.kernels import cpu_kernels
+from unison.model.layers import key_rounding
+from unison.model.layers.recent_rows import RecentRows
 from unison.model.runner import BatchItem
 
 kernels = cpu_kernels.load()
@@ -466,9 +467,9 @@ def _exact_int8(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 def test_moe_with_gpt_oss_biases_and_clamped_swiglu_matches_the_float_reference():
     """csrc/moe.c with a router bias, the experts' gate / up / down biases and gpt-oss's clamped
     SwiGLU, against moe.FloatMoe (transformers' order of operations) on the same weights."""
-    from unison.model import quant
     from unison.model.families import MoeConfig
-    from unison.model.moe import FloatMoe, MoeBiases, QuantMoe
+    from unison.model.layers.moe import FloatMoe, MoeBiases, QuantMoe
+    from unison.model.weights import quant
 
     g = torch.Generator().manual_seed(5)
     experts, hidden, inter = 8, 64, 64

@@ -1,4 +1,4 @@
-"""GGUF block formats run as stored (model/gguf_blocks.py, csrc/gguf_blocks.h): llama.cpp's exact
+"""GGUF block formats run as stored (model/weights/gguf_blocks.py, csrc/gguf_blocks.h): llama.cpp's exact
 values, the file's own bytes, the same bits on every path and in every batch, and refusals."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.unit.test_quant import reference_matmul
-from unison.model import cpu_kernels, gguf_blocks
-from unison.model.gguf import GGUFWeights
+from unison.model.kernels import cpu_kernels
+from unison.model.weights import gguf_blocks
+from unison.model.weights.gguf import GGUFWeights
 
 KERNELS = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here: no quantized kernels")

@@ -77,8 +77,8 @@ def test_a_safetensors_repository_gives_what_serving_reads(stand_in: StandInHub)
 
 
 def test_every_file_the_tokenizer_reads_is_taken():
-    """The frontends' tokenizer files (model/loader.py) are among what a download takes."""
-    from unison.model.loader import TOKENIZER_FILES
+    """The frontends' tokenizer files (model/weights/loader.py) are among what a download takes."""
+    from unison.model.weights.loader import TOKENIZER_FILES
 
     assert set(TOKENIZER_FILES) <= hub.SERVING_FILES
 

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from tests.adapters import make_adapter, peft_reference
 from tests.unit.test_model import prompt_ids
 from tests.utils import Blocks, assert_greedy_close, top_logprobs
-from unison.model import cpu_kernels
 from unison.model.families import ModelConfig
-from unison.model.lora import LORA_TARGETS, read_peft
+from unison.model.kernels import cpu_kernels
+from unison.model.layers.lora import LORA_TARGETS, read_peft
 from unison.model.runner import BatchItem, ModelRunner
 
 KERNELS = cpu_kernels.load()
@@ -53,7 +53,7 @@ def warm_references() -> None:
     them (seeded: the same bytes, so the same cache keys), and their transformers + PEFT references."""
     import tempfile
 
-    from unison.model.loader import resolve_model_dir
+    from unison.model.weights.loader import resolve_model_dir
 
     ids = prompt_ids(resolve_model_dir(None))
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,12 +21,12 @@ from tests.utils import (
     hf_state_dict,
     on_test_device,
 )
-from unison.model import attention as attention_module
-from unison.model import loader
 from unison.model.decoder import TorchOps
-from unison.model.gguf import GGUFWeights
-from unison.model.loader import default_gguf_path, resolve_model_dir
+from unison.model.layers import attention as attention_module
 from unison.model.runner import BatchItem, ModelRunner
+from unison.model.weights import loader
+from unison.model.weights.gguf import GGUFWeights
+from unison.model.weights.loader import default_gguf_path, resolve_model_dir
 
 NEW_TOKENS = 32
 # Logits (magnitude ~20) of the same tokens computed in batches of different shapes: the GEMMs
@@ -270,7 +270,7 @@ def test_gguf_tensors_map_to_hf(arch: str, tmp_path: Path):
     import numpy as np
     from gguf import GGUFWriter
 
-    from unison.model.gguf import hf_config, open_gguf
+    from unison.model.weights.gguf import hf_config, open_gguf
 
     rng = np.random.default_rng(0)
     hf = {"model.embed_tokens.weight": (32, 8), "model.norm.weight": (8,),
@@ -434,7 +434,7 @@ def test_concurrent_conversion_runs_once(tmp_path: Path, monkeypatch):
         time.sleep(0.3)
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr("unison.model.gguf.convert_gguf", fake_convert)
+    monkeypatch.setattr("unison.model.weights.gguf.convert_gguf", fake_convert)
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(loader.resolve_model_dir(src)))
                for _ in range(3)]
@@ -457,7 +457,7 @@ def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path
     from transformers import AutoTokenizer
 
     from unison.bench.model import _copy_tokenizer, embedded_gguf
-    from unison.model.gguf import _convert_tokenizer, _tokenizer_type
+    from unison.model.weights.gguf import _convert_tokenizer, _tokenizer_type
 
     path = tmp_path / f"{arch}.gguf"
     w = GGUFWriter(path, arch)

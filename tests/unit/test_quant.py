@@ -15,10 +15,11 @@ from tests.utils import TEXTS, Blocks, assert_greedy_close, greedy
 from unison.bench.datasets import QUIZ
 from unison.config import EngineConfig
 from unison.frontend.text.tokenizer import Tokenizer
-from unison.model import cpu_kernels, quant
-from unison.model.gguf import GGUFWeights
-from unison.model.loader import default_gguf_path
+from unison.model.kernels import cpu_kernels
 from unison.model.runner import BatchItem, ModelRunner
+from unison.model.weights import quant
+from unison.model.weights.gguf import GGUFWeights
+from unison.model.weights.loader import default_gguf_path
 
 KERNELS = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here: no quantized kernels")
@@ -163,7 +164,7 @@ def _q4_0_weight(w: np.ndarray, raw: np.ndarray | None = None) -> quant.QuantWei
     """w [n, k] as GGUF's Q4_0 blocks (or those given), packed as a Q4_0 file's tensor runs."""
     from gguf import GGMLQuantizationType, quants
 
-    from unison.model.gguf import _q4_0
+    from unison.model.weights.gguf import _q4_0
 
     raw = quants.quantize(w.astype(np.float32), GGMLQuantizationType.Q4_0) if raw is None else raw
     return quant.pack(w.shape[0], w.shape[1], 4, lambda r0, r1: _q4_0(raw[r0:r1]), symmetric=True)
@@ -174,7 +175,7 @@ def test_q4_0_records_without_m_give_the_same_bits():
     160-byte records holding that m, on every path, at every row count's code path."""
     from gguf import GGMLQuantizationType, quants
 
-    from unison.model.gguf import _q4_0
+    from unison.model.weights.gguf import _q4_0
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((72, 256))

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from unison.model.siglip import Gemma3Vision, VisionConfig
-from unison.model.weights import DictWeights, SafetensorsWeights
+from unison.model.vision.siglip import Gemma3Vision, VisionConfig
+from unison.model.weights.sources import DictWeights, SafetensorsWeights
 
 transformers = pytest.importorskip("transformers")
 

@@ -91,7 +91,10 @@ class EngineControls:
         tensors = _named_tensors(named_tensors)
         if not tensors:
             return True, "no tensors given: nothing updated"
-        from unison.model.weights import TENSOR_FILE_DIRS, save_tensors  # torch: for these callers only
+        from unison.model.weights.sources import (  # torch: for these callers only
+            TENSOR_FILE_DIRS,
+            save_tensors,
+        )
 
         path = save_tensors(tensors, TENSOR_FILE_DIRS)
         try:

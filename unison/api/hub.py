@@ -29,7 +29,7 @@ REPO_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<ta
                      r"(?:@(?P<rev>[\w./-]+))?")
 GGUF_DEFAULT_TAGS = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q8_0")
 SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
-# What serving reads beside the weights (the tokenizer files are model/loader.py's TOKENIZER_FILES).
+# What serving reads beside the weights (the tokenizer files are model/weights/loader.py's TOKENIZER_FILES).
 SERVING_FILES = {"config.json", "generation_config.json", "preprocessor_config.json", "chat_template.jinja",
                  "chat_template.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt",
@@ -195,7 +195,7 @@ def _choose(name: str, files: Mapping[str, int | None], tag: str | None, tokeniz
 
 def runs_beside(text_model: Path, mmproj: Path) -> bool:
     """Whether Unison runs `mmproj`'s tower beside the GGUF `text_model`: a Gemma 3 with a gemma3
-    projector (model/mmproj.py's PROJECTORS). A repository's other vision files are left aside and
+    projector (model/vision/mmproj.py's PROJECTORS). A repository's other vision files are left aside and
     its text model served alone. (The gguf package only: this process imports no torch.)"""
     from gguf import GGUFReader
 

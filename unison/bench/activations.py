@@ -38,7 +38,7 @@ def rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
 @contextmanager
 def linear_inputs_rounded(bits: int | None) -> Iterator[None]:
     """Every float linear's input rounded to `bits` (None: as is) while inside."""
-    from unison.model import linears
+    from unison.model.layers import linears
 
     call = linears.Linear.__call__
     if bits is not None:

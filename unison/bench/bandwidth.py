@@ -17,7 +17,7 @@ from pathlib import Path
 
 def measure(threads: int | None = None, gib: float = 1.0, trials: int = 5) -> float:
     """GB/s, or 0.0 where the C kernels cannot be built here."""
-    from unison.model import cpu_kernels
+    from unison.model.kernels import cpu_kernels
 
     kernels = cpu_kernels.load()
     return 0.0 if kernels is None else kernels.read_bandwidth(gib, threads, trials)

@@ -96,7 +96,7 @@ def setups(args: argparse.Namespace, gguf: str, levels: list[int]) -> list[Setup
 
 
 def main(args: argparse.Namespace) -> int:
-    from unison.model.loader import default_gguf_path
+    from unison.model.weights.loader import default_gguf_path
 
     levels = [int(c) for c in args.concurrency.split(",")]
     gguf = args.model_path or str(default_gguf_path())

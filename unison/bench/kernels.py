@@ -25,7 +25,7 @@ def main(args: argparse.Namespace) -> int:
     import torch  # here, not at import: the CLI builds every command's parser, `serve`'s too
 
     from unison.bench.ceiling import linears_time, lm_head_time
-    from unison.model import cpu_kernels
+    from unison.model.kernels import cpu_kernels
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -74,8 +74,8 @@ def attention(args: argparse.Namespace) -> int:
 
     import torch
 
-    from unison.model import cpu_kernels
-    from unison.model.attention import kv_head_bytes
+    from unison.model.kernels import cpu_kernels
+    from unison.model.layers.attention import kv_head_bytes
     from unison.model.runner import resolve_kv_dtype
 
     kernels = cpu_kernels.load()

@@ -204,7 +204,7 @@ def top5(out: Json) -> dict[int, float]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from unison.model.loader import default_gguf_path
+    from unison.model.weights.loader import default_gguf_path
 
     if args.quality:
         args.prompt_len = args.prompt_len or 1000

@@ -27,7 +27,7 @@ from unison.bench.speculative import decode_rate
 from unison.core.metrics import RECORD_STEP_SHAPES_ENV
 from unison.wire.messages import ServerInfo
 
-# model/lora.py's LORA_TARGETS, spelled here: importing that module imports torch, and the CLI
+# model/layers/lora.py's LORA_TARGETS, spelled here: importing that module imports torch, and the CLI
 # imports this one for its --help.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -40,7 +40,7 @@ def write_adapter(path: Path, model_dir: str | Path, rank: int, seed: int,
     from safetensors.torch import save_file
 
     from unison.model.families import ModelConfig
-    from unison.model.lora import module_shapes
+    from unison.model.layers.lora import module_shapes
 
     cfg = ModelConfig.from_dir(model_dir)
     shapes = module_shapes(cfg)  # (in, out) of each target

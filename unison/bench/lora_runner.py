@@ -61,7 +61,7 @@ def step_times(runner: ModelRunner, batches: dict[str, list[BatchItem]], repeats
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from unison.model.lora import read_peft
+    from unison.model.layers.lora import read_peft
     from unison.model.runner import ModelRunner
 
     runner = ModelRunner(args.model, quantization=args.quantization, num_blocks=64 * 10 + 16)

@@ -85,7 +85,7 @@ def embedded_gguf() -> GGUFReader:
     tokens take seconds to parse)."""
     from gguf import GGUFReader
 
-    from unison.model.loader import default_gguf_path
+    from unison.model.weights.loader import default_gguf_path
 
     return GGUFReader(default_gguf_path())
 

@@ -54,7 +54,7 @@ def throughput(url: str, model: str, args: argparse.Namespace) -> float:
 
 def main(args: argparse.Namespace) -> int:
     if not args.model:
-        from unison.model.loader import default_gguf_path
+        from unison.model.weights.loader import default_gguf_path
 
         args.model = [f"smollm2-135m={default_gguf_path()}"]
     names = [m.partition("=")[0] for m in args.model]

@@ -171,7 +171,7 @@ class HFBaseline:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from unison.model.loader import model_file
+        from unison.model.weights.loader import model_file
 
         if quiet:
             hf_logging.disable_progress_bar()  # its weight-loading bar

@@ -26,9 +26,9 @@ import numpy as np
 if TYPE_CHECKING:  # (torch and the model load inside the command: `unison serve` imports this parser)
     import torch
 
-    from unison.model.siglip import VisionConfig
+    from unison.model.vision.siglip import VisionConfig
 
-# The published checkpoints' prefixes (unison/model/mmproj.py's, which imports torch)
+# The published checkpoints' prefixes (unison/model/vision/mmproj.py's, which imports torch)
 TOWER, PROJECTOR = "vision_tower.vision_model.", "multi_modal_projector."
 
 # Gemma 3 4B's tower (google/gemma-3-4b-it's vision_config), projected to `text_hidden`.
@@ -37,7 +37,7 @@ GEMMA3_4B = {"hidden_size": 1152, "intermediate_size": 4304, "num_layers": 27, "
 
 
 def gemma3_tower(text_hidden: int, layers: int | None = None) -> VisionConfig:
-    from unison.model.siglip import VisionConfig
+    from unison.model.vision.siglip import VisionConfig
 
     shape = GEMMA3_4B | ({"num_layers": layers} if layers else {})
     return VisionConfig(**shape, layer_norm_eps=1e-6, text_hidden_size=text_hidden, mm_tokens_per_image=256,
@@ -136,8 +136,8 @@ def our_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dty
     """Seconds for one image through Gemma3Vision, after a warm-up."""
     import torch
 
-    from unison.model.siglip import Gemma3Vision
-    from unison.model.weights import DictWeights
+    from unison.model.vision.siglip import Gemma3Vision
+    from unison.model.weights.sources import DictWeights
 
     tower = Gemma3Vision.load(DictWeights(tensors), cfg, dtype)
     pixels = torch.rand(1, 3, cfg.image_size, cfg.image_size) * 2 - 1
@@ -208,7 +208,7 @@ def llama_cpp_encoder_seconds(cli: str, text_model: Path, mmproj: Path,
 def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | None, out_dir: Path) -> None:
     import torch
 
-    from unison.model.gguf import hf_config, open_gguf
+    from unison.model.weights.gguf import hf_config, open_gguf
 
     text_hidden = int(hf_config(open_gguf(text_model))["hidden_size"])
     cfg = gemma3_tower(text_hidden, layers)
@@ -388,7 +388,7 @@ def main(args: argparse.Namespace) -> None:
     if not args.served:
         run(text, args.llama_mtmd, args.trials, args.layers, Path(args.out_dir))
         return
-    from unison.model.gguf import hf_config, open_gguf
+    from unison.model.weights.gguf import hf_config, open_gguf
 
     cfg = gemma3_tower(int(hf_config(open_gguf(text))["hidden_size"]), args.layers)
     out = Path(args.out_dir)

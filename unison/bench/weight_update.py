@@ -32,7 +32,7 @@ def timed(update: Callable[[], tuple[bool, str] | tuple[bool, str, int]], runs: 
 
 def main(args: argparse.Namespace) -> int:
     from unison import Engine
-    from unison.model.loader import default_gguf_path, open_weights
+    from unison.model.weights.loader import default_gguf_path, open_weights
 
     gguf = str(default_gguf_path())
     with Engine(max_total_tokens=4096) as engine:

@@ -32,7 +32,7 @@ def main() -> int:
     try:
         from unison.core.engine_core import EngineCore
         from unison.core.loop import CoreLoop
-        from unison.model.loader import resolve_model_dir
+        from unison.model.weights.loader import resolve_model_dir
 
         # The model is resolved here (a GGUF converted into the cache once), not in the owner:
         # frontends learn the directory from Welcome and never import torch or transformers.

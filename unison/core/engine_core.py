@@ -25,10 +25,10 @@ from unison.core.request import Request, check_generate
 from unison.core.sampler import Sampled, Sampler, prompt_logprobs
 from unison.core.scheduler import ScheduledItem, Scheduler
 from unison.core.spec_decode import Drafter, add_drafts, verify
-from unison.model.encoder_config import DecoderPooling, DecoderReranker, encoder_task, model_task
-from unison.model.encoder_runner import EncoderRunner
-from unison.model.loader import default_gguf_path
+from unison.model.pooling.encoder_config import DecoderPooling, DecoderReranker, encoder_task, model_task
+from unison.model.pooling.encoder_runner import EncoderRunner
 from unison.model.runner import BatchItem, ModelRunner
+from unison.model.weights.loader import default_gguf_path
 from unison.wire.messages import EngineStats, Generate, ReqOutput
 
 Outputs = dict[bytes, list[ReqOutput]]  # per frontend identity
@@ -47,7 +47,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
         encoder = isinstance(self.runner, EncoderRunner)  # it keeps no KV: nothing to cache or chunk
         # An int8 cache reads a request's own block as float16 from rows the request computed
-        # (model/recent_rows.py): a freed block's copy goes, and a partial-block hit is not copied.
+        # (model/layers/recent_rows.py): a freed block's copy goes, and a partial-block hit is not copied.
         recent = None if encoder else cast(ModelRunner, self.runner).attention.recent
         self.pool = BlockPool(self.runner.num_blocks, on_free=None if recent is None else recent.drop)
         # The radix cache's changes as KV events, when they are published (core/kv/publisher.py)

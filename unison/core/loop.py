@@ -26,7 +26,7 @@ from unison.core.engine_core import EngineCore
 from unison.core.frontends import Frontends, Peer
 from unison.core.kv.publisher import Publisher
 from unison.core.metrics import StepShapes
-from unison.model.loader import tokenizer_files
+from unison.model.weights.loader import tokenizer_files
 from unison.wire import registry
 from unison.wire.messages import (
     PROTOCOL_VERSION,

@@ -61,7 +61,7 @@ class LoraRegistry:
                              "unload it first")
         if not Path(path).expanduser().exists():
             raise ValueError(f"lora_path {path!r} does not exist")
-        from unison.model.lora import read_peft  # torch: the core's side only
+        from unison.model.layers.lora import read_peft  # torch: the core's side only
 
         evict = self._to_evict()
         weights = read_peft(Path(path).expanduser(), self.runner.config, self.max_rank)

@@ -16,7 +16,7 @@ from unison.core.request import Request
 from unison.core.scheduler import Scheduler
 from unison.core.spec_decode import Drafter
 from unison.model.decoder import DecoderModel
-from unison.model.encoder_runner import EncoderRunner
+from unison.model.pooling.encoder_runner import EncoderRunner
 from unison.model.runner import ModelRunner
 from unison.wire.messages import CoreInfo, EngineStats, LoraAdapterInfo, RequestInfo
 

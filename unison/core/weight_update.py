@@ -13,7 +13,7 @@ from unison.core.frontends import Caller
 from unison.core.kv.disk_cache import weights_key
 from unison.core.request import Request
 from unison.model.runner import ModelRunner
-from unison.model.weights import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
+from unison.model.weights.sources import TENSOR_FILE_DIRS, TENSOR_FILE_PREFIX
 from unison.wire.messages import OpResult, UpdateTensors, UpdateWeights
 
 log = logging.getLogger("unison.core")

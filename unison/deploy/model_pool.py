@@ -35,7 +35,7 @@ import zmq
 from unison.api.core_process import CoreProcess
 from unison.api.hub import is_repo_id, locate_config
 from unison.config import EngineConfig
-from unison.model.encoder_config import model_task
+from unison.model.pooling.encoder_config import model_task
 from unison.wire import pool as pp
 from unison.wire import registry
 

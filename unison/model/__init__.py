@@ -1,1 +1,2 @@
-"""The model: location and GGUF conversion (loader, gguf), Llama compute (llama), ModelRunner."""
+"""The model: ModelRunner (the core's one interface to it), the families, the one decoder forward,
+and the KV and state budget; its parts in layers/, weights/, vision/, pooling/ and kernels/."""

@@ -19,16 +19,17 @@ from functools import partial
 
 import torch
 
-from . import cpu_kernels, quant
-from .families import ModelConfig
-from .gpt_oss import FusedExperts
-from .linear_attention import DeltaNet, DeltaStates, projection_order
-from .linears import Embedding, Linear, QuantLinear
-from .lora import LoraStep
-from .moe import PROJECTIONS, FloatMoe, MoeBiases, QuantMoe, SharedExpert
-from .quant import QuantWeight
-from .torch_ops import TorchOps
-from .weights import DictWeights, RenamedWeights, WeightSource, linear_bits
+from unison.model.families import ModelConfig
+from unison.model.kernels import cpu_kernels
+from unison.model.kernels.torch_ops import TorchOps
+from unison.model.layers.linear_attention import DeltaNet, DeltaStates, projection_order
+from unison.model.layers.linears import Embedding, Linear, QuantLinear
+from unison.model.layers.lora import LoraStep
+from unison.model.layers.moe import PROJECTIONS, FloatMoe, MoeBiases, QuantMoe, SharedExpert
+from unison.model.weights import quant
+from unison.model.weights.gpt_oss import FusedExperts
+from unison.model.weights.quant import QuantWeight
+from unison.model.weights.sources import DictWeights, RenamedWeights, WeightSource, linear_bits
 
 # attention(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) -> [N, heads * head_dim]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -205,7 +206,7 @@ class DecoderModel:
         final norm's hidden states instead, what a pooled decoder embeds); `lora`: the rows'
         adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c; `states`: the
         linear-attention layers' per-request states, opened for this step (a hybrid's); `images`:
-        rows whose embeddings are an image's (vision.py), put in place of their tokens'."""
+        rows whose embeddings are an image's (vision/encoder.py), put in place of their tokens'."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         rope = [r.cos_sin(positions, self.dtype) for r in cfg.ropes]  # once per step, not per layer
         h = self.embed(input_ids)
@@ -490,7 +491,7 @@ def dummy_model(cfg: ModelConfig, device: torch.device,
     costs next to nothing, so benchmarks of the frontends are not limited by the model."""
     import dataclasses
 
-    from .rope import Rope
+    from unison.model.layers.rope import Rope
 
     # (one plain attention layer and a dense MLP, whatever the family's layers are)
     plain = dataclasses.replace(cfg.family, moe=None, linear_attention=False, attn_output_gate=False,

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.json_types import JSONObject
-
-from .rope import Rope
+from unison.model.layers.rope import Rope
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ FAMILIES = [
     Family("qwen2", "Qwen2ForCausalLM", "qwen2"),
     Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm="head"),
     GEMMA3,
-    # Gemma 3 4B and up: the text model beside a vision tower (vision.py), under published names.
+    # Gemma 3 4B and up: the text model beside a vision tower (vision/encoder.py), under published names.
     dataclasses.replace(GEMMA3, hf_architecture="Gemma3ForConditionalGeneration", gguf_architecture=None,
                         text_prefix="language_model.model."),
     Family("olmo2", "Olmo2ForCausalLM", None, qk_norm="full",

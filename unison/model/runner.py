@@ -15,19 +15,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unison.config import KV_CACHE_DTYPES, EngineConfig
+from unison.model.cache_budget import CacheBudget, total_memory
+from unison.model.decoder import DecoderModel, dummy_model
+from unison.model.families import ModelConfig
+from unison.model.kernels import cpu_kernels
+from unison.model.layers import key_rounding
+from unison.model.layers.attention import PagedAttention, kv_head_bytes
+from unison.model.layers.linear_attention import DeltaStates
+from unison.model.layers.lora import Adapter, LoraStep, LoraWeights
+from unison.model.pooling.encoder_config import DecoderPooling, DecoderReranker
+from unison.model.vision.encoder import Vision
+from unison.model.weights.loader import open_weights, resolve_model_dir
+from unison.model.weights.sources import SafetensorsWeights, overlay, resolve_quantization
 from unison.wire.messages import ImageInput
-
-from . import cpu_kernels, key_rounding
-from .attention import PagedAttention, kv_head_bytes
-from .cache_budget import CacheBudget, total_memory
-from .decoder import DecoderModel, dummy_model
-from .encoder_config import DecoderPooling, DecoderReranker
-from .families import ModelConfig
-from .linear_attention import DeltaStates
-from .loader import open_weights, resolve_model_dir
-from .lora import Adapter, LoraStep, LoraWeights
-from .vision import Vision
-from .weights import SafetensorsWeights, overlay, resolve_quantization
 
 BLOCK_SIZE = EngineConfig.block_size  # (the option's own default, declared once)
 
@@ -47,7 +47,7 @@ class BatchItem:
     state_restore: int = -1  # a snapshot slot to resume from (a prefix-cache hit), copied in first
     state_save: int = -1  # a snapshot slot to keep the state in once the step is done (the cache's)
     drafted: bool = False  # its tokens after the first are a draft: its state can be rolled back
-    images: Sequence[ImageInput] = ()  # its prompt's images (vision.py puts those in its rows)
+    images: Sequence[ImageInput] = ()  # its prompt's images (vision/encoder.py puts those in its rows)
 
 
 class ModelRunner:

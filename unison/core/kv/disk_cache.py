@@ -32,9 +32,9 @@ from typing import BinaryIO, Protocol
 import msgspec
 
 from unison.config import EngineConfig
-from unison.model.encoder_runner import EncoderRunner
-from unison.model.loader import default_gguf_path
+from unison.model.pooling.encoder_runner import EncoderRunner
 from unison.model.runner import ModelRunner
+from unison.model.weights.loader import default_gguf_path
 from unison.wire.kv_events import block_hash
 
 log = logging.getLogger("unison.core")

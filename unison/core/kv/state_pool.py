@@ -1,4 +1,4 @@
-"""StatePool: the slots of a hybrid model's linear-attention states (model/linear_attention.py
+"""StatePool: the slots of a hybrid model's linear-attention states (model/layers/linear_attention.py
 holds the tensors). A request takes one slot when it is admitted, beside its KV blocks, and gives
 it back with them; one that finds no slot free waits, as one that finds no block does. A second
 pool, of the slots after those, holds the prefix cache's snapshots (core/kv/radix_cache.py)."""

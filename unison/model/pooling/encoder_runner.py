@@ -1,4 +1,4 @@
-"""EncoderRunner: the core's interface to an encoder model (model/bert.py), in ModelRunner's shape.
+"""EncoderRunner: the core's interface to an encoder model (model/pooling/bert.py), in ModelRunner's shape.
 
 No KV is kept: each step's sequences run whole and leave. The scheduler still accounts its
 tokens in blocks (a pool with no tensors behind it), so pooling requests share its token budget,
@@ -14,11 +14,11 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-from . import cpu_kernels
-from .bert import BertEncoder
-from .cpu_kernels import CpuKernels
-from .encoder_config import EncoderConfig
-from .runner import BLOCK_SIZE, BatchItem
+from unison.model.kernels import cpu_kernels
+from unison.model.kernels.cpu_kernels import CpuKernels
+from unison.model.pooling.bert import BertEncoder
+from unison.model.pooling.encoder_config import EncoderConfig
+from unison.model.runner import BLOCK_SIZE, BatchItem
 
 log = logging.getLogger(__name__)
 

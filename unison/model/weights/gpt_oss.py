@@ -18,9 +18,9 @@ import re
 import numpy as np
 import torch
 
-from . import gguf_blocks, quant
-from .quant import QuantWeight
-from .weights import WeightSource
+from unison.model.weights import gguf_blocks, quant
+from unison.model.weights.quant import QuantWeight
+from unison.model.weights.sources import WeightSource
 
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")

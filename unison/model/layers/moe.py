@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .families import MoeConfig
-from .quant import QuantWeight
-from .torch_ops import TorchOps
+from unison.model.families import MoeConfig
+from unison.model.kernels import cpu_kernels
+from unison.model.kernels.torch_ops import TorchOps
+from unison.model.weights.quant import QuantWeight
 
 if TYPE_CHECKING:
-    from .linears import Linear, QuantLinear
+    from unison.model.layers.linears import Linear, QuantLinear
 
 PROJECTIONS = ("gate", "up", "down")
 

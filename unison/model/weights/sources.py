@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from . import quant
-from .quant import QuantWeight
+from unison.model.weights import quant
+from unison.model.weights.quant import QuantWeight
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 TENSOR_FILE_PREFIX = "unison_tensors_"  # save_tensors' files: the core removes them once read

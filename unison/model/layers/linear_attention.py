@@ -28,14 +28,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .attention import lazy_zeros
-from .cpu_kernels import DeltaStep
-from .families import DeltaNetConfig
+from unison.model.families import DeltaNetConfig
+from unison.model.kernels import cpu_kernels
+from unison.model.kernels.cpu_kernels import DeltaStep
+from unison.model.layers.attention import lazy_zeros
 
 if TYPE_CHECKING:
-    from .linears import Linear, QuantLinear
-    from .torch_ops import TorchOps
+    from unison.model.kernels.torch_ops import TorchOps
+    from unison.model.layers.linears import Linear, QuantLinear
 
 
 @dataclass(slots=True)

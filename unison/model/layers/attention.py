@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_kernels
-from .families import ModelConfig
-from .key_rounding import KeyRounding
-from .recent_rows import Item, RecentRows, RecentStep
+from unison.model.families import ModelConfig
+from unison.model.kernels import cpu_kernels
+from unison.model.layers.key_rounding import KeyRounding
+from unison.model.layers.recent_rows import Item, RecentRows, RecentStep
 
 # Attention work per layer (query rows x the keys each sees x query heads x head_dim: QK^T's
 # multiply-adds) up to which a step's attention runs on one thread: a parallel region over so
@@ -153,7 +153,7 @@ class PagedAttention:
         their whole image), which `forward` reads until the step ends."""
         self._step = self._prepare(batch, positions)
         if images is not None:
-            assert self._step.paged is not None, "images run on the C attention kernel (vision.py checks)"
+            assert self._step.paged is not None, "images run on the C attention kernel (vision/encoder.py)"
             self._step.paged.ahead = images.ahead
         try:
             yield self._step

@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from unison.json_types import JSONObject
-
-from . import gguf_blocks, quant
-from .families import BY_ARCHITECTURE, BY_GGUF, Family
-from .quant import BlockQuant, QuantWeight
+from unison.model.families import BY_ARCHITECTURE, BY_GGUF, Family
+from unison.model.weights import gguf_blocks, quant
+from unison.model.weights.quant import BlockQuant, QuantWeight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -7,7 +7,7 @@
 // families.py runs here as it runs there: a hybrid's Gated DeltaNet layers (gated_delta.c) over
 // the state pool's slots, its gated attention, a mixture's shared expert.
 //
-// Built with the other kernels by unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+// Built with the other kernels by unison/model/kernels/cpu_kernels.py (-O3 -march=native -fopenmp).
 
 #include <math.h>
 #include <stdint.h>
@@ -123,7 +123,7 @@ typedef struct {
     _Float16 *recent_k, *recent_v, *twin_k, *twin_v;
     int64_t twin_layer;  // elements from one layer's twins to the next's
     const int64_t *twin_slots, *first_row, *twin;  // [rows], [requests], [requests]
-    // An image's rows (vision.py): these rows' embeddings replace their tokens', after the
+    // An image's rows (vision/encoder.py): these rows' embeddings replace their tokens', after the
     // embedding's scale; row_ahead (NULL: causal) is each row's keys seen past its own position.
     int64_t embed_count;
     const int64_t *embed_rows;

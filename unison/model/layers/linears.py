@@ -10,8 +10,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .quant import QuantWeight
+from unison.model.kernels import cpu_kernels
+from unison.model.weights.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 

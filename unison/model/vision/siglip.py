@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .weights import WeightSource
+from unison.model.weights.sources import WeightSource
 
 # Where a checkpoint keeps the tower: published checkpoints (and transformers 4's in-memory
 # names) keep SiglipVisionModel's `vision_model.`; transformers 5 drops it, in memory and in what

@@ -4,7 +4,7 @@ Torch has no paged attention for CPUs: its path gathers each request's blocks in
 and runs SDPA over it, which moves the K/V bytes three times and sums in an order that depends on
 the batch's shapes. csrc/paged_attention.c reads them once, through the block table, and computes
 every row the same way whatever else is in the batch. csrc/quant_linear.c runs int4 / int8
-linears (see model/quant.py). csrc/fused_ops.c does each of the model's small per-layer
+linears (see model/weights/quant.py). csrc/fused_ops.c does each of the model's small per-layer
 operations (residual add + RMSNorm, rotary embedding, the KV-cache write) in one call instead of
 several torch ops, which at decode batch sizes cost more in dispatch than in arithmetic.
 csrc/lora.c adds LoRA adapters' updates to a linear's output, each row with its own adapter.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from unison.model.key_rounding import KeyRounding
+from unison.model.layers.key_rounding import KeyRounding
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class DeltaStep:
 
 @dataclass(frozen=True, slots=True)
 class ImageRows:
-    """A step's rows that are images' (vision.py): their embeddings replace their tokens', and
+    """A step's rows that are images' (vision/encoder.py): their embeddings replace their tokens', and
     each row of the step sees `ahead` keys past its own position (an image's whole image)."""
 
     rows: torch.Tensor  # [R] int64, rows of the flat step
@@ -535,7 +535,7 @@ class DStepC(ctypes.Structure):
 
 def struct_mirrors() -> dict[str, type[ctypes.Structure]]:
     """The C structs the kernels take (by their C names) and their ctypes mirrors."""
-    from unison.model.lora import LoraLinearC, LoraPartC
+    from unison.model.layers.lora import LoraLinearC, LoraPartC
 
     return {"QLinear": QLinearC, "ExpertLinear": ExpertLinearC, "MoeLayer": MoeLayerC,
             "DeltaLayer": DeltaLayerC, "SharedMlp": SharedMlpC, "DLayer": DLayerC, "DModel": DModelC,

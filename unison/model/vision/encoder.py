@@ -21,13 +21,12 @@ import numpy as np
 import torch
 
 from unison.json_types import JSONObject
+from unison.model.families import ModelConfig
+from unison.model.kernels.cpu_kernels import CpuKernels, ImageRows
+from unison.model.vision.mmproj import MmprojWeights
+from unison.model.vision.siglip import Gemma3Vision, VisionConfig
+from unison.model.weights.sources import WeightSource
 from unison.wire.messages import ImageInput, ImageSpec
-
-from .cpu_kernels import CpuKernels, ImageRows
-from .families import ModelConfig
-from .mmproj import MmprojWeights
-from .siglip import Gemma3Vision, VisionConfig
-from .weights import WeightSource
 
 # The architectures whose images Unison reads, and the tower each loads.
 VISION_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .quant import GGUF_INT4_TYPES, TILE, QuantWeight
+from unison.model.weights.quant import GGUF_INT4_TYPES, TILE, QuantWeight
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .families import ModelConfig
+from unison.model.families import ModelConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the model's linears per layer, in forward order

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cpu_kernels import Recent
+from unison.model.kernels.cpu_kernels import Recent
 
 
 class Item(Protocol):

@@ -14,7 +14,7 @@
 // panels of 8 ranks, [ceil(rank / 8), k, 8], and B in tiles of 16 columns, [ceil(n / 16), rank,
 // 16]. AVX2 + FMA where the compiler targets it, portable C (fmaf, the same roundings) otherwise.
 // Called by decoder.c after each of a layer's four linears, and by the Python forward
-// (decoder.py) the same way. Built with the other kernels by unison/model/cpu_kernels.py
+// (decoder.py) the same way. Built with the other kernels by unison/model/kernels/cpu_kernels.py
 // (-O3 -march=native -fopenmp).
 
 #include <math.h>

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .siglip import VisionConfig
+from unison.model.vision.siglip import VisionConfig
 
 PROJECTORS = ("gemma3",)  # clip.projector_type values whose tower siglip.py runs
 TOWER, PROJECTOR = "vision_tower.vision_model.", "multi_modal_projector."

@@ -35,7 +35,7 @@
 //   AMX:  from 16 rows, the tile unit: activations' high and low bytes as two A tiles (signed
 //         and unsigned), the weights as B tiles, two tile products per block.
 // AVX2 where the compiler targets it, portable C otherwise. Built with the other kernels by
-// unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+// unison/model/kernels/cpu_kernels.py (-O3 -march=native -fopenmp).
 
 #define _GNU_SOURCE  // syscall(), for the AMX permission
 #include <errno.h>

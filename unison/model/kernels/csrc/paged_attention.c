@@ -20,7 +20,7 @@
 // window > 0 keeps only the last `window` tokens (sliding-window attention) before the row's own
 // position: `row_ahead` widens what a row sees forward, never backward.
 //
-// Built at first use by unison/model/cpu_kernels.py with -O3 -march=native -fopenmp.
+// Built at first use by unison/model/kernels/cpu_kernels.py with -O3 -march=native -fopenmp.
 
 #include <math.h>
 #include <stdint.h>

@@ -20,7 +20,7 @@
 // or AVX-512. Requests and value heads are independent, and so are the convolution's channels:
 // the threads share them out.
 //
-// Built with the other kernels by unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+// Built with the other kernels by unison/model/kernels/cpu_kernels.py (-O3 -march=native -fopenmp).
 
 #include <math.h>
 #include <stdint.h>

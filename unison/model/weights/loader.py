@@ -11,8 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .encoder_config import encoder_task
-from .families import family_of
+from unison.model.families import family_of
+from unison.model.pooling.encoder_config import encoder_task
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion output changes, so stale cache entries are not reused.
@@ -57,8 +57,8 @@ def resolve_model_dir(model_path: str | os.PathLike | None) -> Path:
 
 def open_weights(model_path: str | os.PathLike | None, model_dir: Path | None = None):
     """(the model's weight source, whether it is a GGUF file)."""
-    from .gguf import GGUFWeights
-    from .weights import SafetensorsWeights
+    from unison.model.weights.gguf import GGUFWeights
+    from unison.model.weights.sources import SafetensorsWeights
 
     path = model_file(model_path)
     if path.is_dir():
@@ -132,7 +132,7 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 
 
 def _build(gguf_path: Path, root: Path, final: Path) -> None:
-    from .gguf import convert_gguf
+    from unison.model.weights.gguf import convert_gguf
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}-", dir=root))
     try:

@@ -16,7 +16,7 @@
 // GEMM is row-independent on every instruction-set path, and the combination runs in a fixed
 // order, so outputs are bit-identical alone or in any batch.
 //
-// Built with the other kernels by unison/model/cpu_kernels.py (-O3 -march=native -fopenmp).
+// Built with the other kernels by unison/model/kernels/cpu_kernels.py (-O3 -march=native -fopenmp).
 
 #include <math.h>
 #include <stdint.h>

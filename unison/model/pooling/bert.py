@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cpu_kernels import CpuKernels, QuantPlan
-from .encoder_config import EncoderConfig
-from .quant import quantize
+from unison.model.kernels.cpu_kernels import CpuKernels, QuantPlan
+from unison.model.pooling.encoder_config import EncoderConfig
+from unison.model.weights.quant import quantize
 
 # Rows per tile of a float linear: a row's bits depend on its GEMM's shape, so every row runs in
 # a tile of exactly this many (zero-padded at the end). Larger tiles run faster, but pad a short

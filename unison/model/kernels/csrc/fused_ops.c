@@ -3,7 +3,7 @@
 // At decode batch sizes those ops cost more in overhead than in arithmetic.
 //
 // Tensors are float32; rows of a matrix may be strided (`*_stride`, in floats), columns are not.
-// Built with paged_attention.c into one shared object (see unison/model/cpu_kernels.py).
+// Built with paged_attention.c into one shared object (see unison/model/kernels/cpu_kernels.py).
 
 #include <math.h>
 #include <stdint.h>
@@ -166,7 +166,7 @@ void hadamard_rotate(float *x, int64_t count, int64_t d) {
 // from isotropic (one mean direction holds half a head's query energy). So after rounding to
 // nearest, a key moves a few of its values to their other neighbour (each still within one
 // step) where that lowers e^T W e, e the key's error and W = E[q q^T] over its head's queries,
-// rotated as the key is (measured once at load: unison/model/key_rounding.py). Greedy, one value
+// rotated as the key is (measured once at load: unison/model/layers/key_rounding.py). Greedy, one value
 // a pass, a pass for each KEY_VALUES_PER_PASS values of the head: the score error's rms fell by a
 // third, and the first-step logprob distance to float16's with it (BENCHMARKS.md). Four passes
 // for any head_dim left Gemma 3's heads of 256 at 0.55 of nearest's e^T W e; a pass per 16

@@ -1,0 +1,1 @@
+"""Encoder models (embeddings, cross-encoder scores) and what a pooling model serves."""
