@@ -446,6 +446,47 @@ def test_concurrent_conversion_runs_once(tmp_path: Path, monkeypatch):
     assert (results[0] / "config.json").is_file() and results[0].parent.parent == tmp_path / "cache"
 
 
+def test_header_fields_are_the_gguf_packages_own():
+    """Our header reader (torch-free, 60x faster on a 262k vocabulary) reads every field as the gguf
+    package does: keys in order, types, and whole values, arrays included."""
+    import gguf
+
+    from unison.model.weights.gguf_header import read_fields
+
+    path = default_gguf_path()
+    theirs = {k: f for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
+    ours = read_fields(path)
+    assert list(ours) == list(theirs)
+    for key, field in theirs.items():
+        elem_type = field.types[1] if len(field.types) > 1 else None
+        assert (ours[key].kind, ours[key].elem_type) == (field.types[0], elem_type), key
+        assert ours[key].value == field.contents(), key
+    assert list(read_fields(path, "tokenizer.")) == [k for k in ours if k.startswith("tokenizer.")]
+
+
+def test_a_tokenizer_is_converted_once_for_the_files_that_share_it(tmp_path: Path, monkeypatch):
+    """Two files whose weights differ (two quantizations of one model) convert their tokenizer once;
+    a file whose vocabulary differs in one token converts its own."""
+    from unison.bench.model import write_model
+    from unison.model.weights import gguf
+
+    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path / "cache"))
+    converted = []
+
+    def fake_write(gguf_path: Path, out_dir: Path, context_length: int) -> None:
+        converted.append(gguf_path.name)
+        (out_dir / "tokenizer.json").write_text(gguf_path.name)
+
+    monkeypatch.setattr(gguf, "_write_tokenizer", fake_write)
+    tiny = {"hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2, "ffn": 128}
+    files = [write_model(tiny, tmp_path / "a.gguf", seed=0), write_model(tiny, tmp_path / "b.gguf", seed=1),
+             write_model(tiny, tmp_path / "c.gguf", seed=0, renames={"<|im_start|>": "<|start|>"})]
+    dirs = [resolve_model_dir(f) for f in files]
+    assert len(set(dirs)) == 3  # three files, three converted directories
+    assert converted == ["a.gguf", "c.gguf"]
+    assert [(d / "tokenizer.json").read_text() for d in dirs] == ["a.gguf", "a.gguf", "c.gguf"]
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2moe"])
 def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path):
     """Where the GGUF's architecture names a tokenizer class, the conversion names it and skips

