@@ -407,11 +407,24 @@ def test_fp8_cache_is_torchs_fp8_and_attention_reads_it_in_place(fp8, threads):
 
 
 def test_kernel_is_cached_by_source_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path))
+    """build() compiles once per source, flags and CPU and publishes by a rename. A one-line source
+    stands in for the kernels (their build takes seconds; every other test here loads it)."""
+    import ctypes
+
+    monkeypatch.setenv("UNISON_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "probe.c"
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [source])
+    monkeypatch.setattr(cpu_kernels, "HEADERS", [])
+    source.write_text("int probe(void) { return 7; }\n")
     first = cpu_kernels.build()
-    assert first.parent == tmp_path / "kernels" and first.exists()
+    assert first.parent == tmp_path / "cache" / "kernels" and ctypes.CDLL(str(first)).probe() == 7
     assert cpu_kernels.build() == first  # a second use loads the cached object
     assert list(first.parent.iterdir()) == [first]  # no temporary files left behind
+    source.write_text("int probe(void) { return 8; }\n")
+    changed = cpu_kernels.build()  # another source: its own object
+    assert changed != first and ctypes.CDLL(str(changed)).probe() == 8
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: b"flags : another cpu")
+    assert cpu_kernels.build() not in (first, changed)  # another CPU: its own object too
 
 
 def test_fused_ops_match_torch_ops():

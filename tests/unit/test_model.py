@@ -498,7 +498,7 @@ def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path
     from transformers import AutoTokenizer
 
     from unison.bench.model import _copy_tokenizer, embedded_gguf
-    from unison.model.weights.gguf import _convert_tokenizer, _tokenizer_type
+    from unison.model.weights.gguf import _tokenizer_type, _write_tokenizer
 
     path = tmp_path / f"{arch}.gguf"
     w = GGUFWriter(path, arch)
@@ -511,11 +511,11 @@ def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path
     assert _tokenizer_type(arch) == {"qwen3": "qwen3", "qwen2moe": "qwen2_moe"}[arch]
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     ours.mkdir(), theirs.mkdir()
-    _convert_tokenizer(path, ours, 512)
+    _write_tokenizer(path, ours, 512)  # the conversion itself, not its cache
     AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name).save_pretrained(theirs)
     assert filecmp.cmp(ours / "tokenizer.json", theirs / "tokenizer.json", shallow=False)
     mine = json.loads((ours / "tokenizer_config.json").read_text())
     want = json.loads((theirs / "tokenizer_config.json").read_text())
-    for key in ("is_local", "local_files_only", "name_or_path"):  # as _convert_tokenizer drops them
+    for key in ("is_local", "local_files_only", "name_or_path"):  # as _write_tokenizer drops them
         want.pop(key, None)
     assert mine == {**want, "model_max_length": 512}
