@@ -127,7 +127,10 @@ class Collector:
 
     @property
     def done(self) -> bool:
-        return all(s.finished for s in self.states)
+        for s in self.states:  # (a loop, not all(): asked twice per token, mostly of one state)
+            if not s.finished:
+                return False
+        return True
 
     def unfinished_rids(self) -> list[str]:
         return [s.rid for s in self.states if not s.finished]
@@ -202,12 +205,13 @@ class Collector:
         """Request i so far: cumulative text and ids, as sglang.Engine streams them (`delta`:
         only what is new since the last delta). No text without a tokenizer, as SGLang's."""
         s = self.states[i]
+        ids = s.output_ids
         meta = {
             "id": s.rid,
             "prompt_tokens": len(s.prompt_ids),
-            "completion_tokens": len(s.output_ids),
+            "completion_tokens": len(ids),
             "cached_tokens": s.cached_tokens,
-            "finish_reason": finish_reason_dict(s.finish_reason),
+            "finish_reason": None if s.finish_reason is None else finish_reason_dict(s.finish_reason),
             "e2e_latency": time.monotonic() - s.created,
         }
         if s.return_logprob:
@@ -218,14 +222,14 @@ class Collector:
             if s.token_ids_logprob:
                 meta["output_token_ids_logprobs"] = list(s.ids_logprobs)
                 meta["input_token_ids_logprobs"] = list(s.prompt_ids_logprobs)
-        text, ids = s.text, s.output_ids
+        text = s.text
         if delta:
             chars, n = self.shown[i]
             self.shown[i] = (len(text), len(ids))
             text, ids = text[chars:], ids[n:]
-        out: JSONObject = {"output_ids": list(ids), "meta_info": meta}  # JSON for the caller
-        if not isinstance(s.detok, TokenIds):
-            out = {"text": text, **out}
+        out: JSONObject = {"text": text, "output_ids": list(ids), "meta_info": meta}  # JSON for the caller
+        if isinstance(s.detok, TokenIds):
+            del out["text"]
         if indexed:
             out["index"] = i
         return out
