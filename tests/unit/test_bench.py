@@ -328,3 +328,13 @@ def test_serve_failures(fake_server):
     s = out["summary"]
     assert (s["completed"], s["failed"]) == (0, 2)
     assert s["first_error"].startswith("HTTP 404") and "no route /v1/nowhere" in s["first_error"]
+
+
+def test_frontend_parts_measure_one_delivery_per_token():
+    """`bench frontend --parts` at no gap: the bare wake-up costs something, and the in-process path
+    delivers every token (its consumers run between steps)."""
+    from unison.bench import frontend_parts
+
+    assert frontend_parts.floor_us(0.0, asyncio.new_event_loop) > 0
+    us, deliveries_per_token = frontend_parts.in_process_us(0.0, None)
+    assert us > 0 and deliveries_per_token == 1.0

@@ -212,6 +212,11 @@ def median_run(runs: list[Run]) -> Run:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.parts:
+        from unison.bench import frontend_parts
+
+        frontend_parts.main(args.gap_ms, args.repeats, args.model_path)
+        return 0
     load = Load(args.streams, args.requests, 1 if args.prompt_tokens else args.tokens, args.prompt_tokens)
     bench = run_http if args.http else run_engine
     where = "HTTP workers (SSE)" if args.http else "Engine API frontends"
@@ -245,4 +250,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model-path", default=None, help="its tokenizer and vocabulary are used")
     p.add_argument("--http", action="store_true",
                    help="`unison serve` workers streaming SSE chat completions instead of Engine frontends")
+    p.add_argument("--parts", action="store_true",
+                   help="the cost taken apart in one process: asyncio's own per wake-up, then Unison's "
+                        "fan-out and consumers without the core or sockets")
+    p.add_argument("--gap-ms", type=float, default=10.0,
+                   help="with --parts: the idle time between steps (a core's step time)")
     p.set_defaults(func=main)
