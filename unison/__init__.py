@@ -21,6 +21,10 @@ _LAZY = {"Engine": "unison.api.engine", "SamplingParams": "unison.frontend.sampl
          "curve_keypair": "unison.api.core_process"}
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def __getattr__(name: str) -> object:
     if name not in _LAZY:
         raise AttributeError(f"module 'unison' has no attribute {name!r}")

@@ -465,8 +465,8 @@ def test_header_fields_are_the_gguf_packages_own():
 
 
 def test_a_tokenizer_is_converted_once_for_the_files_that_share_it(tmp_path: Path, monkeypatch):
-    """Two files whose weights differ (two quantizations of one model) convert their tokenizer once;
-    a file whose vocabulary differs in one token converts its own."""
+    """Files whose weights differ (two quantizations of one model) convert their tokenizer once; a
+    file whose vocabulary differs in one token converts its own."""
     from unison.bench.model import write_model
     from unison.model.weights import gguf
 
@@ -480,11 +480,12 @@ def test_a_tokenizer_is_converted_once_for_the_files_that_share_it(tmp_path: Pat
     monkeypatch.setattr(gguf, "_write_tokenizer", fake_write)
     tiny = {"hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2, "ffn": 128}
     files = [write_model(tiny, tmp_path / "a.gguf", seed=0), write_model(tiny, tmp_path / "b.gguf", seed=1),
-             write_model(tiny, tmp_path / "c.gguf", seed=0, renames={"<|im_start|>": "<|start|>"})]
+             write_model(tiny, tmp_path / "c.gguf", seed=0, renames={"<|im_start|>": "<|start|>"}),
+             write_model(tiny, tmp_path / "d.gguf", float16=True)]  # another file_type: weights only
     dirs = [resolve_model_dir(f) for f in files]
-    assert len(set(dirs)) == 3  # three files, three converted directories
+    assert len(set(dirs)) == 4  # four files, four converted directories
     assert converted == ["a.gguf", "c.gguf"]
-    assert [(d / "tokenizer.json").read_text() for d in dirs] == ["a.gguf", "a.gguf", "c.gguf"]
+    assert [(d / "tokenizer.json").read_text() for d in dirs] == ["a.gguf", "a.gguf", "c.gguf", "a.gguf"]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2moe"])
@@ -497,7 +498,7 @@ def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path
     from gguf import GGUFWriter
     from transformers import AutoTokenizer
 
-    from unison.bench.model import _copy_tokenizer, embedded_gguf
+    from unison.bench.model import _copy_tokenizer, embedded_tokenizer
     from unison.model.weights.gguf import _tokenizer_type, _write_tokenizer
 
     path = tmp_path / f"{arch}.gguf"
@@ -505,7 +506,7 @@ def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path
     for key, value in [("block_count", 1), ("context_length", 512), ("embedding_length", 64),
                        ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2)]:
         getattr(w, f"add_{key}")(value)
-    _copy_tokenizer(w, embedded_gguf())
+    _copy_tokenizer(w, embedded_tokenizer())
     w.add_tensor("output_norm.weight", np.ones(64, np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     assert _tokenizer_type(arch) == {"qwen3": "qwen3", "qwen2moe": "qwen2_moe"}[arch]

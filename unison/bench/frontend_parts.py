@@ -35,31 +35,31 @@ def _cpu() -> float:
 def floor_us(gap_s: float, new_loop: Callable[[], asyncio.AbstractEventLoop]) -> float:
     """CPU per delivery of bare task wake-ups, STREAMS tasks woken once a step from a thread."""
     loop = new_loop()
-    futures: list[asyncio.Future] = []
+    # One future per step and stream, made up front: a step resolves its own row, so a consumer
+    # still busy with the last one finds the next already done (never a result set twice).
+    rows = [[loop.create_future() for _ in range(STREAMS)] for _ in range(STEPS)]
 
     async def consumer(i: int) -> None:
-        for _ in range(STEPS):
-            futures[i] = loop.create_future()
-            await futures[i]
+        for row in rows:
+            await row[i]
 
-    def wake_all() -> None:
-        for f in futures:
+    def wake(row: list[asyncio.Future]) -> None:
+        for f in row:
             f.set_result(None)
 
-    def step(wake: Callable[[], None]) -> None:  # the core's steps, on the frontend's loop thread
-        for _ in range(STEPS):
+    def steps() -> None:  # the core's steps, on the frontend's loop thread
+        for row in rows:
             time.sleep(gap_s)
-            loop.call_soon_threadsafe(wake)
+            loop.call_soon_threadsafe(wake, row)
 
     async def run() -> float:
-        futures.extend(loop.create_future() for _ in range(STREAMS))
         tasks = [asyncio.ensure_future(consumer(i)) for i in range(STREAMS)]
         await asyncio.sleep(0.01)  # every consumer waits on its first future
         start = _cpu()
-        steps = threading.Thread(target=step, args=(wake_all,))
-        steps.start()
+        stepper = threading.Thread(target=steps)
+        stepper.start()
         await asyncio.gather(*tasks)
-        steps.join()
+        stepper.join()
         return 1e6 * (_cpu() - start) / (STREAMS * STEPS)
 
     try:

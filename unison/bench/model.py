@@ -67,7 +67,7 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.nda
 
 def _copy_tokenizer(writer: GGUFWriter, fields: dict[str, Field],
                     renames: dict[str, str] | None = None) -> None:
-    """Every tokenizer.* field of `fields` (embedded_gguf's) into `writer`; `renames` gives some of
+    """Every tokenizer.* field of `fields` (embedded_tokenizer's) into `writer`; `renames` gives some of
     its tokens other strings (a vocabulary with FIM tokens, for the infill routes' tests)."""
     from gguf import GGUFValueType
 
@@ -80,7 +80,7 @@ def _copy_tokenizer(writer: GGUFWriter, fields: dict[str, Field],
 
 
 @functools.cache
-def embedded_gguf() -> dict[str, Field]:
+def embedded_tokenizer() -> dict[str, Field]:
     """The embedded model's tokenizer fields, which every written model carries: read once."""
     from unison.model.weights.gguf_header import read_fields
     from unison.model.weights.loader import default_gguf_path
@@ -95,7 +95,7 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
     F16 (for llama-quantize), else random Q4_0 / Q8_0 blocks."""
     from gguf import GGUFWriter
 
-    s, rng, tokenizer = shape, np.random.default_rng(seed), embedded_gguf()
+    s, rng, tokenizer = shape, np.random.default_rng(seed), embedded_tokenizer()
     vocab = len(tokenizer["tokenizer.ggml.tokens"].value)
     moe, hybrid = "experts" in s, "v_heads" in s
     head_dim = s.get("head_dim", s["hidden"] // s["heads"])

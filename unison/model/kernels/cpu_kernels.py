@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from unison.model.layers.key_rounding import KeyRounding
+from unison.model.weights.disk_cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def build(defines: tuple[str, ...] = ()) -> Path:
     flags = [*FLAGS, *(f"-D{d}" for d in defines)]
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS))
     key.update(" ".join([cc, *flags]).encode() + _cpu_flags())
-    root = Path(os.environ.get("UNISON_CACHE_DIR", Path.home() / ".cache" / "unison")) / "kernels"
+    root = cache_root() / "kernels"
     target = root / f"unison-cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +75,11 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 # A mixture of experts keeps each projection of all its experts in one tensor [experts, rows, k].
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 _SHARED_EXPERT_RE = re.compile(r"blk\.\d+\.ffn_\w+_(shexp|chexps)\.weight")
-# Bump when the tokenizer conversion's output changes, so stale cached tokenizers are not reused.
+# Bump when the tokenizer conversion's output changes, so stale cached tokenizers are not reused
+# (and loader.CACHE_FORMAT with it: a model's converted directory holds a copy).
 TOKENIZER_CACHE_FORMAT = 1
+# Fields that describe a file's weights only: llama-quantize's type and imatrix, a split's parts.
+WEIGHT_FIELDS = ("general.file_type", "general.quantization_version", "quantize.", "split.")
 
 
 SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # llama-gguf-split's parts
@@ -513,25 +518,25 @@ def _generation_config(header: GGUFHeader, config: JSONObject) -> JSONObject:
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> None:
-    """The tokenizer files for `gguf_path`, converted once per tokenizer: the cache is keyed by the
-    file's tokenizer fields, not by the file, so another quantization of the same model (or a
-    file whose weights alone changed) copies them instead of converting again (12 s for a Gemma
-    vocabulary here)."""
+    """The tokenizer files for `gguf_path`, converted once for all the files that differ from it in
+    their weights alone (another quantization of the model, a file whose weights changed): the
+    cache is keyed by the file's other fields, so they copy the files instead (12 s of converting
+    for a Gemma vocabulary here)."""
     done = cached_dir(cache_root() / f"gguf-tokenizers-v{TOKENIZER_CACHE_FORMAT}" /
                       _tokenizer_key(gguf_path, context_length),
                       lambda tmp: _write_tokenizer(gguf_path, tmp, context_length))
-    for f in done.iterdir():
-        shutil.copyfile(f, out_dir / f.name)
+    shutil.copytree(done, out_dir, dirs_exist_ok=True)
 
 
 def _tokenizer_key(gguf_path: Path, context_length: int) -> str:
-    """What the converted files depend on: the tokenizer's fields as stored, the architecture
-    (it picks transformers' converter), the context length and transformers' version."""
+    """What the converted files depend on: every field of the file but WEIGHT_FIELDS (transformers
+    reads the tokenizer's fields, and its config from the rest where it is not named the tokenizer's
+    type), the context length and the versions of transformers and tokenizers."""
     from importlib.metadata import version
 
-    fields = fields_digest(gguf_path, open_gguf(gguf_path), keys=("general.architecture",),
-                           prefixes=("tokenizer.",))
-    return hashlib.sha256(f"{fields}:{context_length}:{version('transformers')}".encode()).hexdigest()
+    fields = fields_digest(gguf_path, open_gguf(gguf_path), skip=WEIGHT_FIELDS)
+    versions = f"{version('transformers')}:{version('tokenizers')}"
+    return hashlib.sha256(f"{fields}:{context_length}:{versions}".encode()).hexdigest()
 
 
 def _write_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> None:
@@ -539,15 +544,19 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> Non
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     named = _tokenizer_type(gguf_architecture(open_gguf(gguf_path)))
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                            **({"tokenizer_type": named} if named else {}))
-    except (ValueError, TypeError) as e:  # a config transformers' GGUF loader cannot read: an
-        # architecture it lacks (OLMoE), or gpt-oss's rope.scaling keys (transformers 5.25 takes a
-        # field's first part, not its value): the tokenizer alone, which does not depend on them
-        if isinstance(e, ValueError) and "not supported" not in str(e):
-            raise
-        tok = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The file alone in a directory: from_pretrained would also read tokenizer files lying beside it,
+    # which the cache's key does not cover (the GGUF's own tokenizer is the model's).
+    with tempfile.TemporaryDirectory(prefix="unison-gguf-") as alone:
+        os.symlink(gguf_path.resolve(), Path(alone, gguf_path.name))
+        try:
+            tok = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name,
+                                                **({"tokenizer_type": named} if named else {}))
+        except (ValueError, TypeError) as e:  # a config transformers' GGUF loader cannot read: an
+            # architecture it lacks (OLMoE), or gpt-oss's rope.scaling keys (transformers 5.25 takes
+            # a field's first part, not its value): the tokenizer alone, which does not depend on them
+            if isinstance(e, ValueError) and "not supported" not in str(e):
+                raise
+            tok = PreTrainedTokenizerFast.from_pretrained(alone, gguf_file=gguf_path.name)
     tok.save_pretrained(out_dir)
     path = out_dir / "tokenizer_config.json"
     cfg = json.loads(path.read_text())

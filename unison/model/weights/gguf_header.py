@@ -3,8 +3,9 @@
 GGUFReader builds a numpy view per vocabulary string (3 s for a 49k vocabulary here, 16 s for
 Gemma's 262k): the core needs only the scalar fields and the tensor table, read here in ~0.1 s.
 The owner process reads a file's architecture here too (it imports no torch), and the tokenizer
-conversion keys its cache on the tokenizer's own fields (`fields_digest`), so files that differ
-only in their weights (two quantizations of one model) convert their tokenizer once.
+conversion keys its cache on the file's fields (`fields_digest`) less those that describe only its
+weights, so files that differ in their weights alone (two quantizations of one model) convert
+their tokenizer once.
 """
 
 from __future__ import annotations
@@ -75,21 +76,24 @@ def read_fields(path: Path, prefix: str = "") -> dict[str, Field]:
                 continue
             kind_at = start + 8 + len(key.encode())  # after the key's length and bytes
             (kind,) = struct.unpack_from("<I", buf, kind_at)
-            if kind == _ARRAY:
-                elem, values = _array(buf, kind_at + 4)
-                out[key] = Field(kind, values, elem)
-            else:
+            if kind != _ARRAY:
                 out[key] = Field(kind, header.fields[key])
+                continue
+            try:
+                elem, values = _array(buf, kind_at + 4)
+            except (struct.error, UnicodeDecodeError) as e:
+                raise ValueError(f"{path} is a corrupt or truncated GGUF file: {key}: {e}") from None
+            out[key] = Field(kind, values, elem)
     return out
 
 
-def fields_digest(path: Path, header: GGUFHeader, keys: tuple[str, ...], prefixes: tuple[str, ...]) -> str:
-    """SHA-256 of the named fields' bytes as the file stores them (key, type and value), and of
-    every field under `prefixes`, in file order."""
+def fields_digest(path: Path, header: GGUFHeader, skip: tuple[str, ...]) -> str:
+    """SHA-256 of every field's bytes as the file stores them (key, type and value), in file order,
+    but those whose keys start with one of `skip`."""
     h = hashlib.sha256()
     with _mapped(path) as buf:
         for key, (start, end) in header.spans.items():
-            if key in keys or key.startswith(prefixes):
+            if not key.startswith(skip):
                 h.update(buf[start:end])
     return h.hexdigest()
 
