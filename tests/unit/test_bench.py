@@ -336,5 +336,5 @@ def test_frontend_parts_measure_one_delivery_per_token():
     from unison.bench import frontend_parts
 
     assert frontend_parts.floor_us(0.0, asyncio.new_event_loop) > 0
-    us, deliveries_per_token = frontend_parts.in_process_us(0.0, None)
+    us, deliveries_per_token = frontend_parts.in_process_us(0.0, frontend_parts.load_tokenizer(None))
     assert us > 0 and deliveries_per_token == 1.0

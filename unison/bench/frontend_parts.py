@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import resource
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from unison.frontend.text.tokenizer import Tokenizer
 
 STREAMS, STEPS = 64, 128
 
@@ -55,6 +60,7 @@ def floor_us(gap_s: float, new_loop: Callable[[], asyncio.AbstractEventLoop]) ->
     async def run() -> float:
         tasks = [asyncio.ensure_future(consumer(i)) for i in range(STREAMS)]
         await asyncio.sleep(0.01)  # every consumer waits on its first future
+        gc.collect()
         start = _cpu()
         stepper = threading.Thread(target=steps)
         stepper.start()
@@ -68,17 +74,21 @@ def floor_us(gap_s: float, new_loop: Callable[[], asyncio.AbstractEventLoop]) ->
         loop.close()
 
 
-def in_process_us(gap_s: float, model_path: str | None) -> tuple[float, float]:
+def load_tokenizer(model_path: str | None) -> Tokenizer:
+    from unison.frontend.text.tokenizer import Tokenizer
+    from unison.model.weights.loader import resolve_model_dir
+
+    return Tokenizer.from_dir(resolve_model_dir(model_path))
+
+
+def in_process_us(gap_s: float, tokenizer: Tokenizer) -> tuple[float, float]:
     """(CPU per token, deliveries per token) of the fan-out and the consumers, on one loop."""
     from unison.frontend.collector import Collector
     from unison.frontend.fanout import fan_out
     from unison.frontend.request import PromptRequest, ReqState
     from unison.frontend.sampling_params import SamplingParams
-    from unison.frontend.text.tokenizer import Tokenizer
-    from unison.model.weights.loader import resolve_model_dir
     from unison.wire.messages import ReqOutput, StepOutputs, decode_to_frontend, encode
 
-    tokenizer = Tokenizer.from_dir(resolve_model_dir(model_path))
     ids = tokenizer.encode("Tell me a long story about a lighthouse keeper.")
     prompt = PromptRequest(ids, SamplingParams(), STEPS)
 
@@ -97,6 +107,7 @@ def in_process_us(gap_s: float, model_path: str | None) -> tuple[float, float]:
                                                finish="length" if step == STEPS - 1 else None)
                                      for i, s in enumerate(states)], step + 1)) for step in range(STEPS)]
         await asyncio.sleep(0.01)
+        gc.collect()  # (the runs before left garbage: not this run's to collect)
         start = _cpu()
         for frame in steps:
             time.sleep(gap_s)  # the core's step: this process idles, as it does on its socket
@@ -128,7 +139,8 @@ def main(gap_ms: float, repeats: int, model_path: str | None) -> None:
         median, runs = _median_of(repeats, functools.partial(floor_us, gap, new_loop))
         print(f"  a bare wake-up from another thread ({name}): {median:6.2f} us   "
               f"runs {', '.join(f'{r:.2f}' for r in runs)}")
-    results = [in_process_us(gap, model_path) for _ in range(repeats)]
+    tokenizer = load_tokenizer(model_path)
+    results = [in_process_us(gap, tokenizer) for _ in range(repeats)]
     median = sorted(r[0] for r in results)[len(results) // 2]
     print(f"  Unison's fan-out and consumers, one loop: {median:6.2f} us   runs "
           f"{', '.join(f'{r[0]:.2f}' for r in results)}; deliveries/token "
