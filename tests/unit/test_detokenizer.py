@@ -176,3 +176,55 @@ def test_prompt_context_keeps_leading_space():
 def test_invalid_stop(tok):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tok, stop=["ok", ""])
+
+
+class StreamOnly:
+    """A tokenizer whose every token goes through DecodeStream (no whole-token lookup)."""
+
+    whole_texts = None
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    def __getattr__(self, name: str):
+        return getattr(self.tok, name)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from tests.models import gemma3_gguf
+    from unison.model.weights.loader import resolve_model_dir
+
+    return Tokenizer.from_dir(resolve_model_dir(gemma3_gguf()))
+
+
+def test_whole_token_lookup_is_for_per_token_decoders_only(tok, gemma):
+    """Byte-level BPE and Gemma's Replace + ByteFallback + Fuse decode token by token; Metaspace and
+    Strip treat a text's first token otherwise, so their tokens always go through the stream."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models
+
+    assert tok.whole_texts is not None and gemma.whole_texts is not None
+    strip = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    for decoder in (decoders.Metaspace(), strip):
+        raw = RawTokenizer(models.WordLevel({"▁Hello": 0}, unk_token="▁Hello"))
+        raw.decoder = decoder
+        assert Tokenizer(raw, {}).whole_texts is None
+    ids = tok.encode("café 👋")  # c, af, é, then the emoji's bytes over three tokens
+    assert [tok.whole_text(i) for i in ids] == ["c", "af", "é", None, None, None]
+
+
+@FAST
+@given(data=st.data(), sizes=sizes_st, skip=st.booleans(), context=st.integers(0, 6))
+def test_whole_token_lookup_gives_the_streams_deltas(tok, gemma, data, sizes, skip, context):
+    """Delta for delta what DecodeStream alone gives, for sampled ids (stray bytes of split
+    characters, special tokens, emoji) and for text, after a prompt or none, in chunks."""
+    for t, vocab in ((tok, 49152), (gemma, 262144)):
+        ids = data.draw(st.one_of(
+            st.lists(st.integers(0, vocab - 1), max_size=40),
+            st.sampled_from(TEXTS).map(t.encode),
+            st.lists(st.sampled_from(sorted({i for s in TEXTS for i in t.encode(s)})), max_size=40)))
+        prompt = t.encode(data.draw(st.sampled_from(TEXTS)))[-context:] if context else None
+        got = stream(t, ids, sizes, skip_special_tokens=skip, prompt_ids=prompt)
+        want = stream(StreamOnly(t), ids, sizes, skip_special_tokens=skip, prompt_ids=prompt)
+        assert got[1] == want[1] and got[0].output_ids == want[0].output_ids

@@ -2,10 +2,12 @@
 
 Decoding is tokenizers' DecodeStream (one native call per token, as vLLM's fast path): it emits
 the text a token adds after the tokens before it (which give it its context, e.g. a SentencePiece
-leading space), and nothing while the text ends inside a UTF-8 character. Stop strings are
-searched in the new text plus the last `max_stop_len - 1` characters, and the longest tail that
-could still begin a stop string is held back, so no delta ever shows text that a later stop
-trims. Every step costs O(max_stop_len), never O(length of the output).
+leading space), and nothing while the text ends inside a UTF-8 character. Under a decoder that
+works token by token (byte-level BPE: Llama 3, Qwen, SmolLM; Gemma's), a token of whole
+characters after whole text adds its own text, which is looked up instead (Tokenizer.whole_text).
+Stop strings are searched in the new text plus the last `max_stop_len - 1` characters, and the
+longest tail that could still begin a stop string is held back, so no delta ever shows text that a
+later stop trims. Every step costs O(max_stop_len), never O(length of the output).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ PROMPT_CONTEXT = 5
 
 
 class _Decoder(Protocol):
+    whole_texts: dict[int, str | None] | None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def whole_text(self, token: int) -> str | None: ...
 
     def decode_stream(self, skip_special_tokens: bool, context: list[int]) -> Callable[[int], str | None]: ...
 
@@ -35,9 +41,9 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
-        "_tok", "_skip", "_stops", "_max_stop", "_no_stop_trim", "_ctx", "_stream", "_prev_prefix",
-        "_prefix", "_read", "_recent", "_held", "_chunks", "output_ids", "stop_matched",
-        "finished",
+        "_tok", "_skip", "_stops", "_max_stop", "_no_stop_trim", "_ctx", "_stream", "_whole",
+        "_pending", "_prev_prefix", "_prefix", "_read", "_recent", "_held", "_chunks", "output_ids",
+        "stop_matched", "finished",
     )  # fmt: skip
 
     def __init__(
@@ -61,6 +67,8 @@ class IncrementalDetokenizer:
         # Offsets index output_ids; negative ones reach back into the prompt's context tokens.
         self._ctx = self._context(prompt_ids or [])
         self._stream = tokenizer.decode_stream(skip_special_tokens, self._ctx)
+        self._whole = tokenizer.whole_texts  # (shared by the tokenizer's requests; None: unused)
+        self._pending = False  # the stream holds tokens of an incomplete character (or skipped)
         self._prev_prefix = self._prefix = -len(self._ctx)
         self._read = 0
         self.output_ids: list[int] = []
@@ -96,10 +104,18 @@ class IncrementalDetokenizer:
     def _add_plain(self, new_ids: Sequence[int]) -> str:
         if self.finished:
             return ""
-        ids, stream, out = self.output_ids, self._stream, []
+        ids, stream, whole, out = self.output_ids, self._stream, self._whole, []
         for token in new_ids:
             ids.append(token)
-            text = stream(token)
+            text = None
+            # After whole characters, a token of whole characters adds its own text: no stream call.
+            # (The stream, behind by such tokens, still decodes the rest right: their text does not
+            # depend on what came before them.)
+            if whole is not None and not self._pending:
+                text = whole[token] if token in whole else self._tok.whole_text(token)
+            if text is None:
+                text = stream(token)
+                self._pending = text is None
             if text is not None:
                 self._prev_prefix, self._prefix, self._read = self._prefix, self._read, len(ids)
                 out.append(text)

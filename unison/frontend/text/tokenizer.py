@@ -25,6 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from unison.errors import InvalidParam
 from unison.frontend.text import harmony
+from unison.frontend.text.detokenizer import REPLACEMENT
 from unison.json_types import JSONObject
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # the first prefix has this many characters a token; a cut through a word may add this many tokens.
 PREFIX_CHARS_PER_TOKEN = 4
 PREFIX_SLACK_TOKENS = 16
+# Decoders that turn each token into text by itself (Fuse only joins the pieces): under them a token
+# of whole characters reads the same whatever came before it. (Strip and Metaspace treat a text's
+# first token otherwise, so they are not among them.)
+PER_TOKEN_DECODERS = frozenset({"ByteLevel", "Replace", "ByteFallback", "Fuse"})
 
 
 class Tokenizer:
@@ -70,6 +75,10 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         added = tok.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
+        # Token id -> its text where that never depends on the tokens around it (whole_text),
+        # learned as tokens are first seen; None where the decoder is not per token.
+        self.whole_texts: dict[int, str | None] | None = {} if _decodes_per_token(tok) else None
         # Embedding tables are often padded past the tokenizer (Qwen): sampling sees the larger.
         self.vocab_size: int = max(
             tok.get_vocab_size(with_added_tokens=True),
@@ -157,6 +166,16 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def whole_text(self, token: int) -> str | None:
+        """The text of `token` if it is whole characters and no added token, else None; learned
+        into `whole_texts`. Under a per-token decoder such a token adds exactly this text after any
+        text that ends on a whole character: what DecodeStream returns for it, without the call
+        (a quarter of a streamed token's frontend CPU)."""
+        assert self.whole_texts is not None
+        text = None if token in self._added_ids else self._tok.decode([token], skip_special_tokens=False)
+        self.whole_texts[token] = text = text if text and REPLACEMENT not in text else None
+        return text
 
     def decode_stream(self, skip_special_tokens: bool, context: list[int]) -> Callable[[int], str | None]:
         """An incremental decoder: call it with each new token id; it returns the text that
@@ -261,6 +280,15 @@ def _text_part(i: int, j: int, part: object) -> str:
 
 def _read_json(path: Path) -> JSONObject | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _decodes_per_token(tok: tokenizers.Tokenizer) -> bool:
+    """Whether the tokenizer's decoder (a sequence included) is made of PER_TOKEN_DECODERS only."""
+    if tok.decoder is None:
+        return False
+    spec = json.loads(tok.decoder.__getstate__())
+    steps = spec["decoders"] if spec["type"] == "Sequence" else [spec]
+    return all(step["type"] in PER_TOKEN_DECODERS for step in steps)
 
 
 def _token_str(token: object) -> str | None:
