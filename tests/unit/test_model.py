@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -486,6 +487,30 @@ def test_a_tokenizer_is_converted_once_for_the_files_that_share_it(tmp_path: Pat
     assert len(set(dirs)) == 4  # four files, four converted directories
     assert converted == ["a.gguf", "c.gguf"]
     assert [(d / "tokenizer.json").read_text() for d in dirs] == ["a.gguf", "a.gguf", "c.gguf", "a.gguf"]
+
+
+def test_a_tokenizer_key_covers_what_transformers_reads(tmp_path: Path):
+    """Where the conversion names the tokenizer's type (qwen3), transformers reads the tokenizer's
+    fields alone: files of other shapes share it. Where it reads the config (llama), the model's
+    name can change the tokenizer's class: another name, another key."""
+    from gguf import GGUFWriter
+
+    from unison.bench.model import _copy_tokenizer, embedded_tokenizer
+    from unison.model.weights.gguf import _tokenizer_key
+
+    def write(arch: str, layers: int, name: str) -> Path:
+        path = tmp_path / f"{arch}-{layers}-{name}.gguf"
+        w = GGUFWriter(path, arch)
+        w.add_name(name)
+        w.add_block_count(layers)
+        _copy_tokenizer(w, embedded_tokenizer())
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        return path
+
+    key = functools.partial(_tokenizer_key, context_length=512)
+    assert key(write("qwen3", 1, "a")) == key(write("qwen3", 2, "b"))
+    assert key(write("llama", 1, "a")) != key(write("llama", 1, "mistral-like"))
+    assert key(write("llama", 1, "a")) == key(write("llama", 1, "a"))  # (a file written again)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2moe"])

@@ -529,14 +529,23 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> N
 
 
 def _tokenizer_key(gguf_path: Path, context_length: int) -> str:
-    """What the converted files depend on: every field of the file but WEIGHT_FIELDS (transformers
-    reads the tokenizer's fields, and its config from the rest where it is not named the tokenizer's
-    type), the context length and the versions of transformers and tokenizers."""
+    """What the converted files depend on: the tokenizer's fields and the architecture where the
+    conversion names the tokenizer's type (transformers then reads nothing else), else every field
+    but WEIGHT_FIELDS (it reads the model's config, whose name alone can change the tokenizer's
+    class); the context length; the versions of transformers and tokenizers."""
     from importlib.metadata import version
 
-    fields = fields_digest(gguf_path, open_gguf(gguf_path), skip=WEIGHT_FIELDS)
+    header = open_gguf(gguf_path)
+    named = _tokenizer_type(gguf_architecture(header))
+
+    def read(key: str) -> bool:  # by transformers' conversion
+        if named:
+            return key.startswith("tokenizer.") or key == "general.architecture"
+        return not key.startswith(WEIGHT_FIELDS)
+
+    fields = fields_digest(gguf_path, header, read)
     versions = f"{version('transformers')}:{version('tokenizers')}"
-    return hashlib.sha256(f"{fields}:{context_length}:{versions}".encode()).hexdigest()
+    return hashlib.sha256(f"{named}:{fields}:{context_length}:{versions}".encode()).hexdigest()
 
 
 def _write_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> None:

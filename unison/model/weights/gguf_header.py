@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,13 +88,13 @@ def read_fields(path: Path, prefix: str = "") -> dict[str, Field]:
     return out
 
 
-def fields_digest(path: Path, header: GGUFHeader, skip: tuple[str, ...]) -> str:
-    """SHA-256 of every field's bytes as the file stores them (key, type and value), in file order,
-    but those whose keys start with one of `skip`."""
+def fields_digest(path: Path, header: GGUFHeader, keep: Callable[[str], bool]) -> str:
+    """SHA-256 of the bytes of the fields whose keys `keep` keeps, as the file stores them (key,
+    type and value), in file order."""
     h = hashlib.sha256()
     with _mapped(path) as buf:
         for key, (start, end) in header.spans.items():
-            if not key.startswith(skip):
+            if keep(key):
                 h.update(buf[start:end])
     return h.hexdigest()
 
