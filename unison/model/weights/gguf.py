@@ -554,8 +554,9 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> Non
 
     named = _tokenizer_type(gguf_architecture(open_gguf(gguf_path)))
     # The file alone in a directory: from_pretrained would also read tokenizer files lying beside it,
-    # which the cache's key does not cover (the GGUF's own tokenizer is the model's).
-    with tempfile.TemporaryDirectory(prefix="unison-gguf-") as alone:
+    # which the cache's key does not cover (the GGUF's own tokenizer is the model's). Made beside
+    # the directory being built, in the cache: nothing of ours is left in /tmp, even for a moment.
+    with tempfile.TemporaryDirectory(prefix=".alone-", dir=out_dir.parent) as alone:
         os.symlink(gguf_path.resolve(), Path(alone, gguf_path.name))
         try:
             tok = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name,
