@@ -16,7 +16,7 @@ __all__ = ["Engine", "EngineDeadError", "EngineOverloadedError", "FrontendStalle
            "curve_keypair"]
 
 # Imported on first use (PEP 562): every process imports this package, and the core process, which
-# never builds an Engine, would otherwise load the whole frontend for it (0.3 s of each core start).
+# never builds an Engine, would otherwise load the whole frontend for it (0.2 s of CPU a core start).
 _LAZY = {"Engine": "unison.api.engine", "SamplingParams": "unison.frontend.sampling_params",
          "curve_keypair": "unison.api.core_process"}
 
