@@ -58,7 +58,7 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "MXFP4", narrow: str |
     its rows (a broken file)."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-    from unison.bench.model import _copy_tokenizer, embedded_tokenizer
+    from unison.bench.model import copy_fields, embedded_tokenizer
     from unison.model.weights.sources import SafetensorsWeights
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -78,7 +78,7 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "MXFP4", narrow: str |
     w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
     w.add_rope_scaling_factor(cfg["rope_parameters"]["factor"])
     w.add_rope_scaling_orig_ctx_len(cfg["rope_parameters"]["original_max_position_embeddings"])
-    _copy_tokenizer(w, embedded_tokenizer())
+    copy_fields(w, embedded_tokenizer())
 
     def add(name: str, t: torch.Tensor, kind: str = "F32") -> None:
         a = t.float().numpy()

@@ -104,7 +104,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
     decoder's, counted in block_count, as newer converters keep it."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-    from unison.bench.model import _copy_tokenizer, embedded_tokenizer
+    from unison.bench.model import copy_fields, embedded_tokenizer
     from unison.model.weights.sources import SafetensorsWeights
 
     mc = ModelConfig.from_dir(model_dir)
@@ -130,7 +130,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
         w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     for key, value in fields.items():
         getattr(w, f"add_{key}")(value)
-    _copy_tokenizer(w, embedded_tokenizer())
+    copy_fields(w, embedded_tokenizer())
     hybrid = lin is not None
     r = lin.num_v_heads // lin.num_k_heads if hybrid else 1
     tile = kind != "qwen3_next" and hybrid and r > 1  # the converter's V-head reorder (Qwen3.5)

@@ -67,7 +67,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
     `drop`, `experts_in_metadata` and `extra` make broken files."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-    from unison.bench.model import _copy_tokenizer, embedded_tokenizer
+    from unison.bench.model import copy_fields, embedded_tokenizer
     from unison.model.weights.sources import SafetensorsWeights
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -87,7 +87,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
                        ("expert_used_count", moe.top_k),
                        ("expert_feed_forward_length", moe.intermediate_size)]:
         getattr(w, f"add_{key}")(value)
-    _copy_tokenizer(w, embedded_tokenizer())
+    copy_fields(w, embedded_tokenizer())
 
     def add(name: str, t: np.ndarray, kind: str) -> None:
         if name == drop:

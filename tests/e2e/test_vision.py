@@ -571,8 +571,9 @@ def write_text_gguf(model_dir: Path, out: Path) -> Path:
     """The tiny model's text part as llama.cpp's converter writes a gemma3 GGUF (norms as 1 + w,
     F32), with Gemma 3's tokenizer from the 270M GGUF grown to the 4B's 262,208 tokens
     (<image_soft_token> at 262,144, as the published files have it)."""
-    from gguf import GGUFValueType, GGUFWriter
+    from gguf import GGUFWriter
 
+    from unison.bench.model import copy_fields
     from unison.bench.vision import image_tokens
     from unison.model.weights.gguf_header import read_fields
     from unison.model.weights.sources import SafetensorsWeights
@@ -588,11 +589,7 @@ def write_text_gguf(model_dir: Path, out: Path) -> Path:
                        ("layer_norm_rms_eps", cfg["rms_norm_eps"]), ("rope_freq_base", 1e6),
                        ("sliding_window", cfg["sliding_window"])]:
         getattr(w, f"add_{key}")(value)
-    grown = image_tokens(cfg["vocab_size"] - 262_144)
-    for name, field in read_fields(gemma3_gguf(), "tokenizer.").items():
-        sub = None if field.elem_type is None else GGUFValueType(field.elem_type)
-        value = field.value + grown[name] if name in grown else field.value
-        w.add_key_value(name, value, GGUFValueType(field.kind), sub_type=sub)
+    copy_fields(w, read_fields(gemma3_gguf(), "tokenizer."), extend=image_tokens(cfg["vocab_size"] - 262_144))
     roles = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -495,7 +495,7 @@ def test_a_tokenizer_key_covers_what_transformers_reads(tmp_path: Path):
     name can change the tokenizer's class: another name, another key."""
     from gguf import GGUFWriter
 
-    from unison.bench.model import _copy_tokenizer, embedded_tokenizer
+    from unison.bench.model import copy_fields, embedded_tokenizer
     from unison.model.weights.gguf import _tokenizer_key
 
     def write(arch: str, layers: int, name: str) -> Path:
@@ -503,7 +503,7 @@ def test_a_tokenizer_key_covers_what_transformers_reads(tmp_path: Path):
         w = GGUFWriter(path, arch)
         w.add_name(name)
         w.add_block_count(layers)
-        _copy_tokenizer(w, embedded_tokenizer())
+        copy_fields(w, embedded_tokenizer())
         w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
         return path
 
@@ -523,7 +523,7 @@ def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path
     from gguf import GGUFWriter
     from transformers import AutoTokenizer
 
-    from unison.bench.model import _copy_tokenizer, embedded_tokenizer
+    from unison.bench.model import copy_fields, embedded_tokenizer
     from unison.model.weights.gguf import _tokenizer_type, _write_tokenizer
 
     path = tmp_path / f"{arch}.gguf"
@@ -531,7 +531,7 @@ def test_a_gguf_tokenizer_named_by_its_type_is_autotokenizers_own(arch, tmp_path
     for key, value in [("block_count", 1), ("context_length", 512), ("embedding_length", 64),
                        ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2)]:
         getattr(w, f"add_{key}")(value)
-    _copy_tokenizer(w, embedded_tokenizer())
+    copy_fields(w, embedded_tokenizer())
     w.add_tensor("output_norm.weight", np.ones(64, np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     assert _tokenizer_type(arch) == {"qwen3": "qwen3", "qwen2moe": "qwen2_moe"}[arch]

@@ -65,16 +65,19 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.nda
     return np.concatenate([d.view(np.uint8), q], axis=2).reshape(rows, -1)
 
 
-def _copy_tokenizer(writer: GGUFWriter, fields: dict[str, Field],
-                    renames: dict[str, str] | None = None) -> None:
-    """Every tokenizer.* field of `fields` (embedded_tokenizer's) into `writer`; `renames` gives some of
-    its tokens other strings (a vocabulary with FIM tokens, for the infill routes' tests)."""
+def copy_fields(writer: GGUFWriter, fields: dict[str, Field], renames: dict[str, str] | None = None,
+                extend: dict[str, list] | None = None) -> None:
+    """`fields` (gguf_header.read_fields') into `writer`: `renames` gives some tokens of
+    tokenizer.ggml.tokens other strings (a vocabulary with FIM tokens, for the infill routes'
+    tests), `extend` appends to arrays (a vocabulary grown by image tokens)."""
     from gguf import GGUFValueType
 
     for name, field in fields.items():
         value = field.value
         if name == "tokenizer.ggml.tokens" and renames:
             value = [renames.get(t, t) for t in value]
+        if extend and name in extend:
+            value = value + extend[name]
         sub = None if field.elem_type is None else GGUFValueType(field.elem_type)
         writer.add_key_value(name, value, GGUFValueType(field.kind), sub_type=sub)
 
@@ -133,7 +136,7 @@ def write_model(shape: dict[str, int], out: Path, seed: int = 0,
         w.add_rope_scaling_factor(32.0)
         w.add_rope_scaling_orig_ctx_len(4096)
     w.add_file_type(1 if float16 else 2)  # all F16, or mostly Q4_0
-    _copy_tokenizer(w, tokenizer, renames)
+    copy_fields(w, tokenizer, renames)
     tensors = _tensors(s, vocab, head_dim)
     if float16:
         tensors = {n: (r, c, "F16" if k in ("Q4_0", "Q8_0") else k) for n, (r, c, k) in tensors.items()}

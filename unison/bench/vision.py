@@ -269,22 +269,18 @@ def grown_gemma3(text_model: Path, out: Path) -> Path:
     multimodal files' vocabulary (<image_soft_token> at 262,144, the rest unused) with zero
     embedding rows for the new tokens, and the instruct models' chat template where it has none:
     a text model that takes pictures, for the served figures."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader, GGUFWriter
 
-    reader = GGUFReader(text_model)
-    writer = GGUFWriter(out, reader.fields["general.architecture"].contents())
-    extra = IMAGE_VOCAB - len(reader.fields["tokenizer.ggml.tokens"].data)
-    added = image_tokens(extra)
-    if "tokenizer.chat_template" not in reader.fields:  # (a base model's file: the instruct one's)
+    from unison.bench.model import copy_fields
+    from unison.model.weights.gguf_header import read_fields
+
+    fields = read_fields(text_model)
+    writer = GGUFWriter(out, fields.pop("general.architecture").value)  # (the writer's own field)
+    extra = IMAGE_VOCAB - len(fields["tokenizer.ggml.tokens"].value)
+    if "tokenizer.chat_template" not in fields:  # (a base model's file: the instruct one's)
         writer.add_chat_template(GEMMA3_TEMPLATE)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":  # (the writer's own)
-            continue
-        kind = field.types[0]
-        value = field.contents()
-        writer.add_key_value(name, value + added[name] if name in added else value, kind,
-                             sub_type=field.types[1] if kind == GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
+    copy_fields(writer, fields, extend=image_tokens(extra))
+    for tensor in GGUFReader(text_model).tensors:
         data = np.asarray(tensor.data)
         if tensor.name == "token_embd.weight":  # zero bytes are a zero row in every block format
             data = np.concatenate([data, np.zeros((extra, *data.shape[1:]), data.dtype)])

@@ -211,6 +211,7 @@ class Collector:
             "prompt_tokens": len(s.prompt_ids),
             "completion_tokens": len(ids),
             "cached_tokens": s.cached_tokens,
+            # (the call skipped for a running request: this dict is built once per token)
             "finish_reason": None if s.finish_reason is None else finish_reason_dict(s.finish_reason),
             "e2e_latency": time.monotonic() - s.created,
         }

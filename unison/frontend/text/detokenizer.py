@@ -104,18 +104,10 @@ class IncrementalDetokenizer:
     def _add_plain(self, new_ids: Sequence[int]) -> str:
         if self.finished:
             return ""
-        ids, stream, whole, out = self.output_ids, self._stream, self._whole, []
+        ids, text_of, out = self.output_ids, self._text_of, []
         for token in new_ids:
             ids.append(token)
-            text = None
-            # After whole characters, a token of whole characters adds its own text: no stream call.
-            # (The stream, behind by such tokens, still decodes the rest right: their text does not
-            # depend on what came before them.)
-            if whole is not None and not self._pending:
-                text = whole[token] if token in whole else self._tok.whole_text(token)
-            if text is None:
-                text = stream(token)
-                self._pending = text is None
+            text = text_of(token)
             if text is not None:
                 self._prev_prefix, self._prefix, self._read = self._prefix, self._read, len(ids)
                 out.append(text)
@@ -140,9 +132,23 @@ class IncrementalDetokenizer:
             return self.output_ids[start:end]
         return self._ctx[len(self._ctx) + start :] + self.output_ids[:end]
 
+    def _text_of(self, token: int) -> str | None:
+        """The text `token` adds after the tokens before it; None while a character is incomplete.
+        After whole characters, a token of whole characters adds its own text: looked up, no
+        stream call. (The stream, behind by such tokens, still decodes the rest right: their text
+        does not depend on what came before them.)"""
+        whole = self._whole
+        if whole is not None and not self._pending:
+            text = whole[token] if token in whole else self._tok.whole_text(token)
+            if text is not None:
+                return text
+        text = self._stream(token)
+        self._pending = text is None
+        return text
+
     def _step(self) -> str:
         """The text the newest token completes ("" while a character is incomplete)."""
-        text = self._stream(self.output_ids[-1])
+        text = self._text_of(self.output_ids[-1])
         if text is None:
             return ""
         # The delta spans output_ids[_prefix:_read]; _prev_prefix starts the one before it,
