@@ -129,7 +129,8 @@ def test_pixels_equal_the_hf_processor_bit_for_bit(runner, size, mode):
     image = picture(*size, mode=mode)
     assert runner.vision is not None
     limits = images.ImageLimits(1 << 30, 1 << 30)
-    ours = images.prepare(images.read(images.ImageSource(png(image), "image"), limits), runner.vision.spec)
+    read = images.read(images.ImageSource(png(image), "image"), limits)
+    ours = images.prepare(read, runner.vision.spec).pixels
     # (do_convert_rgb: null, as published, leaves an RGBA or grayscale image unconverted, and then
     # transformers' normalize refuses it; the frontend converts every image, as the class default)
     reference = transformers.Gemma3ImageProcessorPil(**{**PREPROCESSOR, "do_convert_rgb": True})
@@ -149,7 +150,7 @@ def hf_inputs(processor, text: str, pictures: list, add_special_tokens: bool = T
 
 def our_item(runner, ids: list[int], pictures: list, logits_start: int | None = None) -> BatchItem:
     spec = runner.vision.spec
-    placed = images.place(ids, [images.prepare(p, spec) for p in pictures], spec, "prompt")
+    _, placed = images.place(ids, [images.prepare(p, spec) for p in pictures], spec, "prompt")
     table = list(range(-(-len(ids) // runner.block_size)))
     return BatchItem(ids, 0, table, len(ids) - 1 if logits_start is None else logits_start, images=placed)
 
@@ -531,7 +532,7 @@ def test_int8_kv_beside_images_gives_the_same_bits_however_batched_or_chunked(mo
     assert runner.kv_dtype == torch.int8 and runner._compiled is not None
     spec, bs = runner.vision.spec, runner.block_size
     ids, pics = hf_ids_and_pictures(runner, 1)  # two pictures, past the sliding window
-    placed = images.place(ids, [images.prepare(p, spec) for p in pics], spec, "prompt")
+    _, placed = images.place(ids, [images.prepare(p, spec) for p in pics], spec, "prompt")
     n, width = len(ids), -(-len(ids) // bs)
     tables = iter(list(range(i * width, (i + 1) * width)) for i in range(64 // width))
 
@@ -545,7 +546,7 @@ def test_int8_kv_beside_images_gives_the_same_bits_however_batched_or_chunked(mo
         last = runner.forward([BatchItem(ids[a:b], a, table, n - 1 - a if b == n else b - a, images=placed)])
     assert torch.equal(last, want)
     other_ids, other_pics = hf_ids_and_pictures(runner, 2)
-    other = images.place(other_ids, [images.prepare(p, spec) for p in other_pics], spec, "prompt")
+    _, other = images.place(other_ids, [images.prepare(p, spec) for p in other_pics], spec, "prompt")
     both = runner.forward([BatchItem(other_ids, 0, next(tables), len(other_ids) - 1, images=other),
                            BatchItem(ids, 0, next(tables), n - 1, images=placed)])
     assert torch.equal(both[1:], want)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -133,15 +134,29 @@ def check_images(msg: Generate, spec: ImageSpec | None) -> str | None:
         return "this model takes no images (a text-only model)"
     end = 0
     for image in msg.images:
-        size = spec.image_size
-        if image.shape != (3, size, size) or len(image.pixels) != 4 * 3 * size * size or len(image.hash) < 4:
-            return f"an image must be float32 pixels of shape (3, {size}, {size}) with its hash"
+        shape, tokens = _image_shape(image, spec)
+        if shape is None or image.shape != shape or len(image.pixels) != 4 * math.prod(shape) \
+                or len(image.hash) < 4:
+            return (f"an image must be float32 pixels of shape {shape or 'rows * columns, 3 * patch ** 2'} "
+                    "with its hash (and a grid image its grid of patches, in whole tokens)")
         run = msg.input_ids[image.offset: image.offset + image.tokens]
-        if image.offset < end or image.tokens != spec.tokens or run != [spec.token_id] * spec.tokens:
-            return (f"each image must sit on its own run of {spec.tokens} placeholder tokens "
+        if image.offset < end or image.tokens != tokens or run != [spec.token_id] * tokens:
+            return (f"each image must sit on its own run of {tokens} placeholder tokens "
                     f"{spec.token_id}, in order")
         end = image.offset + image.tokens
     return None
+
+
+def _image_shape(image: ImageInput, spec: ImageSpec) -> tuple[tuple[int, ...] | None, int]:
+    """The pixels' shape the image must have, and its placeholders (shape None: a grid that is
+    not one)."""
+    p = spec.patches
+    if p is None:
+        return (3, spec.image_size, spec.image_size), spec.tokens
+    grid = image.grid
+    if grid is None or grid[0] != 1 or min(grid) < 1 or grid[1] % p.merge_size or grid[2] % p.merge_size:
+        return None, 0
+    return (grid[1] * grid[2], 3 * p.patch_size ** 2), grid[1] * grid[2] // p.merge_size ** 2
 
 
 def check_generate(msg: Generate, vocab_size: int, context_length: int, task: str = "generate",

@@ -5,10 +5,11 @@ Decoding, resizing and normalizing are per-request Python work: they belong to t
 processes, as tokenizing does (SGLang does them in its tokenizer manager too). The core gets
 pixels and runs the vision encoder.
 
-The steps are transformers' PIL backend's (`Gemma3ImageProcessorPil`), op for op, so the pixels
-are its bits: convert to RGB (transparency composited onto white), resize with PIL, times
-`rescale` in float64 then float32, then (x - mean) / std in float32. Only pillow and numpy run
-here: a frontend imports neither torch nor transformers.
+The steps are transformers' PIL backend's (`Gemma3ImageProcessorPil`, `Qwen2VLImageProcessorPil`),
+op for op, so the pixels are its bits: convert to RGB (transparency composited onto white),
+resize with PIL (to a square, or to a Qwen grid of the image's own aspect), times `rescale` in
+float64 then float32, then (x - mean) / std in float32, and a grid image cut into patches. Only
+pillow and numpy run here: a frontend imports neither torch nor transformers.
 
 An image's identity (`ImageInput.hash`) is a hash of its pixels and the settings that made
 them: the prefix cache, KV events and the core's encoder cache all know a picture by it.
@@ -21,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ import numpy as np
 from unison.errors import InvalidParam
 from unison.frontend.text.tokenizer import IMAGE
 from unison.json_types import JSONObject
-from unison.wire.messages import ImageInput, ImageSpec
+from unison.wire.messages import ImageInput, ImageSpec, PatchSpec
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -195,52 +197,125 @@ def _check_pixels(size: tuple[int, int], limits: ImageLimits, field: str) -> Non
         raise InvalidParam(field, f"{field}: the image is empty ({width}x{height})")
 
 
-def prepare(image: Image.Image, spec: ImageSpec) -> np.ndarray:
-    """Float32 pixels [3, size, size], the bits the model's processor gives."""
+@dataclass(frozen=True)
+class Prepared:
+    """An image as its model's processor gives it: float32 `pixels`, [3, size, size] for a
+    fixed-size image, a grid image's patches [rows * columns, 3 * patch * patch] on `grid`
+    (frames, rows, columns) otherwise."""
+
+    pixels: np.ndarray
+    grid: tuple[int, int, int] | None = None
+
+    def tokens(self, spec: ImageSpec) -> int:
+        """The placeholders the image fills."""
+        if self.grid is None or spec.patches is None:
+            return spec.tokens
+        return self.grid[1] * self.grid[2] // spec.patches.merge_size ** 2
+
+
+def prepare(image: Image.Image, spec: ImageSpec, field: str = "image_data") -> Prepared:
+    """The pixels the model's processor gives, bit for bit: resized to the tower's square
+    (Gemma3ImageProcessor), or to its grid and cut into patches (Qwen2VLImageProcessor)."""
+    rgb = _rgb(image)
+    if spec.patches is None:
+        return Prepared(_normalized(rgb, (spec.image_size, spec.image_size), spec))
+    p = spec.patches
+    height, width = grid_size(rgb.height, rgb.width, p, field)
+    return Prepared(patchify(_normalized(rgb, (width, height), spec), p),
+                    (1, height // p.patch_size, width // p.patch_size))
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """RGB, transparency composited onto white (as transformers' convert_rgb)."""
     Image = _pil()
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))  # type: ignore[attr-defined]
-        rgb = Image.alpha_composite(white, rgba).convert("RGB")  # type: ignore[attr-defined]
-    else:
-        rgb = image.convert("RGB")
-    resized = np.asarray(rgb.resize((spec.image_size, spec.image_size), resample=spec.resample))
+        return Image.alpha_composite(white, rgba).convert("RGB")  # type: ignore[attr-defined]
+    return image.convert("RGB")
+
+
+def _normalized(rgb: Image.Image, size: tuple[int, int], spec: ImageSpec) -> np.ndarray:
+    """[3, height, width] float32: resized by PIL to `size` (width, height), times `rescale` in
+    float64 then float32, then (x - mean) / std in float32, transformers' PIL backend's steps."""
+    resized = np.asarray(rgb.resize(size, resample=spec.resample))
     scaled = (resized.astype(np.float64) * spec.rescale).astype(np.float32)
     x = (scaled - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
 
 
-def identity(pixels: np.ndarray, spec: ImageSpec) -> bytes:
+def grid_size(height: int, width: int, p: PatchSpec, field: str) -> tuple[int, int]:
+    """The size (height, width) a grid image is resized to: Qwen2-VL's smart_resize, the aspect
+    kept as closely as multiples of patch * merge pixels allow, between min and max pixels."""
+    factor = p.patch_size * p.merge_size
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidParam(field, f"{field}: the image is {width}x{height}; its aspect ratio must be "
+                                  "under 200")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > p.max_pixels:
+        beta = math.sqrt(height * width / p.max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < p.min_pixels:
+        beta = math.sqrt(p.min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def patchify(x: np.ndarray, p: PatchSpec) -> np.ndarray:
+    """[3, H, W] -> patches [H / P * W / P, 3 * P * P]: merge x merge blocks of patches row by row,
+    and the patches of a block row by row, each patch's floats channel by channel. Qwen2-VL's
+    processor repeats each patch over temporal_patch_size frames as well; a still image's frames
+    are the same, so that copy is not made or sent: the tower sums its weights over frames."""
+    c, height, width = x.shape
+    s, m = p.patch_size, p.merge_size
+    blocks = x.reshape(c, height // (s * m), m, s, width // (s * m), m, s).transpose(1, 4, 2, 5, 0, 3, 6)
+    return np.ascontiguousarray(blocks.reshape(height // s * (width // s), c * s * s))
+
+
+def identity(image: Prepared, spec: ImageSpec) -> bytes:
     """An image's hash: its pixels and every setting that made them or places them."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr((spec.image_size, spec.resample, spec.rescale, spec.mean, spec.std, spec.token_id,
-                   spec.tokens, pixels.shape)).encode())
-    h.update(pixels.tobytes())
+                   spec.tokens, spec.patches, image.pixels.shape, image.grid)).encode())
+    h.update(image.pixels.tobytes())
     return h.digest()
 
 
 def expand(text: str, count: int, spec: ImageSpec, field: str) -> str:
     """`text` with each image marker made the image's placeholder run, as the model's processor
-    writes it; its markers must be as many as the images."""
+    writes it (a grid image's: later, by place(), once its size is known); its markers must be
+    as many as the images."""
     found = text.count(spec.marker)
     if found != count:
         raise InvalidParam(field, f"{field}: the prompt has {found} image marker(s) {spec.marker!r} for "
                                   f"{count} image(s)")
-    return text.replace(spec.marker, spec.expansion)
+    return text if spec.patches is not None else text.replace(spec.marker, spec.expansion)
 
 
-def place(ids: list[int], pixels: list[np.ndarray], spec: ImageSpec, field: str) -> list[ImageInput]:
-    """The images as the core takes them, each at its run of placeholder tokens in `ids` (in
-    order); the runs must be as many as the images, each `spec.tokens` long."""
+def place(ids: list[int], prepared: list[Prepared], spec: ImageSpec,
+          field: str) -> tuple[list[int], list[ImageInput]]:
+    """The prompt's ids with each image's placeholders in place, and the images as the core
+    takes them, each at its run of placeholders (in order). The runs must be as many as the
+    images, each as long as its image's placeholders; a grid image's run may be its one marker
+    token, which becomes the whole run here (as its processor expands the text)."""
     starts = [i for i, t in enumerate(ids) if t == spec.token_id and (i == 0 or ids[i - 1] != spec.token_id)]
     runs = [(s, next((j for j in range(s, len(ids)) if ids[j] != spec.token_id), len(ids)) - s)
             for s in starts]
-    if len(runs) != len(pixels) or any(n != spec.tokens for _, n in runs):
+    wanted = [image.tokens(spec) for image in prepared]
+    grid = spec.patches is not None
+    if len(runs) != len(prepared) or any(n != k and not (grid and n == 1) for (_, n), k in zip(runs, wanted)):
         raise InvalidParam(field, f"{field}: the prompt's image placeholders (runs of {[n for _, n in runs]} "
-                                  f"tokens {spec.token_id}) do not fit {len(pixels)} image(s) of "
-                                  f"{spec.tokens} tokens")
-    return [ImageInput(identity(p, spec), start, n, (p.shape[0], p.shape[1], p.shape[2]), p.tobytes())
-            for (start, n), p in zip(runs, pixels)]
+                                  f"tokens {spec.token_id}) do not fit {len(prepared)} image(s) of "
+                                  f"{wanted} tokens")
+    out, placed, shift = list(ids), [], 0
+    for (start, n), k, image in zip(runs, wanted, prepared):
+        start += shift
+        out[start: start + n] = [spec.token_id] * k
+        shift += k - n
+        placed.append(ImageInput(identity(image, spec), start, k, tuple(image.pixels.shape),
+                                 image.pixels.tobytes(), image.grid))
+    return out, placed
 
 
 # Chat content parts that carry an image: OpenAI chat's image_url, the Responses API's input_image

@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-import numpy as np
-
 from unison.config import EngineConfig
 from unison.errors import EngineDeadError, InvalidParam, check_encodable
 from unison.frontend import images
@@ -42,6 +40,7 @@ from unison.wire.messages import (
     ControlRequests,
     CoreInfo,
     Generate,
+    ImageInput,
     ReplyT,
     ReqOutput,
     StepOutputs,
@@ -211,11 +210,13 @@ class TokenizerWorker:
         if pixels and prompt is not None:  # each image marker becomes its run of placeholders
             assert self.info.image is not None  # _images refused images to a text-only model
             prompt = images.expand(prompt, len(pixels), self.info.image, "prompt")
-        ids = self._prompt_ids(prompt, cast(list[int] | None, one.input_ids), params, add_special_tokens)
-        info = self.info
-        max_new = params.max_tokens(len(ids), min(info.context_length, info.max_total_tokens))
-        placed = images.place(ids, pixels, info.image, "prompt" if prompt else "input_ids") \
-            if info.image is not None else []
+        ids = self._prompt_ids(prompt, cast(list[int] | None, one.input_ids), add_special_tokens)
+        info, placed = self.info, list[ImageInput]()
+        if info.image is not None:  # (a grid image's one marker token becomes its whole run here)
+            ids, placed = images.place(ids, pixels, info.image, "prompt" if prompt else "input_ids")
+        room = min(info.context_length, info.max_total_tokens)
+        params.validate(vocab_size=vocab, context_length=info.context_length, prompt_len=len(ids), room=room)
+        max_new = params.max_tokens(len(ids), room)
         return PromptRequest(ids, params, max_new, rid, return_logprob, start, top, by_id, lora_path,
                              images=placed)
 
@@ -228,7 +229,7 @@ class TokenizerWorker:
                                       config.max_image_bytes)
             args.image_data = await images.fetch_urls(args.image_data, policy)
 
-    def _images(self, data: object) -> list[np.ndarray]:
+    def _images(self, data: object) -> list[images.Prepared]:
         """One prompt's images (image_data's, or a chat's ImageSources), read and prepared."""
         if data is None or (isinstance(data, list) and not data):
             return []
@@ -239,9 +240,9 @@ class TokenizerWorker:
                    images.ImageSource(s, f"image_data[{i}]" if isinstance(data, list) else "image_data")
                    for i, s in enumerate(given)]
         limits = images.ImageLimits(self.config.max_image_bytes, self.config.max_image_pixels)
-        return [images.prepare(images.read(s, limits), self.info.image) for s in sources]
+        return [images.prepare(images.read(s, limits), self.info.image, s.field) for s in sources]
 
-    def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None, params: SamplingParams,
+    def _prompt_ids(self, prompt: str | None, input_ids: list[int] | None,
                     add_special_tokens: bool = True) -> list[int]:
         given = input_ids is not None
         if input_ids is None:
@@ -261,9 +262,6 @@ class TokenizerWorker:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidParam("input_ids", f"input_ids must hold token ids in [0, {vocab - 1}], "
                                                 f"got {t!r}")
-        params.validate(vocab_size=vocab, context_length=self.info.context_length,
-                        prompt_len=len(input_ids),
-                        room=min(self.info.context_length, self.info.max_total_tokens))
         return input_ids
 
     async def submit(self, req: GenerateRequest) -> Collector:

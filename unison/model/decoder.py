@@ -206,7 +206,9 @@ class DecoderModel:
         final norm's hidden states instead, what a pooled decoder embeds); `lora`: the rows'
         adapters (lora.py), whose updates follow each linear, as in csrc/decoder.c; `states`: the
         linear-attention layers' per-request states, opened for this step (a hybrid's); `images`:
-        rows whose embeddings are an image's (vision/encoder.py), put in place of their tokens'."""
+        rows whose embeddings are an image's (vision/encoder.py), put in place of their tokens',
+        and their DeepStack features added after the first layers. `positions`: each row's rotary
+        position, [N], or M-RoPE's [3, N]."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         rope = [r.cos_sin(positions, self.dtype) for r in cfg.ropes]  # once per step, not per layer
         h = self.embed(input_ids)
@@ -245,7 +247,11 @@ class DecoderModel:
                 hook(4 * i + 3, act, delta)
             if layer.post_mlp_norm is not None:
                 delta = ops.add_rms_norm(delta, None, layer.post_mlp_norm, eps)
-            x = _add_norm(ops, h, delta, nexts[i], eps)
+            if images is not None and i < len(images.deepstack):  # Qwen3-VL: after the layer's residual
+                h.add_(delta).index_add_(0, images.rows, images.deepstack[i].to(h.dtype))
+                x = _add_norm(ops, h, None, nexts[i], eps)
+            else:
+                x = _add_norm(ops, h, delta, nexts[i], eps)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)  # the LM head is costly: only rows that need logits
         return self.lm_head(x).float() if head else x.float()

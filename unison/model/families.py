@@ -123,7 +123,10 @@ FAMILIES = [
     Family("qwen3_next", "Qwen3NextForCausalLM", "qwen3next", **_HYBRID, moe=QWEN_SHARED),
     Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen35", **_HYBRID),
     Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen35moe", **_HYBRID, moe=QWEN_SHARED),
-    # The published Qwen3.5 checkpoints: the text model beside a vision tower (not run: text only).
+    # Qwen3-VL (dense): Qwen3 beside a vision tower (vision/qwen_vision.py), M-RoPE and DeepStack.
+    Family("qwen3_vl", "Qwen3VLForConditionalGeneration", None, qk_norm="head",
+           text_prefix="model.language_model."),
+    # The published Qwen3.5 checkpoints: the text model beside a vision tower (vision/qwen_vision.py).
     Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", None, **_HYBRID,
            text_prefix="model.language_model."),
     Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", None, **_HYBRID,
@@ -357,8 +360,8 @@ class ModelConfig:
 
 
 def _text_config(family: Family, hf: JSONObject) -> JSONObject:
-    """A multimodal checkpoint's text model config, under its own architecture name. The vision
-    tower beside it is not run: a text prompt's output does not depend on it."""
+    """A multimodal checkpoint's text model config, under its own architecture name (its vision
+    tower's is read by vision/encoder.py)."""
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{family.hf_architecture} config has no text_config")
@@ -410,14 +413,12 @@ def _attention_layout(family: Family, hf: JSONObject, head_dim: int, layers: int
     # transformers 5 keeps theta and scaling under rope_parameters; older configs at top level
     params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
               **(hf.get("rope_parameters") or {})}
-    # Qwen3-Next and Qwen3.5 rotate a part of each head; a text prompt's M-RoPE sections all
-    # carry the same position, which is plain rotary.
+    # Qwen3-Next and Qwen3.5 rotate a part of each head; Qwen3.5 and Qwen3-VL keep M-RoPE's
+    # sections for images' rows (a text token's sections all carry one position: plain rotary).
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    for key in ("mrope_section", "mrope_interleaved"):
-        params.pop(key, None)
     rope = Rope.from_params(int(head_dim * partial), params, positions)
     if factors is not None:
-        rope = Rope(rope.head_dim, rope.theta, rope.scaling, factors, positions)
+        rope = dataclasses.replace(rope, factors=factors)
     windowed = family.name in ("mistral", "mixtral")
     if hf.get("use_sliding_window") and not windowed:
         raise ValueError(f"{family.hf_architecture} with use_sliding_window=true is not supported")

@@ -291,14 +291,16 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         lora = self._lora_step(batch)
         ids, pos, logits_rows = _flat(batch, self.block_size, self.device)
-        positions = torch.from_numpy(pos).to(self.device)
+        positions = torch.from_numpy(self._rope_positions(batch, pos)).to(self.device)
         images = None if self.vision is None else self.vision.step_rows(batch)
         with self.attention.step(batch, pos, images) as step, self._states(batch) as states:
             if self.task == "embed":
                 hidden = self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
                                             head=False, states=states)
                 return F.normalize(hidden, p=2, dim=-1) if self.normalize else hidden
-            if self._compiled is None or (states is not None and states.drafted):
+            # (the compiled forward adds no DeepStack features: those steps run the same kernels from Python)
+            if self._compiled is None or (states is not None and states.drafted) \
+                    or (images is not None and images.deepstack):
                 return self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
                                           states=states, images=images)
             p = step.paged
@@ -309,6 +311,19 @@ class ModelRunner:
             return self._compiled.forward(ids, cos_sin, step.slots, p.tables, p.row_seq, p.row_len,
                                           logits_rows, step.serial, lora, recent, images,
                                           None if states is None else states.current)
+
+    def _rope_positions(self, batch: list[BatchItem], pos: np.ndarray) -> np.ndarray:
+        """The step's rotary positions: the cache's (`pos`), or M-RoPE's [3, N] where an item's
+        prompt holds a grid image (vision/encoder.py)."""
+        mrope = None if self.vision is None else [self.vision.rope_positions(item) for item in batch]
+        if mrope is None or all(p is None for p in mrope):
+            return pos
+        parts, row = [], 0
+        for item, p in zip(batch, mrope):
+            n = len(item.token_ids)
+            parts.append(np.repeat(pos[None, row: row + n], 3, axis=0) if p is None else p)
+            row += n
+        return np.concatenate(parts, axis=1)
 
     def keep_drafted_rows(self, kept: dict[int, int]) -> None:
         """After the last step's drafts were verified: each drafted state slot keeps the state of

@@ -21,7 +21,7 @@ from unison.sampling import CoreSamplingParams
 from unison.version import __version__
 from unison.wire.kv_events import KVEventsInfo
 
-PROTOCOL_VERSION = "9"
+PROTOCOL_VERSION = "10"
 
 
 # ---- frontend -> core -------------------------------------------------------------------------
@@ -41,14 +41,17 @@ class Heartbeat(msgspec.Struct, tag=True):
 
 class ImageInput(msgspec.Struct, frozen=True, array_like=True):
     """One image of a prompt, prepared by the frontend as the model's processor prepares it:
-    float32 pixels [channels, height, width] (little-endian bytes: no pickle, no copy through
-    Python objects), and the run of placeholder tokens it fills in the prompt."""
+    float32 pixels (little-endian bytes: no pickle, no copy through Python objects), and the run
+    of placeholder tokens it fills in the prompt. A fixed-size image's pixels are [channels,
+    height, width]; a grid image's (ImageSpec.patches) are its patches [grid_h * grid_w,
+    channels * patch * patch], in the processor's order, on the grid `grid`."""
 
     hash: bytes  # of the pixels and the processor's settings: the image's identity in every cache
     offset: int  # the first placeholder token's position in the prompt
     tokens: int  # placeholder tokens: the embeddings the encoder gives for it
-    shape: tuple[int, int, int]
+    shape: tuple[int, ...]
     pixels: bytes
+    grid: tuple[int, int, int] | None = None  # (frames, rows, columns) of patches: image_grid_thw
 
 
 class Generate(msgspec.Struct, tag=True):
@@ -84,20 +87,36 @@ class Goodbye(msgspec.Struct, tag=True):
 # ---- core -> frontend -------------------------------------------------------------------------
 
 
+class PatchSpec(msgspec.Struct, frozen=True):
+    """How a Qwen-VL-style processor cuts an image (Qwen2VLImageProcessor): resized, keeping its
+    aspect, to between min_pixels and max_pixels on a grid of (patch_size * merge_size)-pixel
+    cells, then cut into patch_size patches, merge_size x merge_size of them per token."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int  # frames per patch: a still image's are copies (the tower folds them)
+    min_pixels: int
+    max_pixels: int
+
+
 class ImageSpec(msgspec.Struct, frozen=True):
     """How a vision model's frontends prepare an image (its Hugging Face processor's settings)
-    and write it into a prompt: where a chat template or a prompt writes `marker`, the text
-    becomes `expansion`, which holds `tokens` placeholder tokens `token_id` in a row."""
+    and write it into a prompt. A fixed-size image (Gemma 3) is resized to image_size square and
+    where a chat template or a prompt writes `marker`, the text becomes `expansion`, which holds
+    `tokens` placeholder tokens `token_id` in a row. A grid image (`patches`: Qwen3.5, Qwen3-VL)
+    takes as many placeholders as its size gives: the marker is the placeholder itself, and its
+    one token becomes the image's run once the image is read."""
 
-    image_size: int  # images are resized to image_size x image_size
-    resample: int  # PIL's filter number (2: bilinear)
+    image_size: int  # fixed: images are resized to image_size x image_size (grid images: 0)
+    resample: int  # PIL's filter number (2: bilinear, 3: bicubic)
     rescale: float  # pixel values times this (1/255), then (x - mean) / std per channel
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    marker: str  # e.g. Gemma 3's "<start_of_image>"
+    marker: str  # e.g. Gemma 3's "<start_of_image>", Qwen's "<|image_pad|>"
     expansion: str  # e.g. "\n\n<start_of_image>" + 256 x "<image_soft_token>" + "<end_of_image>\n\n"
     token_id: int
-    tokens: int
+    tokens: int  # a fixed-size image's placeholders (grid images: 0, each its own)
+    patches: PatchSpec | None = None
 
 
 class CoreInfo(msgspec.Struct):

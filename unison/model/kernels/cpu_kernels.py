@@ -136,6 +136,7 @@ class ImageRows:
     rows: torch.Tensor  # [R] int64, rows of the flat step
     values: torch.Tensor  # [R, hidden] float32
     ahead: torch.Tensor  # [N] int64, every row of the step (0: causal)
+    deepstack: tuple[torch.Tensor, ...] = ()  # [R, hidden] each: added after text layer 0, 1, ...
 
 
 @dataclass(slots=True)

@@ -24,16 +24,24 @@ class Rope:
     scaling: tuple[tuple[str, Any], ...] = ()  # sorted items of an HF rope_parameters dict (JSON: Any)
     factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 4096
+    # Interleaved M-RoPE (Qwen3-VL, Qwen3.5): frequencies turning with an image token's row and
+    # column instead of its time, (time, rows, columns) frequencies per section (see cos_sin).
+    mrope_section: tuple[int, ...] = ()
 
     @classmethod
     def from_params(cls, head_dim: int, params: JSONObject, max_positions: int) -> Rope:
         params = dict(params)
         theta = float(params.pop("rope_theta", 10000.0))
+        section = tuple(params.pop("mrope_section", None) or ())
+        params.pop("mrope_interleaved", None)  # (Qwen3-VL's and Qwen3.5's are; the only ones run)
+        if section and (len(section) != 3 or sum(section) != head_dim // 2 or section[1] < section[2]):
+            raise ValueError(f"rope_parameters.mrope_section must be 3 counts (time, height, width) summing "
+                             f"to the rotated dims' half ({head_dim // 2}), got {list(section)}")
         kind = params.pop("rope_type", params.pop("type", "default"))
         if kind not in SCALINGS:
             raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(SCALINGS)}")
         scaling = () if kind == "default" else tuple(sorted({**params, "rope_type": kind}.items()))
-        return cls(head_dim, theta, scaling, None, max_positions)
+        return cls(head_dim, theta, scaling, None, max_positions, section)
 
     def inv_freq_and_scale(self) -> tuple[torch.Tensor, float]:
         """(inverse frequencies [head_dim / 2], the factor cos and sin are multiplied by)."""
@@ -52,13 +60,30 @@ class Rope:
         return inv_freq, 1.0
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, head_dim / 2] for the given positions."""
+        """cos, sin [N, head_dim / 2] for the given positions: [N], or M-RoPE's [3, N] (time, row,
+        column; a text token's three are equal, which is plain rotary)."""
         inv_freq, scale = self.inv_freq_and_scale_cached()
-        freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+        inv_freq = inv_freq.to(positions.device)
+        if positions.dim() == 2:  # each frequency turns with one of the three positions
+            freqs = positions.to(torch.float32)[:, :, None] * inv_freq
+            freqs = freqs.gather(0, self._mrope_axes(positions.shape[1]))[0]
+        else:
+            freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
+
+    def _mrope_axes(self, n: int) -> torch.Tensor:
+        """[1, n, head_dim / 2]: which position each frequency turns with, interleaved as
+        transformers' Qwen3-VL: 1, 4, 7, ... the row's, 2, 5, 8, ... the column's (each for its
+        section's count), the rest the time's."""
+        if len(self.mrope_section) != 3:
+            raise ValueError("3D positions are for M-RoPE (rope_parameters.mrope_section)")
+        _, rows, cols = self.mrope_section
+        f = torch.arange(self.head_dim // 2)
+        axes = torch.where((f % 3 == 1) & (f < 3 * rows), 1, torch.where((f % 3 == 2) & (f < 3 * cols), 2, 0))
+        return axes[None, None, :].expand(1, n, -1)
 
     def inv_freq_and_scale_cached(self) -> tuple[torch.Tensor, float]:
         cached = _CACHE.get(self)

@@ -1,0 +1,69 @@
+"""Qwen3.5's and Qwen3-VL's vision tower against transformers' own, on tiny random towers: the
+image's embeddings and (Qwen3-VL) its DeepStack features, over grids square and not, whose
+position tables must be resampled up and down; and the config's errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unison.model.vision.qwen_vision import QwenVision, QwenVisionConfig
+from unison.model.weights.sources import DictWeights
+
+transformers = pytest.importorskip("transformers")
+
+VISION = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "patch_size": 4,
+          "out_hidden_size": 40, "num_position_embeddings": 36}
+KINDS = {"qwen3_5": ("Qwen3_5VisionConfig", "Qwen3_5VisionModel", {}),
+         "qwen3_vl": ("Qwen3VLVisionConfig", "Qwen3VLVisionModel", {"deepstack_visual_indexes": [0, 2]})}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def tower(request):
+    config_class, model_class, extra = KINDS[request.param]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**VISION, **extra)
+    model = getattr(transformers, model_class)(config).float().eval()
+    with torch.no_grad():  # transformers zeroes biases: make every weight count
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name and "weight" in name else 0.0))
+    hf = {"vision_config": config.to_dict(), "image_token_id": 7, "vision_start_token_id": 5,
+          "vision_end_token_id": 6}
+    ours = QwenVision.load(DictWeights({f"model.visual.{k}": v.detach().clone()
+                                        for k, v in model.state_dict().items()}),
+                           QwenVisionConfig.from_hf(hf, 40))
+    return model, ours
+
+
+@pytest.mark.parametrize("grid", [(6, 6), (4, 10), (14, 2), (2, 2)])
+def test_matches_transformers(tower, grid):
+    model, ours = tower
+    rows, cols = grid
+    patches = torch.randn(rows * cols, 3 * 4 * 4, generator=torch.Generator().manual_seed(rows * cols))
+    frames = patches.view(-1, 3, 1, 16).expand(-1, 3, 2, 16).reshape(rows * cols, -1)  # a still image's
+    with torch.no_grad():
+        out = model(frames, grid_thw=torch.tensor([[1, rows, cols]]))
+    got = ours(patches, grid)
+    deep = getattr(out, "deepstack_features", None) or []
+    assert got.shape == (1 + len(deep), rows * cols // 4, 40) and got.dtype == torch.float32
+    for mine, theirs in zip(got, [out.pooler_output, *deep]):
+        assert theirs.abs().max() > 0.1
+        assert (mine - theirs).abs().max() <= 2e-5 * theirs.abs().max()
+
+
+def test_bad_grid_is_refused(tower):
+    _, ours = tower
+    with pytest.raises(ValueError, match="multiples of 2"):
+        ours(torch.zeros(3 * 4, 48), (3, 4))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"hidden_act": "relu"}, "vision_config.hidden_act"),
+    ({"num_position_embeddings": 40}, "must be a square"),
+    ({"deepstack_visual_indexes": [5]}, "deepstack_visual_indexes"),
+    ({"num_heads": 3}, "vision_config.num_heads"),
+    ({"out_hidden_size": 8}, "out_hidden_size"),
+])
+def test_config_errors_name_the_key(change, match):
+    with pytest.raises(ValueError, match=match):
+        QwenVisionConfig.from_hf({"vision_config": VISION | change}, 40)
