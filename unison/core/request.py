@@ -67,9 +67,10 @@ class Request:
         return ids
 
     def image_span(self, position: int) -> tuple[int, int] | None:
-        """The [start, end) of the image whose placeholders hold `position`, if one does."""
+        """The [start, end) of the image whose placeholders hold `position` and see one another
+        (Gemma 3's; a grid image's tokens are causal, as Qwen's: a chunk may cut them), if one does."""
         for image in self.images:
-            if image.offset <= position < image.offset + image.tokens:
+            if image.grid is None and image.offset <= position < image.offset + image.tokens:
                 return image.offset, image.offset + image.tokens
         return None
 

@@ -181,8 +181,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """The tokens req computes this step: what is left of it, within the budget, ending at
-        the next snapshot point; and never within an image, whose tokens see one another (Gemma
-        3): the chunk ends before it, or, where it starts there, takes the whole image."""
+        the next snapshot point; and never within an image whose tokens see one another (Gemma
+        3's): the chunk ends before it, or, where it starts there, takes the whole image."""
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, budget)
         point = self._snapshot_point(req)

@@ -102,11 +102,15 @@ def max_body_of(serve: ServeSettings, context_length: int | None = None, image_b
 
 
 def image_body_bytes(info: CoreInfo, max_image_bytes: int) -> int:
-    """Body room for a vision model's images: as many as its context holds (at most 16), each
-    up to max_image_bytes, base64-encoded (4 characters per 3 bytes)."""
-    if info.image is None:
+    """Body room for a vision model's images: as many as its context holds (at most 16; a grid
+    image takes at least its min_pixels' tokens), each up to max_image_bytes, base64-encoded (4
+    characters per 3 bytes)."""
+    spec = info.image
+    if spec is None:
         return 0
-    return min(info.context_length // info.image.tokens, 16) * -(-max_image_bytes * 4 // 3)
+    p = spec.patches
+    fewest = spec.tokens if p is None else max(1, p.min_pixels // (p.patch_size * p.merge_size) ** 2)
+    return min(info.context_length // fewest, 16) * -(-max_image_bytes * 4 // 3)
 
 
 def add_ui(app: FastAPI) -> None:
