@@ -94,14 +94,16 @@ GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwe
 
 
 def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: str | None = None,
-               narrow: str | None = None, mtp: bool = False) -> Path:
+               narrow: str | None = None, mtp: bool = False, extra_tokens: tuple[str, ...] = ()) -> Path:
     """The HF model in `model_dir` as llama.cpp's converter writes it (convert_hf_to_gguf.py's
     Qwen2MoeModel, Qwen3NextModel and the Qwen3.5 classes): its names, the norms' folded + 1 (not
     ssm_norm's), -exp(A_log), the convolution squeezed, Qwen3-Next's qkvz split into q|k|v and z,
     a Qwen3.5's value heads reordered (HF's k * r + j to j * K + k), stacked experts; linears in
     `qtype` (F32, Q8_0, Q4_0); the embedded tokenizer. `drop` leaves a tensor out, `narrow` writes
     one with a row too few: broken files. `mtp` adds a multi-token-prediction block after the
-    decoder's, counted in block_count, as newer converters keep it."""
+    decoder's, counted in block_count, as newer converters keep it. A multimodal checkpoint's
+    text model is written as the converter writes it beside its mmproj file, the vocabulary grown
+    by `extra_tokens` (control tokens: a picture's) and unused ones to the model's size."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from unison.bench.model import copy_fields, embedded_tokenizer
@@ -109,12 +111,13 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
 
     mc = ModelConfig.from_dir(model_dir)
     src, arch, lin, moe = SafetensorsWeights(model_dir), GGUF_ARCH[kind], mc.linear, mc.moe
+    text = mc.family.text_prefix  # (a multimodal checkpoint's: model.language_model.)
     w = GGUFWriter(out, arch)
     fields = {"block_count": mc.num_hidden_layers + mtp, "context_length": mc.max_position_embeddings,
               "embedding_length": mc.hidden_size, "feed_forward_length": mc.intermediate_size,
               "head_count": mc.num_attention_heads, "head_count_kv": mc.num_key_value_heads,
               "key_length": mc.head_dim, "value_length": mc.head_dim, "rope_freq_base": mc.ropes[0].theta,
-              "layer_norm_rms_eps": mc.rms_norm_eps, "vocab_size": VOCAB}
+              "layer_norm_rms_eps": mc.rms_norm_eps, "vocab_size": mc.vocab_size}
     if moe is not None:
         fields |= {"expert_count": moe.num_experts, "expert_used_count": moe.top_k,
                    "expert_feed_forward_length": moe.intermediate_size,
@@ -125,12 +128,15 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
                    "ssm_inner_size": lin.value_dim, "full_attention_interval": 4,
                    "rope_dimension_count": mc.ropes[0].head_dim}
     if kind.startswith("qwen3_5"):  # from the checkpoints' mrope_section, padded to four
-        fields["rope_dimension_sections"] = [11, 11, 10, 0]
+        fields["rope_dimension_sections"] = [*(mc.ropes[0].mrope_section or (11, 11, 10)), 0]
     if mtp:
         w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     for key, value in fields.items():
         getattr(w, f"add_{key}")(value)
-    copy_fields(w, embedded_tokenizer())
+    grown = [*extra_tokens, *(f"<unused_{i}>" for i in range(mc.vocab_size - VOCAB - len(extra_tokens)))]
+    copy_fields(w, embedded_tokenizer(), extend={"tokenizer.ggml.tokens": grown,
+                                                 "tokenizer.ggml.scores": [0.0] * len(grown),
+                                                 "tokenizer.ggml.token_type": [3] * len(grown)})
     hybrid = lin is not None
     r = lin.num_v_heads // lin.num_k_heads if hybrid else 1
     tile = kind != "qwen3_next" and hybrid and r > 1  # the converter's V-head reorder (Qwen3.5)
@@ -156,7 +162,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
             q = GGMLQuantizationType[kind_]
             w.add_tensor(name, quants.quantize(np.ascontiguousarray(t, dtype=np.float32), q), raw_dtype=q)
 
-    get = lambda name: src.float(name).numpy()  # noqa: E731
+    get = lambda name: src.float(name.replace("model.", text, 1)).numpy()  # noqa: E731
     plus = 1.0 if hybrid else 0.0  # the converter folds (1 + w) into these norms
     add("token_embd.weight", get("model.embed_tokens.weight"), qtype if qtype == "F32" else "Q8_0")
     add("output_norm.weight", get("model.norm.weight") + plus, "F32")

@@ -292,3 +292,44 @@ def test_openai_chat_answers_and_counts_the_picture(server, runner, hf, processo
         {"role": "user", "content": [big, big, big, {"type": "text", "text": "all three?"}]}]})
     assert "exceeds the context length" in assert_openai_error(r, 400, "context length")["message"]
     server.wait_freed(5)
+
+
+# ---- a GGUF text model and llama.cpp's mmproj file ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5"], indirect=True)  # (a Qwen3-VL GGUF is not read)
+def test_gguf_with_mmproj_gives_the_checkpoints_answer(kind, tiny_dir, runner, hf, processor, tmp_path):
+    """Qwen3.5's text model as llama.cpp's converter writes it (its vocabulary with the vision
+    tokens, rope.dimension_sections) beside the tower as an mmproj file (qwen3vl_merger): the same
+    first-step logprobs as the checkpoint, and transformers' tokens through the engine."""
+    from safetensors.torch import load_file
+
+    from tests.e2e.test_linear_attention import write_gguf
+    from unison import Engine
+    from unison.bench.qwen_tower import write_mmproj
+
+    text = write_gguf(tiny_dir, "qwen3_5", tmp_path / "text.gguf",
+                      extra_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    tower = {k: v for f in tiny_dir.glob("*.safetensors") for k, v in load_file(f).items()
+             if k.startswith("model.visual.")}
+    size = PREPROCESSOR["size"]
+    mmproj = write_mmproj(tower, runner.vision.tower.cfg, tmp_path / "mmproj.gguf",
+                          mean=PREPROCESSOR["image_mean"], std=PREPROCESSOR["image_std"], float16=False,
+                          pixels=(size["shortest_edge"], size["longest_edge"]))
+    pic = PICTURES[1]
+    ids, placed = prompt_ids(runner, chat(PROMPTS[1]), [pic])
+    from_gguf = ModelRunner(text, quantization="none", num_blocks=64, state_slots=2, mmproj=str(mmproj))
+    import msgspec
+
+    spec = from_gguf.vision.spec  # (the file keeps mean and std in float32, as the frontend uses them)
+    assert np.array_equal(np.float32(spec.mean), np.float32(runner.vision.spec.mean))
+    assert msgspec.structs.replace(spec, mean=runner.vision.spec.mean, std=runner.vision.spec.std) \
+        == runner.vision.spec
+    _, first = greedy(from_gguf, ids, placed, 1)
+    _, want = greedy(runner, ids, placed, 1)
+    assert list(first) == list(want) and max(abs(first[t] - want[t]) for t in first) < 1e-4
+    with torch.no_grad():
+        ref = hf.generate(**hf_inputs(processor, ids, [pic]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+    with Engine(model_path=str(text), mmproj=str(mmproj), quantization="none") as engine:
+        out = engine.generate(chat(PROMPTS[1]), GREEDY, image_data=png(pic))
+    assert out["output_ids"] == ref.tolist() and out["meta_info"]["prompt_tokens"] == len(ids)

@@ -67,3 +67,23 @@ def test_bad_grid_is_refused(tower):
 def test_config_errors_name_the_key(change, match):
     with pytest.raises(ValueError, match=match):
         QwenVisionConfig.from_hf({"vision_config": VISION | change}, 40)
+
+
+def test_mmproj_file_gives_the_same_tower(tower, tmp_path):
+    """llama.cpp's mmproj layout (written as its converter writes it: one Conv2d per frame, the
+    merger as mm.0 / mm.2, DeepStack under its block's index), read back: the same outputs."""
+    from unison.bench.qwen_tower import write_mmproj
+    from unison.model.vision.mmproj import MmprojWeights
+
+    model, ours = tower
+    tensors = {f"model.visual.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    path = write_mmproj(tensors, ours.cfg, tmp_path / "mmproj.gguf", float16=False)
+    file = MmprojWeights(path)
+    cfg = file.qwen_config(40, {"<|image_pad|>": 7, "<|vision_start|>": 5, "<|vision_end|>": 6})
+    assert cfg == ours.cfg
+    patches = torch.randn(4 * 6, 48, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(QwenVision.load(file, cfg)(patches, (4, 6)), ours(patches, (4, 6)))
+    with pytest.raises(ValueError, match="lacks the image tokens"):
+        file.qwen_config(40, {})
+    with pytest.raises(ValueError, match="projection_dim 40 is not the text model's hidden size 64"):
+        file.qwen_config(64, {"<|image_pad|>": 7, "<|vision_start|>": 5, "<|vision_end|>": 6})

@@ -195,15 +195,17 @@ def _choose(name: str, files: Mapping[str, int | None], tag: str | None, tokeniz
 
 def runs_beside(text_model: Path, mmproj: Path) -> bool:
     """Whether Unison runs `mmproj`'s tower beside the GGUF `text_model`: a Gemma 3 with a gemma3
-    projector (model/vision/mmproj.py's PROJECTORS). A repository's other vision files are left
-    aside and its text model served alone. (The headers only: this process imports no torch.)"""
-    from unison.model.weights.gguf_header import read_header
+    projector, a Qwen3.5 with a qwen3vl_merger (gguf_header's MMPROJ_PROJECTORS). A repository's
+    other vision files are left aside and its text model served alone. (The headers only: this
+    process imports no torch.)"""
+    from unison.model.weights.gguf_header import MMPROJ_PROJECTORS, read_header
 
     try:
-        return read_header(text_model).fields.get("general.architecture") == "gemma3" \
-            and read_header(mmproj).fields.get("clip.projector_type") == "gemma3"
+        arch = read_header(text_model).fields.get("general.architecture")
+        projector = read_header(mmproj).fields.get("clip.projector_type")
     except (ValueError, OSError):
         return False
+    return isinstance(arch, str) and MMPROJ_PROJECTORS.get(arch) == projector
 
 
 def _is_mmproj(filename: str) -> bool:  # a vision projector beside the model (llama.cpp's mtmd)

@@ -1,6 +1,7 @@
 """`unison bench vision`: the vision encoder's time for one 896 x 896 image at Gemma 3 4B's tower
 (SigLIP, 27 layers of 1,152, 4,096 patches), random weights, beside llama.cpp's (`llama-mtmd-cli
 --mmproj`, its "image slice encoded" / "batch encoding done" time) and transformers' on the same weights.
+With a Qwen3.5 text model, Qwen3.5's tower instead (qwen_tower.py).
 
 The mmproj file llama.cpp reads is written here as llama.cpp's converter writes it
 (`write_mmproj`: its names, F16 linears, F32 embeddings and norms, the projector's norm as 1 + w):
@@ -178,10 +179,10 @@ def transformers_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Ten
     return times
 
 
-def llama_cpp_encoder_seconds(cli: str, text_model: Path, mmproj: Path,
-                              trials: int) -> list[tuple[float, float]]:
+def llama_cpp_encoder_seconds(cli: str, text_model: Path, mmproj: Path, trials: int,
+                              template: str = "gemma") -> list[tuple[float, float]]:
     """(image slice encoded, whole run to the first token) seconds from llama-mtmd-cli, per trial,
-    for one 896 x 896 picture."""
+    for one 896 x 896 picture (`template`: its --chat-template)."""
     from PIL import Image
 
     with tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp:
@@ -193,7 +194,7 @@ def llama_cpp_encoder_seconds(cli: str, text_model: Path, mmproj: Path,
             start = time.perf_counter()
             run = subprocess.run([cli, "-m", str(text_model), "--mmproj", str(mmproj), "--image", str(image),
                                   "-p", "Describe the image.", "-n", "1", "--temp", "0",
-                                  "--chat-template", "gemma"], capture_output=True, text=True, timeout=1800)
+                                  "--chat-template", template], capture_output=True, text=True, timeout=1800)
             total = time.perf_counter() - start
             # (build 11434 says "mtmd batch encoding done in N ms"; older ones "image slice encoded in")
             m = re.search(r"(?:image slice encoded in|batch encoding done in) (\d+) ms",
@@ -211,6 +212,8 @@ def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | Non
     from unison.model.weights.gguf import hf_config, open_gguf
 
     text_hidden = int(hf_config(open_gguf(text_model))["hidden_size"])
+    if hf_config(open_gguf(text_model))["model_type"] in ("qwen35", "qwen35moe"):
+        return run_qwen(text_model, text_hidden, llama_mtmd, trials, layers, out_dir)
     cfg = gemma3_tower(text_hidden, layers)
     tensors = random_tower(cfg)
     print(f"tower: {cfg.num_layers} layers of {cfg.hidden_size}, {cfg.patches_per_side ** 2} patches, "
@@ -224,6 +227,34 @@ def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | Non
         runs = llama_cpp_encoder_seconds(llama_mtmd, text_model, mmproj, trials)
         rows.append(("llama.cpp (image slice encoded)", [e for e, _ in runs]))
         rows.append(("llama.cpp (whole run, -n 1)", [t for _, t in runs]))
+    _print_rows(rows)
+
+
+def run_qwen(text_model: Path, text_hidden: int, llama_mtmd: str | None, trials: int, layers: int | None,
+             out_dir: Path) -> None:
+    """run() for a Qwen3.5 text model: Qwen3.5's published tower (qwen_tower.py) beside it."""
+    import torch
+
+    from unison.bench import qwen_tower
+
+    cfg = qwen_tower.qwen35_tower(text_hidden, layers)
+    tensors = qwen_tower.random_tower(cfg)
+    rows, (h, w) = [], qwen_tower.GRID
+    print(f"tower: Qwen3.5's, {cfg.depth} blocks of {cfg.hidden_size}, {h * w} patches "
+          f"({h * w // 4} tokens), projected to {text_hidden}; {torch.get_num_threads()} threads; "
+          f"{trials} trials, medians")
+    for name, dtype in (("unison bf16", torch.bfloat16), ("unison float32", torch.float32)):
+        rows.append((name, qwen_tower.our_encoder_seconds(cfg, tensors, dtype, trials)))
+    rows.append(("transformers float32", qwen_tower.transformers_encoder_seconds(cfg, tensors, trials)))
+    if llama_mtmd:
+        mmproj = qwen_tower.write_mmproj(tensors, cfg, out_dir / f"mmproj-qwen3.5-tower-{cfg.depth}.gguf")
+        runs = llama_cpp_encoder_seconds(llama_mtmd, text_model, mmproj, trials, template="chatml")
+        rows.append(("llama.cpp (image slice encoded)", [e for e, _ in runs]))
+        rows.append(("llama.cpp (whole run, -n 1)", [t for _, t in runs]))
+    _print_rows(rows)
+
+
+def _print_rows(rows: list[tuple[str, list[float]]]) -> None:
     base = statistics.median(rows[0][1])
     for name, times in rows:
         med = statistics.median(times)
@@ -364,10 +395,11 @@ def served(text_model: Path, mmproj: Path, clients: int, trials: int, llama_serv
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("vision", help="the vision encoder for one 896x896 image at Gemma 3 4B's tower, "
-                                      "beside llama.cpp's (llama-mtmd-cli) and transformers'")
+    p = sub.add_parser("vision", help="the vision encoder for one 896x896 image at Gemma 3 4B's tower (or "
+                                      "Qwen3.5's), beside llama.cpp's (llama-mtmd-cli) and transformers'")
     p.add_argument("--text-model", default=None,
-                   help="the GGUF text model beside the tower (default: the Gemma 3 270M test model)")
+                   help="the GGUF text model beside the tower (default: the Gemma 3 270M test model); a "
+                        "Qwen3.5 one (unison bench make-model --size qwen3.5-35b-a3b) times Qwen3.5's tower")
     p.add_argument("--llama-mtmd", default=None, help="llama.cpp's llama-mtmd-cli (default: not run)")
     p.add_argument("--layers", type=int, default=None, help="tower layers (default: Gemma 3 4B's 27)")
     p.add_argument("--trials", type=int, default=3)

@@ -30,11 +30,12 @@ import numpy as np
 import torch
 
 from unison.json_types import JSONObject
-from unison.model.families import ModelConfig
+from unison.model.families import FAMILIES, ModelConfig
 from unison.model.kernels.cpu_kernels import CpuKernels, ImageRows
 from unison.model.vision.mmproj import MmprojWeights
 from unison.model.vision.qwen_vision import QwenVision, QwenVisionConfig
 from unison.model.vision.siglip import Gemma3Vision, VisionConfig
+from unison.model.weights.gguf_header import MMPROJ_PROJECTORS
 from unison.model.weights.sources import WeightSource
 from unison.wire.messages import ImageInput, ImageSpec, PatchSpec
 
@@ -43,7 +44,7 @@ GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 QWEN_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                       "Qwen3VLForConditionalGeneration")
 VISION_ARCHITECTURES = GEMMA3_ARCHITECTURES + QWEN_ARCHITECTURES
-MMPROJ_FAMILIES = ("gemma3",)  # text families an mmproj file's tower attaches to
+GGUF_NAMES = {f.name: f.gguf_architecture for f in FAMILIES if f.gguf_architecture}  # family -> GGUF's
 ENCODER_CACHE_BYTES = 256 << 20  # encoder outputs kept (a Gemma 3 image: 256 x 2560 floats, 2.6 MB)
 # Qwen2VLImageProcessor's defaults (OPENAI_CLIP_MEAN / _STD, its size), where the checkpoint's
 # preprocessor_config.json says nothing
@@ -90,9 +91,10 @@ class Vision:
         tower here); float32 is the parity reference."""
         hf = _read(model_dir / "config.json")
         architectures = set(hf.get("architectures") or [])
-        if mmproj is not None and model.cfg.family.name not in MMPROJ_FAMILIES:
-            raise ValueError(f"mmproj: a {model.cfg.family.name} model takes no vision tower "
-                             f"({', '.join(MMPROJ_FAMILIES)} do)")
+        arch = GGUF_NAMES.get(model.cfg.family.name, "")  # (a checkpoint's family too: Gemma 3's)
+        if mmproj is not None and arch not in MMPROJ_PROJECTORS:
+            raise ValueError(f"mmproj: a {model.cfg.family.name} model takes no vision tower (the GGUF "
+                             f"architectures {', '.join(MMPROJ_PROJECTORS)} do)")
         if mmproj is None and not architectures & set(VISION_ARCHITECTURES):
             return None
         if not isinstance(model.ops, CpuKernels):
@@ -100,17 +102,28 @@ class Vision:
                              "and dtype do not run it")
         bf16 = quantization != "none" and torch.cpu._is_avx512_bf16_supported()
         dtype = torch.bfloat16 if bf16 else linear_dtype
-        if architectures & set(QWEN_ARCHITECTURES):
+        is_qwen = bool(architectures & set(QWEN_ARCHITECTURES)) \
+            or MMPROJ_PROJECTORS.get(arch) == "qwen3vl_merger"
+        if is_qwen and len(model.cfg.ropes[0].mrope_section) != 3:  # an image's rows turn by row and column
+            raise ValueError("images need the text model's M-RoPE sections (rope_parameters.mrope_section; "
+                             "a GGUF's rope.dimension_sections), which this model lacks")
+        if mmproj is None and architectures & set(QWEN_ARCHITECTURES):
             qwen = QwenVisionConfig.from_hf(hf, model.cfg.hidden_size)
             return cls(QwenVision.load(model.source, qwen, dtype), qwen_image_spec(model_dir, qwen))
-        source: WeightSource = model.source
-        normalization = None
-        if mmproj is not None:
-            source = file = MmprojWeights(mmproj)
-            cfg, normalization = file.vision_config(model.cfg.hidden_size), file.normalization()
-        else:
+        if mmproj is None:
             cfg = VisionConfig.from_hf(hf)
-        return cls(Gemma3Vision.load(source, cfg, dtype), image_spec(model_dir, cfg, normalization))
+            return cls(Gemma3Vision.load(model.source, cfg, dtype), image_spec(model_dir, cfg))
+        file = MmprojWeights(mmproj)
+        if file.kind != MMPROJ_PROJECTORS[arch]:
+            raise ValueError(f"mmproj {mmproj}: clip.projector_type {file.kind!r} is not a {arch} model's "
+                             f"({MMPROJ_PROJECTORS[arch]!r})")
+        if file.kind == "qwen3vl_merger":
+            names = {name: i for i, name in _token_names(model_dir).items()}
+            qwen = file.qwen_config(model.cfg.hidden_size, names)
+            spec = qwen_image_spec(model_dir, qwen, file.processor())
+            return cls(QwenVision.load(file, qwen, dtype), spec)
+        cfg = file.vision_config(model.cfg.hidden_size)
+        return cls(Gemma3Vision.load(file, cfg, dtype), image_spec(model_dir, cfg, file.processor()))
 
     @property
     def grid(self) -> PatchSpec | None:
@@ -186,13 +199,11 @@ class Vision:
 
 
 def image_spec(model_dir: Path, cfg: VisionConfig,
-               normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None) -> ImageSpec:
+               fallback: JSONObject | None = None) -> ImageSpec:
     """How the checkpoint's processor prepares an image (preprocessor_config.json, else its
-    processor class's defaults; an mmproj file's `normalization`, mean and std) and writes it
+    processor class's defaults; an mmproj file's settings, `fallback`) and writes it
     into a prompt (Gemma3Processor's text)."""
-    pre = _read(model_dir / "preprocessor_config.json")
-    if normalization is not None and not pre:
-        pre = {"image_mean": list(normalization[0]), "image_std": list(normalization[1])}
+    pre = _read(model_dir / "preprocessor_config.json") or fallback or {}
     if pre.get("do_pan_and_scan"):
         raise ValueError("preprocessor_config.json: do_pan_and_scan is not supported (images are "
                          "taken whole)")
@@ -214,12 +225,15 @@ def image_spec(model_dir: Path, cfg: VisionConfig,
                      token_id=cfg.image_token_id, tokens=cfg.mm_tokens_per_image)
 
 
-def qwen_image_spec(model_dir: Path, cfg: QwenVisionConfig) -> ImageSpec:
+def qwen_image_spec(model_dir: Path, cfg: QwenVisionConfig,
+                    fallback: JSONObject | None = None) -> ImageSpec:
     """How Qwen2VLImageProcessor (Qwen3.5's and Qwen3-VL's) prepares an image for the checkpoint's
     tower: preprocessor_config.json, else the class's defaults, but the patch size the tower's
     (the class says 14, Qwen3-VL's and Qwen3.5's towers take 16). The chat template writes
-    <|vision_start|><|image_pad|><|vision_end|>; the one <|image_pad|> becomes the image's run."""
-    pre = _read(model_dir / "preprocessor_config.json")
+    <|vision_start|><|image_pad|><|vision_end|>; the one <|image_pad|> becomes the image's run.
+    (`fallback`: an mmproj file's settings, where there is no preprocessor_config.json; its pixel
+    bounds where it has them, else the class's: at most 1,003,520 pixels, 980 tokens.)"""
+    pre = _read(model_dir / "preprocessor_config.json") or fallback or {}
     if pre.get("do_resize") is False:
         raise ValueError("preprocessor_config.json: do_resize false is not supported (images are resized "
                          "to the tower's grid)")

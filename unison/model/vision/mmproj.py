@@ -1,9 +1,13 @@
 """llama.cpp's mmproj GGUF: a vision tower and its projector in a file of their own, beside a GGUF
-text model (llama-server's --mmproj). Read under the Hugging Face names siglip.py takes, with
-the conventions of llama.cpp's converter undone: the projector's RMSNorm stored as (1 + w), and
-in files from its older Gemma 3 script the MLP's fc1 and fc2 under each other's names (told apart
-by shape, as llama.cpp's clip.cpp does). Nothing is transposed: GGUF lists a tensor's dimensions
-innermost first, so numpy's shape is torch's.
+text model (llama-server's --mmproj). Read under the Hugging Face names the towers take
+(siglip.py, qwen_vision.py), with the conventions of llama.cpp's converter undone:
+- Gemma 3 (projector "gemma3"): the projector's RMSNorm stored as (1 + w), and in files from its
+  older script the MLP's fc1 and fc2 under each other's names (told apart by shape, as llama.cpp's
+  clip.cpp does);
+- Qwen3.5 / Qwen3-VL ("qwen3vl_merger"): the Conv3d patch embedding split into one Conv2d per
+  frame (v.patch_embd.weight and .weight.1, stacked back), DeepStack's mergers under the absolute
+  index of the block they read (v.deepstack.N), the merger's MLP as mm.0 and mm.2.
+Nothing is transposed: GGUF lists a tensor's dimensions innermost first, so numpy's shape is torch's.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from unison.model.vision.qwen_vision import QwenVisionConfig
 from unison.model.vision.siglip import VisionConfig
+from unison.model.weights.gguf_header import MMPROJ_PROJECTORS
 
-PROJECTORS = ("gemma3",)  # clip.projector_type values whose tower siglip.py runs
+PROJECTORS = tuple(sorted(set(MMPROJ_PROJECTORS.values())))  # clip.projector_type values run here
 TOWER, PROJECTOR = "vision_tower.vision_model.", "multi_modal_projector."
 _LAYER = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj",
@@ -27,6 +33,13 @@ _GLOBAL = {"v.patch_embd": TOWER + "embeddings.patch_embedding",
            "v.position_embd": TOWER + "embeddings.position_embedding", "v.post_ln": TOWER + "post_layernorm",
            "mm.soft_emb_norm": PROJECTOR + "mm_soft_emb_norm"}
 _INPUT_PROJECTION = "mm.input_projection.weight"
+QWEN = "model.visual."
+_QWEN_LAYER = {"ln1": "norm1", "ln2": "norm2", "attn_qkv": "attn.qkv", "attn_out": "attn.proj",
+               "ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"}
+_QWEN_GLOBAL = {"v.patch_embd": "patch_embed.proj", "v.position_embd": "pos_embed",
+                "v.post_ln": "merger.norm", "mm.0": "merger.linear_fc1", "mm.2": "merger.linear_fc2"}
+_QWEN_DEEPSTACK = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+_SECOND_FRAME = "v.patch_embd.weight.1"  # the Conv3d's second frame, stacked back under the first's name
 
 
 class MmprojWeights:
@@ -40,16 +53,19 @@ class MmprojWeights:
             self.reader = GGUFReader(self.path)
         except (ValueError, OSError) as e:
             raise ValueError(f"mmproj {self.path}: not a GGUF file: {e}") from None
-        kind = self.field("clip.projector_type")
+        self.kind = kind = self.field("clip.projector_type")
         if kind not in PROJECTORS:
             raise ValueError(f"mmproj {self.path}: clip.projector_type {kind!r} is not supported "
                              f"({', '.join(PROJECTORS)})")
         d = self.field("clip.vision.embedding_length")
+        self.deepstack = [i for i, on in enumerate(self.field("clip.vision.is_deepstack_layers") or []) if on]
         self.tensors = {}
         for t in self.reader.tensors:
-            name = _hf_name(t.name, d, tuple(reversed([int(x) for x in t.shape])))
+            shape = tuple(reversed([int(x) for x in t.shape]))
+            name = _hf_name(t.name, d, shape) if kind == "gemma3" else _qwen_name(t.name, self.deepstack)
             if name is not None:
                 self.tensors[name] = t
+        self._second_frame = next((t for t in self.reader.tensors if t.name == _SECOND_FRAME), None)
 
     def field(self, key: str, default: Any = None) -> Any:  # Any: a header field, as stored
         f = self.reader.fields.get(key)
@@ -65,16 +81,30 @@ class MmprojWeights:
         return self.tensors[name].tensor_type.name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(reversed([int(x) for x in self.tensors[name].shape]))
+        shape = tuple(reversed([int(x) for x in self.tensors[name].shape]))
+        if self._frames(name):  # [d, 3, P, P] per frame: HF's [d, 3, frames, P, P]
+            return (shape[0], shape[1], 2, *shape[2:])
+        return shape
 
     def float(self, name: str) -> torch.Tensor:
-        from gguf.quants import dequantize
-
-        t = self.tensors[name]
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(self.shape(name))
+        if self._frames(name):
+            assert self._second_frame is not None  # (_frames says so)
+            first, second = self._read(self.tensors[name]), self._read(self._second_frame)
+            return torch.from_numpy(np.stack([first, second], axis=2))
+        w = self._read(self.tensors[name])
         if name.endswith("mm_soft_emb_norm.weight"):
             w -= 1  # stored as (1 + w): siglip.py adds the 1, as transformers' Gemma RMSNorm does
         return torch.from_numpy(w)
+
+    def _read(self, t: Any) -> np.ndarray:  # Any: a GGUFReader tensor
+        from gguf.quants import dequantize
+
+        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+            tuple(reversed([int(x) for x in t.shape])))
+
+    def _frames(self, name: str) -> bool:
+        """Whether `name` is Qwen's Conv3d patch weight, stored as one Conv2d per frame."""
+        return name == QWEN + "patch_embed.proj.weight" and self._second_frame is not None
 
     def quantized(self, name: str, bits: int):  # the tower's linears run in float (siglip.py)
         raise ValueError(f"mmproj {self.path}: {name} is read as float only")
@@ -101,10 +131,45 @@ class MmprojWeights:
             "text_config": {"hidden_size": text_hidden},
             "mm_tokens_per_image": (size // patch // scale) ** 2})
 
-    def normalization(self) -> tuple[tuple[builtins.float, ...], tuple[builtins.float, ...]]:
-        """The image processor's mean and std (clip.vision.image_mean / image_std)."""
+    def qwen_config(self, text_hidden: int, token_ids: dict[str, int]) -> QwenVisionConfig:
+        """A qwen3vl_merger tower's shape from clip.vision.* and its tensors; its image tokens by
+        name from the text model's tokenizer (`token_ids`)."""
+        def need(key: str) -> Any:  # Any: a header field, as stored
+            value = self.field(f"clip.vision.{key}")
+            if value is None:
+                raise ValueError(f"mmproj {self.path}: clip.vision.{key} is missing")
+            return value
+
+        if self._second_frame is None:
+            raise ValueError(f"mmproj {self.path}: {_SECOND_FRAME} is missing (a still image's two frames)")
+        projection = int(need("projection_dim"))
+        if projection != text_hidden:
+            raise ValueError(f"mmproj {self.path}: clip.vision.projection_dim {projection} is not the text "
+                             f"model's hidden size {text_hidden}: the file is another model's")
+        tokens = {k: token_ids.get(f"<|{k}|>") for k in ("image_pad", "vision_start", "vision_end")}
+        missing = [f"<|{k}|>" for k, v in tokens.items() if v is None]
+        if missing:
+            raise ValueError(f"the text model's tokenizer lacks the image tokens {missing}")
+        return QwenVisionConfig.from_hf({
+            "vision_config": {
+                "depth": need("block_count"), "hidden_size": need("embedding_length"),
+                "intermediate_size": need("feed_forward_length"), "num_heads": need("attention.head_count"),
+                "patch_size": need("patch_size"), "spatial_merge_size": need("spatial_merge_size"),
+                "out_hidden_size": projection, "deepstack_visual_indexes": self.deepstack,
+                "num_position_embeddings": self.shape(QWEN + "pos_embed.weight")[0]},
+            "image_token_id": tokens["image_pad"], "vision_start_token_id": tokens["vision_start"],
+            "vision_end_token_id": tokens["vision_end"]}, text_hidden)
+
+    def processor(self) -> dict[str, Any]:
+        """The image processor's settings the file keeps, as a preprocessor_config.json names them:
+        its mean and std (clip.vision.image_mean / image_std), and pixel bounds where it has them."""
         mean, std = (self.field(f"clip.vision.image_{k}", [0.5] * 3) for k in ("mean", "std"))
-        return tuple(builtins.float(x) for x in mean), tuple(builtins.float(x) for x in std)
+        out: dict[str, Any] = {"image_mean": [builtins.float(x) for x in mean],
+                               "image_std": [builtins.float(x) for x in std]}
+        for key in ("min_pixels", "max_pixels"):
+            if self.field(f"clip.vision.image_{key}") is not None:
+                out[key] = int(self.field(f"clip.vision.image_{key}"))
+        return out
 
 
 def _hf_name(name: str, hidden: object, shape: tuple[int, ...]) -> str | None:
@@ -124,3 +189,19 @@ def _hf_name(name: str, hidden: object, shape: tuple[int, ...]) -> str | None:
     elif role.startswith("mlp.") and kind == "bias":
         role = "mlp.fc2" if shape[0] == hidden else "mlp.fc1"
     return f"{TOWER}encoder.layers.{m[1]}.{role}.{kind}"
+
+
+def _qwen_name(name: str, deepstack: list[int]) -> str | None:
+    """The Hugging Face name of a qwen3vl_merger tensor (None: one the tower does not read)."""
+    base, _, kind = name.rpartition(".")
+    if name == _SECOND_FRAME:
+        return None  # read with the first frame's
+    if base in _QWEN_GLOBAL:
+        return f"{QWEN}{_QWEN_GLOBAL[base]}.{kind}"
+    m = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)", base)
+    if m is not None and m[2] in _QWEN_LAYER:
+        return f"{QWEN}blocks.{m[1]}.{_QWEN_LAYER[m[2]]}.{kind}"
+    m = re.fullmatch(r"v\.deepstack\.(\d+)\.(\w+)", base)
+    if m is not None and m[2] in _QWEN_DEEPSTACK and int(m[1]) in deepstack:
+        return f"{QWEN}deepstack_merger_list.{deepstack.index(int(m[1]))}.{_QWEN_DEEPSTACK[m[2]]}.{kind}"
+    return None

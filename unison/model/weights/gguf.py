@@ -194,13 +194,16 @@ def _linear_attention_config(arch: str, a: Callable[..., Any], head_dim: int) ->
     Its converter reorders a Qwen3.5's value heads so that head h reads key head h % key heads
     (where there are more value heads than key heads): `linear_value_heads_tiled`."""
     k_heads, v_heads = int(a("ssm.group_count")), int(a("ssm.time_step_rank"))
+    sections = a("rope.dimension_sections") or []
     return {"linear_conv_kernel_dim": int(a("ssm.conv_kernel")),
             "linear_key_head_dim": int(a("ssm.state_size")), "linear_num_key_heads": k_heads,
             "linear_num_value_heads": v_heads,
             "linear_value_head_dim": int(a("ssm.inner_size")) // v_heads,
             "full_attention_interval": int(a("full_attention_interval", 4)),
             "partial_rotary_factor": int(a("rope.dimension_count", head_dim)) / head_dim,
-            "linear_value_heads_tiled": arch != "qwen3next" and v_heads != k_heads}
+            "linear_value_heads_tiled": arch != "qwen3next" and v_heads != k_heads,
+            # Qwen3.5's M-RoPE: (time, rows, columns) frequency counts, for images' rows
+            **({"rope_parameters": {"mrope_section": list(sections[:3])}} if any(sections) else {})}
 
 
 def _moe_config(family: Family, a: Callable[..., Any]) -> JSONObject:  # a: reads a header field (Any)

@@ -20,9 +20,15 @@ from typing import Any
 
 from unison.json_types import JSONObject
 
+# The vision towers Unison runs from an mmproj file, by the text model's general.architecture: the
+# clip.projector_type its mmproj must have (model/vision/mmproj.py). Here, torch-free, for the
+# launcher's choice of a repository's files too.
+MMPROJ_PROJECTORS = {"gemma3": "gemma3", "qwen35": "qwen3vl_merger", "qwen35moe": "qwen3vl_merger"}
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+SHORT_ARRAY = 256  # numeric arrays up to this long are read whole with the header
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +41,7 @@ class TensorInfo:
 
 @dataclass(slots=True)
 class GGUFHeader:
-    fields: JSONObject  # scalar and string fields; arrays as their length
+    fields: JSONObject  # scalar and string fields; arrays as their length (short numeric ones: values)
     tensors: list[TensorInfo]
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # each field's bytes in the file
 
@@ -123,7 +129,8 @@ def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
 
 
 def _skip_value(buf: mmap.mmap, kind: int, pos: int) -> tuple[Any, int]:
-    """A scalar or string value and the position after it; an array as its length (skipped)."""
+    """A scalar or string value and the position after it; an array as its length (skipped), but
+    a short numeric one (M-RoPE's sections, a layer mask) as its values."""
     if kind == _STRING:
         return _string(buf, pos)
     if kind == _ARRAY:
@@ -133,6 +140,9 @@ def _skip_value(buf: mmap.mmap, kind: int, pos: int) -> tuple[Any, int]:
             for _ in range(count):  # skipped: only the tokenizer's conversion reads these
                 pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
         elif elem in _SCALARS:
+            if count <= SHORT_ARRAY:
+                return list(struct.unpack_from(f"<{count}{_SCALARS[elem][1]}", buf, pos)), \
+                    pos + count * struct.calcsize(_SCALARS[elem])
             pos += count * struct.calcsize(_SCALARS[elem])
         else:
             raise ValueError(f"unsupported array element type {elem}")
