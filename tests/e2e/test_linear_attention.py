@@ -291,24 +291,27 @@ def _check_parity(runner: ModelRunner, hf_dir: Path, kind: str, name: str) -> No
 
 def test_multimodal_checkpoint_runs_its_text_model(tmp_path: Path):
     """Qwen3.5 as published: Qwen3_5ForConditionalGeneration, the text model under
-    model.language_model beside a vision tower. A text prompt gives that model's logits."""
+    model.language_model beside a vision tower (loaded: its image token is named in
+    tokenizer.json). A text prompt gives that model's logits."""
     import transformers
 
     torch.manual_seed(0)
     text = {k: v for k, v in (SHAPE | LINEAR).items()} | {"vocab_size": 512}
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
               "num_position_embeddings": 16}
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=511)
     hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
     hf.save_pretrained(tmp_path)
-    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    added = [{"id": 511, "content": "<|image_pad|>"}]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    ids = torch.randint(0, 511, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():
         want = hf(input_ids=torch.tensor([ids])).logits[0, -1]
     runner = ModelRunner(tmp_path, quantization="none", num_blocks=8, block_size=8, state_slots=2)
-    assert runner.config.architecture == "Qwen3_5ForConditionalGeneration"
+    assert runner.config.architecture == "Qwen3_5ForConditionalGeneration" and runner.vision is not None
     got = runner.forward([BatchItem(ids, 0, [0, 1, 2], len(ids) - 1, state_slot=0)])[0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 

@@ -135,6 +135,9 @@ FAMILIES = [
            fused_experts=True, moe=MoeNames("mlp.router", "mlp.experts")),
 ]
 BY_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
+# M-RoPE's (time, rows, columns) sections where a config gives none: transformers' defaults
+MROPE_DEFAULTS = {**dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"), (11, 11, 10)),
+                  "qwen3_vl": (24, 20, 20)}
 BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
 SUPPORTED = sorted(BY_ARCHITECTURE)
 
@@ -416,6 +419,7 @@ def _attention_layout(family: Family, hf: JSONObject, head_dim: int, layers: int
     # Qwen3-Next and Qwen3.5 rotate a part of each head; Qwen3.5 and Qwen3-VL keep M-RoPE's
     # sections for images' rows (a text token's sections all carry one position: plain rotary).
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    params.setdefault("mrope_section", MROPE_DEFAULTS.get(family.name))  # (transformers' where unsaid)
     rope = Rope.from_params(int(head_dim * partial), params, positions)
     if factors is not None:
         rope = dataclasses.replace(rope, factors=factors)

@@ -34,9 +34,9 @@ class Rope:
         theta = float(params.pop("rope_theta", 10000.0))
         section = tuple(params.pop("mrope_section", None) or ())
         params.pop("mrope_interleaved", None)  # (Qwen3-VL's and Qwen3.5's are; the only ones run)
-        if section and (len(section) != 3 or sum(section) != head_dim // 2 or section[1] < section[2]):
-            raise ValueError(f"rope_parameters.mrope_section must be 3 counts (time, height, width) summing "
-                             f"to the rotated dims' half ({head_dim // 2}), got {list(section)}")
+        if section and len(section) != 3:
+            raise ValueError(f"rope_parameters.mrope_section must be 3 counts (time, height, width), "
+                             f"got {list(section)}")
         kind = params.pop("rope_type", params.pop("type", "default"))
         if kind not in SCALINGS:
             raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(SCALINGS)}")
@@ -76,8 +76,8 @@ class Rope:
 
     def _mrope_axes(self, n: int) -> torch.Tensor:
         """[1, n, head_dim / 2]: which position each frequency turns with, interleaved as
-        transformers' Qwen3-VL: 1, 4, 7, ... the row's, 2, 5, 8, ... the column's (each for its
-        section's count), the rest the time's."""
+        transformers' Qwen3-VL: 1, 4, 7, ... the row's, 2, 5, 8, ... the column's (each below 3
+        times its section's count, whatever the head's size, as transformers), the rest the time's."""
         if len(self.mrope_section) != 3:
             raise ValueError("3D positions are for M-RoPE (rope_parameters.mrope_section)")
         _, rows, cols = self.mrope_section

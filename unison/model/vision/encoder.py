@@ -102,11 +102,6 @@ class Vision:
                              "and dtype do not run it")
         bf16 = quantization != "none" and torch.cpu._is_avx512_bf16_supported()
         dtype = torch.bfloat16 if bf16 else linear_dtype
-        is_qwen = bool(architectures & set(QWEN_ARCHITECTURES)) \
-            or MMPROJ_PROJECTORS.get(arch) == "qwen3vl_merger"
-        if is_qwen and len(model.cfg.ropes[0].mrope_section) != 3:  # an image's rows turn by row and column
-            raise ValueError("images need the text model's M-RoPE sections (rope_parameters.mrope_section; "
-                             "a GGUF's rope.dimension_sections), which this model lacks")
         if mmproj is None and architectures & set(QWEN_ARCHITECTURES):
             qwen = QwenVisionConfig.from_hf(hf, model.cfg.hidden_size)
             return cls(QwenVision.load(model.source, qwen, dtype), qwen_image_spec(model_dir, qwen))
