@@ -7,6 +7,7 @@ the bits alone or batched, whole or in chunks, the prefix cache and the engine."
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -270,9 +271,11 @@ def server(tiny_dir):
                      "--context-length", str(CONTEXT))
 
 
-def test_openai_chat_answers_and_counts_the_picture(server, runner, hf, processor):
-    """The chat template's one <|image_pad|> becomes the picture's run: transformers' answer, and
-    usage counts the run; too many pictures for the context is a 400 before anything is queued."""
+def test_every_api_answers_and_counts_the_picture(server, runner, hf, processor):
+    """The chat template's one <|image_pad|> becomes the picture's run: transformers' answer
+    through OpenAI chat, usage counting the run, and the same answer through Anthropic's image
+    block and Ollama's images; too many pictures for the context is a 400 before anything is
+    queued."""
     from tests.e2e.test_vision import data_url
     from tests.serving import assert_openai_error
 
@@ -285,8 +288,18 @@ def test_openai_chat_answers_and_counts_the_picture(server, runner, hf, processo
         {"role": "user", "content": [part, {"type": "text", "text": PROMPTS[2]}]}]}).json()
     from unison.frontend.text.tokenizer import Tokenizer
 
-    assert r["choices"][0]["message"]["content"] == Tokenizer.from_dir(runner.model_dir).decode(ref.tolist())
+    want = r["choices"][0]["message"]["content"]
+    assert want == Tokenizer.from_dir(runner.model_dir).decode(ref.tolist())
     assert r["usage"]["prompt_tokens"] == len(ids)
+    b64 = base64.b64encode(png(pic)).decode()  # Anthropic's image block, Ollama's images: the same answer
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
+    anthropic = server.post("/v1/messages", {"model": "m", "max_tokens": 6, "temperature": 0, "messages": [
+        {"role": "user", "content": [block, {"type": "text", "text": PROMPTS[2]}]}]}).json()
+    assert anthropic["content"][0]["text"] == want
+    ollama = server.post("/api/chat", {
+        "model": "m", "stream": False, "options": {"temperature": 0, "num_predict": 6},
+        "messages": [{"role": "user", "content": PROMPTS[2], "images": [b64]}]})
+    assert ollama.json()["message"]["content"] == want
     big = {"type": "image_url", "image_url": {"url": data_url(PICTURES[3])}}
     r = server.post("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [
         {"role": "user", "content": [big, big, big, {"type": "text", "text": "all three?"}]}]})
