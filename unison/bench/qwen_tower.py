@@ -186,3 +186,45 @@ def transformers_encoder_seconds(cfg: QwenVisionConfig, tensors: dict[str, torch
             model(pixels, grid_thw=grid)
             times.append(time.perf_counter() - start)
     return times
+
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+# ChatML, with Qwen's markers for a picture part (as Qwen3.5's published template writes them)
+CHATML_WITH_IMAGES = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for part in m.content %}{% if part.type == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def grown_qwen35(text_model: Path, out: Path) -> Path:
+    """A copy of the Qwen3.5 text GGUF `text_model` (`make-model`'s: the embedded vocabulary) grown
+    by Qwen's three vision tokens (control tokens, zero embedding and output rows) with a ChatML
+    template that writes them for a picture: a text model that takes pictures, for the served
+    figures."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from unison.bench.model import copy_fields
+    from unison.model.weights.gguf_header import read_fields
+
+    fields = read_fields(text_model)
+    arch = fields.pop("general.architecture").value
+    fields.pop(f"{arch}.vocab_size", None)
+    fields.pop("tokenizer.chat_template", None)
+    writer = GGUFWriter(out, arch)  # (the writer's own field)
+    extra = len(VISION_TOKENS)
+    writer.add_vocab_size(len(fields["tokenizer.ggml.tokens"].value) + extra)
+    writer.add_chat_template(CHATML_WITH_IMAGES)
+    copy_fields(writer, fields, extend={"tokenizer.ggml.tokens": VISION_TOKENS,
+                                        "tokenizer.ggml.scores": [0.0] * extra,
+                                        "tokenizer.ggml.token_type": [3] * extra})  # 3: control
+    for tensor in GGUFReader(text_model).tensors:
+        data = np.asarray(tensor.data)
+        if tensor.name in ("token_embd.weight", "output.weight"):  # zero bytes: a zero row in any format
+            data = np.concatenate([data, np.zeros((extra, *data.shape[1:]), data.dtype)])
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -418,13 +418,20 @@ def main(args: argparse.Namespace) -> None:
         return
     from unison.model.weights.gguf import hf_config, open_gguf
 
-    cfg = gemma3_tower(int(hf_config(open_gguf(text))["hidden_size"]), args.layers)
-    out = Path(args.out_dir)
-    if int(hf_config(open_gguf(text))["vocab_size"]) < IMAGE_VOCAB:  # (the 270M: no image token)
+    hf, out = hf_config(open_gguf(text)), Path(args.out_dir)
+    if hf["model_type"] in ("qwen35", "qwen35moe"):
+        from unison.bench import qwen_tower
+
+        qwen = qwen_tower.qwen35_tower(int(hf["hidden_size"]), args.layers)
+        text = qwen_tower.grown_qwen35(text, out / f"{text.stem}-vision-tokens.gguf")
+        mmproj = qwen_tower.write_mmproj(qwen_tower.random_tower(qwen), qwen,
+                                         out / f"mmproj-qwen3.5-tower-{qwen.depth}.gguf")
+        return served(text, mmproj, args.clients, args.trials, args.llama_server)
+    cfg = gemma3_tower(int(hf["hidden_size"]), args.layers)
+    if int(hf["vocab_size"]) < IMAGE_VOCAB:  # (the 270M: no image token)
         text = grown_gemma3(text, out / f"{text.stem}-image-tokens.gguf")
     mmproj = write_mmproj(random_tower(cfg), cfg, out / f"mmproj-gemma3-4b-tower-{cfg.num_layers}.gguf")
     served(text, mmproj, args.clients, args.trials, args.llama_server)
-
 
 
 def _test_gemma3() -> Path:
