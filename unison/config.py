@@ -221,8 +221,8 @@ class EngineConfig:
     frontend_max_unacked: int = option(4096, "... or this many steps' outputs behind")
     frontend_max_silence_s: float = option(30.0, "a frontend that processes none of its outputs for this long"
                                                  " (stopped, wedged) has its requests ended (a 503)")
-    mmproj: str | None = option(None, "llama.cpp's mmproj GGUF: the vision tower of a GGUF model (Gemma 3), "
-                                      "as llama-server's --mmproj")
+    mmproj: str | None = option(None, "llama.cpp's mmproj GGUF: the vision tower of a GGUF model (Gemma 3, "
+                                      "Qwen3.5), as llama-server's --mmproj")
     # Images (a vision model's): refused past these before they are decoded in full.
     max_image_bytes: int = option(20 << 20, "an image's encoded bytes at most (a bigger one is refused)")
     max_image_pixels: int = option(33_177_600, "an image's width x height at most (7680 x 4320; a bigger "

@@ -300,6 +300,10 @@ def test_every_api_answers_and_counts_the_picture(server, runner, hf, processor)
         "model": "m", "stream": False, "options": {"temperature": 0, "num_predict": 6},
         "messages": [{"role": "user", "content": PROMPTS[2], "images": [b64]}]})
     assert ollama.json()["message"]["content"] == want
+    # no max_tokens: what the context leaves once the picture's run is placed
+    r = server.post("/v1/chat/completions", {"model": "m", "temperature": 0, "ignore_eos": True, "messages": [
+        {"role": "user", "content": [part, {"type": "text", "text": PROMPTS[2]}]}]}).json()
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == CONTEXT - len(ids)
     big = {"type": "image_url", "image_url": {"url": data_url(PICTURES[3])}}
     r = server.post("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [
         {"role": "user", "content": [big, big, big, {"type": "text", "text": "all three?"}]}]})

@@ -4,6 +4,7 @@ position tables must be resampled up and down; and the config's errors."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,11 +28,10 @@ def tower(request):
     with torch.no_grad():  # transformers zeroes biases: make every weight count
         for name, param in model.named_parameters():
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name and "weight" in name else 0.0))
-    hf = {"vision_config": config.to_dict(), "image_token_id": 7, "vision_start_token_id": 5,
-          "vision_end_token_id": 6}
+    hf = {"vision_config": config.to_dict(), "image_token_id": 7}
     ours = QwenVision.load(DictWeights({f"model.visual.{k}": v.detach().clone()
                                         for k, v in model.state_dict().items()}),
-                           QwenVisionConfig.from_hf(hf, 40))
+                           QwenVisionConfig.from_hf(hf, 40, deepstack=request.param == "qwen3_vl"))
     return model, ours
 
 
@@ -66,7 +66,7 @@ def test_bad_grid_is_refused(tower):
 ])
 def test_config_errors_name_the_key(change, match):
     with pytest.raises(ValueError, match=match):
-        QwenVisionConfig.from_hf({"vision_config": VISION | change}, 40)
+        QwenVisionConfig.from_hf({"vision_config": VISION | change}, 40, deepstack=True)
 
 
 def test_mmproj_file_gives_the_same_tower(tower, tmp_path):
@@ -79,11 +79,36 @@ def test_mmproj_file_gives_the_same_tower(tower, tmp_path):
     tensors = {f"model.visual.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     path = write_mmproj(tensors, ours.cfg, tmp_path / "mmproj.gguf", float16=False)
     file = MmprojWeights(path)
-    cfg = file.qwen_config(40, {"<|image_pad|>": 7, "<|vision_start|>": 5, "<|vision_end|>": 6})
+    cfg = file.qwen_config(40, {"<|image_pad|>": 7})
     assert cfg == ours.cfg
     patches = torch.randn(4 * 6, 48, generator=torch.Generator().manual_seed(3))
     assert torch.equal(QwenVision.load(file, cfg)(patches, (4, 6)), ours(patches, (4, 6)))
-    with pytest.raises(ValueError, match="lacks the image tokens"):
+    with pytest.raises(ValueError, match="lacks the image token <"):
         file.qwen_config(40, {})
     with pytest.raises(ValueError, match="projection_dim 40 is not the text model's hidden size 64"):
-        file.qwen_config(64, {"<|image_pad|>": 7, "<|vision_start|>": 5, "<|vision_end|>": 6})
+        file.qwen_config(64, {"<|image_pad|>": 7})
+
+
+def test_the_core_refuses_grids_a_frontend_should_not_send():
+    """A frontend may be buggy or not ours: a grid on a fixed-size image (whose rows would then be
+    cut by a chunk), a fixed-size image to a grid model, a grid of part tokens, one past the
+    processor's pixel bounds (its attention would stall every step), pixels of the wrong size."""
+    from unison.core.request import check_images
+    from unison.wire.messages import CoreSamplingParams, Generate, ImageInput, ImageSpec, PatchSpec
+
+    patches = PatchSpec(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=4096)
+    qwen = ImageSpec(0, 3, 1 / 255, (0.5,) * 3, (0.5,) * 3, "<|image_pad|>", "<|image_pad|>", 7, 0, patches)
+    gemma = ImageSpec(8, 2, 1 / 255, (0.5,) * 3, (0.5,) * 3, "<boi>", "<boi>" + "<img>" * 4, 7, 4)
+
+    def ask(spec: ImageSpec, grid: tuple[int, int, int] | None, shape: tuple[int, ...],
+            tokens: int) -> str | None:
+        image = ImageInput(b"hash", 1, tokens, shape, bytes(4 * int(np.prod(shape))), grid)
+        msg = Generate("r", [0] + [7] * tokens + [0], CoreSamplingParams(), images=[image])
+        return check_images(msg, spec)
+
+    assert ask(qwen, (1, 4, 6), (24, 48), 6) is None
+    assert "have no grid" in ask(gemma, (1, 2, 2), (3, 8, 8), 4)
+    assert "need a grid" in ask(qwen, None, (3, 8, 8), 4)
+    assert "multiples of 2" in ask(qwen, (1, 3, 4), (12, 48), 3)
+    assert "over the processor's max_pixels (4096)" in ask(qwen, (1, 40, 40), (1600, 48), 400)
+    assert "float32 pixels of shape (24, 48)" in ask(qwen, (1, 4, 6), (24, 47), 6)

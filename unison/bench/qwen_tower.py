@@ -1,4 +1,4 @@
-"""`unison bench vision --tower qwen3.5`: Qwen3.5's vision tower (Qwen/Qwen3.5-35B-A3B's
+"""`unison bench vision` with a Qwen3.5 text model: Qwen3.5's vision tower (Qwen/Qwen3.5-35B-A3B's
 vision_config: 27 blocks of 1,152, patches of 16, a 2x2 merger to the text model's width) for one
 896 x 896 picture (56 x 56 patches, 784 tokens), random weights, beside llama.cpp's
 (`llama-mtmd-cli --mmproj`) and transformers' on the same weights.

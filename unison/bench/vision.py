@@ -210,9 +210,11 @@ def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | Non
     import torch
 
     from unison.model.weights.gguf import hf_config, open_gguf
+    from unison.model.weights.gguf_header import MMPROJ_PROJECTORS
 
-    text_hidden = int(hf_config(open_gguf(text_model))["hidden_size"])
-    if hf_config(open_gguf(text_model))["model_type"] in ("qwen35", "qwen35moe"):
+    hf = hf_config(open_gguf(text_model))
+    text_hidden = int(hf["hidden_size"])
+    if MMPROJ_PROJECTORS.get(hf["model_type"]) == "qwen3vl_merger":
         return run_qwen(text_model, text_hidden, llama_mtmd, trials, layers, out_dir)
     cfg = gemma3_tower(text_hidden, layers)
     tensors = random_tower(cfg)
@@ -417,9 +419,10 @@ def main(args: argparse.Namespace) -> None:
         run(text, args.llama_mtmd, args.trials, args.layers, Path(args.out_dir))
         return
     from unison.model.weights.gguf import hf_config, open_gguf
+    from unison.model.weights.gguf_header import MMPROJ_PROJECTORS
 
     hf, out = hf_config(open_gguf(text)), Path(args.out_dir)
-    if hf["model_type"] in ("qwen35", "qwen35moe"):
+    if MMPROJ_PROJECTORS.get(hf["model_type"]) == "qwen3vl_merger":
         from unison.bench import qwen_tower
 
         qwen = qwen_tower.qwen35_tower(int(hf["hidden_size"]), args.layers)

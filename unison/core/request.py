@@ -134,30 +134,47 @@ def check_images(msg: Generate, spec: ImageSpec | None) -> str | None:
     if spec is None:
         return "this model takes no images (a text-only model)"
     end = 0
-    for image in msg.images:
+    for i, image in enumerate(msg.images):
+        problem = _grid_problem(image, spec)
+        if problem is not None:
+            return f"images[{i}].grid: {problem}"
         shape, tokens = _image_shape(image, spec)
-        if shape is None or image.shape != shape or len(image.pixels) != 4 * math.prod(shape) \
-                or len(image.hash) < 4:
-            return (f"an image must be float32 pixels of shape {shape or 'rows * columns, 3 * patch ** 2'} "
-                    "with its hash (and a grid image its grid of patches, in whole tokens)")
+        if image.shape != shape or len(image.pixels) != 4 * math.prod(shape) or len(image.hash) < 4:
+            return f"images[{i}]: an image must be float32 pixels of shape {shape} with its hash"
         run = msg.input_ids[image.offset: image.offset + image.tokens]
         if image.offset < end or image.tokens != tokens or run != [spec.token_id] * tokens:
-            return (f"each image must sit on its own run of {tokens} placeholder tokens "
+            return (f"images[{i}]: each image must sit on its own run of {tokens} placeholder tokens "
                     f"{spec.token_id}, in order")
         end = image.offset + image.tokens
     return None
 
 
-def _image_shape(image: ImageInput, spec: ImageSpec) -> tuple[tuple[int, ...] | None, int]:
-    """The pixels' shape the image must have, and its placeholders (shape None: a grid that is
-    not one)."""
+def _grid_problem(image: ImageInput, spec: ImageSpec) -> str | None:
+    """What is wrong with an image's grid of patches, or None: a fixed-size image (Gemma 3's,
+    whose rows see their whole image) has none; a grid image's is one frame of whole tokens within
+    the processor's pixel bounds (the tower's attention grows with its square: a frontend that
+    sent a huge one would stall every step)."""
+    p, grid = spec.patches, image.grid
+    if p is None or grid is None:
+        if p is None and grid is None:
+            return None
+        return f"this model's images {'have no' if p is None else 'need a'} grid of patches"
+    m = p.merge_size
+    if grid[0] != 1 or min(grid) < 1 or grid[1] % m or grid[2] % m:
+        return f"must be (1, rows, columns), rows and columns multiples of {m}, got {grid}"
+    pixels = grid[1] * grid[2] * p.patch_size ** 2
+    if pixels > 2 * max(p.max_pixels, p.min_pixels):  # (smart_resize stays within max_pixels)
+        return f"{grid[1]}x{grid[2]} patches is over the processor's max_pixels ({p.max_pixels})"
+    return None
+
+
+def _image_shape(image: ImageInput, spec: ImageSpec) -> tuple[tuple[int, ...], int]:
+    """The pixels' shape the image must have, and its placeholders (its grid checked first)."""
     p = spec.patches
-    if p is None:
+    if p is None or image.grid is None:
         return (3, spec.image_size, spec.image_size), spec.tokens
-    grid = image.grid
-    if grid is None or grid[0] != 1 or min(grid) < 1 or grid[1] % p.merge_size or grid[2] % p.merge_size:
-        return None, 0
-    return (grid[1] * grid[2], 3 * p.patch_size ** 2), grid[1] * grid[2] // p.merge_size ** 2
+    rows, cols = image.grid[1], image.grid[2]
+    return (rows * cols, 3 * p.patch_size ** 2), rows * cols // p.merge_size ** 2
 
 
 def check_generate(msg: Generate, vocab_size: int, context_length: int, task: str = "generate",

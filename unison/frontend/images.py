@@ -305,9 +305,10 @@ def place(ids: list[int], prepared: list[Prepared], spec: ImageSpec,
     wanted = [image.tokens(spec) for image in prepared]
     grid = spec.patches is not None
     if len(runs) != len(prepared) or any(n != k and not (grid and n == 1) for (_, n), k in zip(runs, wanted)):
+        one = f" (or one {spec.marker} each)" if grid else ""
         raise InvalidParam(field, f"{field}: the prompt's image placeholders (runs of {[n for _, n in runs]} "
                                   f"tokens {spec.token_id}) do not fit {len(prepared)} image(s) of "
-                                  f"{wanted} tokens")
+                                  f"{wanted} tokens{one}")
     out, placed, shift = list(ids), [], 0
     for (start, n), k, image in zip(runs, wanted, prepared):
         start += shift

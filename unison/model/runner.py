@@ -293,7 +293,9 @@ class ModelRunner:
         ids, pos, logits_rows = _flat(batch, self.block_size, self.device)
         positions = torch.from_numpy(self._rope_positions(batch, pos)).to(self.device)
         images = None if self.vision is None else self.vision.step_rows(batch)
-        with self.attention.step(batch, pos, images) as step, self._states(batch) as states:
+        # (the attention reads only what Gemma 3's image rows see past themselves; Qwen's are causal)
+        seeing = images if self.vision is not None and self.vision.patches is None else None
+        with self.attention.step(batch, pos, seeing) as step, self._states(batch) as states:
             if self.task == "embed":
                 hidden = self.model.forward(ids, positions, self.attention.forward, logits_rows, lora,
                                             head=False, states=states)

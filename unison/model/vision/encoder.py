@@ -45,7 +45,9 @@ QWEN_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCondition
                       "Qwen3VLForConditionalGeneration")
 VISION_ARCHITECTURES = GEMMA3_ARCHITECTURES + QWEN_ARCHITECTURES
 GGUF_NAMES = {f.name: f.gguf_architecture for f in FAMILIES if f.gguf_architecture}  # family -> GGUF's
-ENCODER_CACHE_BYTES = 256 << 20  # encoder outputs kept (a Gemma 3 image: 256 x 2560 floats, 2.6 MB)
+# Encoder outputs kept: a Gemma 3 4B image is 256 x 2,560 floats (2.6 MB); an 896x896 picture for
+# Qwen3.5-35B-A3B 784 x 2,048 (6.4 MB); Qwen3-VL's DeepStack triples to quadruples that.
+ENCODER_CACHE_BYTES = 256 << 20
 # Qwen2VLImageProcessor's defaults (OPENAI_CLIP_MEAN / _STD, its size), where the checkpoint's
 # preprocessor_config.json says nothing
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -97,13 +99,16 @@ class Vision:
                              f"architectures {', '.join(MMPROJ_PROJECTORS)} do)")
         if mmproj is None and not architectures & set(VISION_ARCHITECTURES):
             return None
-        if not isinstance(model.ops, CpuKernels):
-            raise ValueError("images run on the C attention kernel (CPU, float32): this model's device "
-                             "and dtype do not run it")
+        gemma = MMPROJ_PROJECTORS.get(arch) == "gemma3" if mmproj \
+            else bool(architectures & set(GEMMA3_ARCHITECTURES))
+        if gemma and not isinstance(model.ops, CpuKernels):  # (Qwen's image rows are causal: any ops do)
+            raise ValueError("Gemma 3's images run on the C attention kernel (CPU, float32), whose rows see "
+                             "their whole image: this model's device and dtype do not run it")
         bf16 = quantization != "none" and torch.cpu._is_avx512_bf16_supported()
         dtype = torch.bfloat16 if bf16 else linear_dtype
         if mmproj is None and architectures & set(QWEN_ARCHITECTURES):
-            qwen = QwenVisionConfig.from_hf(hf, model.cfg.hidden_size)
+            deepstack = "Qwen3VLForConditionalGeneration" in architectures
+            qwen = QwenVisionConfig.from_hf(hf, model.cfg.hidden_size, deepstack)
             return cls(QwenVision.load(model.source, qwen, dtype), qwen_image_spec(model_dir, qwen))
         if mmproj is None:
             cfg = VisionConfig.from_hf(hf)
@@ -121,14 +126,14 @@ class Vision:
         return cls(Gemma3Vision.load(file, cfg, dtype), image_spec(model_dir, cfg, file.processor()))
 
     @property
-    def grid(self) -> PatchSpec | None:
+    def patches(self) -> PatchSpec | None:
         """A grid tower's patching (Qwen: M-RoPE, causal image rows); None for Gemma 3's."""
         return self.spec.patches
 
     def embeddings(self, image: ImageInput) -> torch.Tensor:
         """The image's embeddings [1 + DeepStack layers, tokens, hidden], from the cache or the tower."""
         hit = self._cache.get(image.hash)
-        if hit is not None:
+        if hit is not None and hit.shape[1] == image.tokens:  # (a hash that lies about its image misses)
             self._cache.move_to_end(image.hash)
             return hit
         pixels = torch.from_numpy(np.frombuffer(image.pixels, dtype="<f4").reshape(image.shape).copy())
@@ -138,6 +143,8 @@ class Vision:
         else:
             out = self.tower(pixels[None])
         self.encoded += 1
+        if hit is not None:
+            self._cached_bytes -= hit.nbytes
         self._cache[image.hash] = out
         self._cached_bytes += out.nbytes
         while self._cached_bytes > ENCODER_CACHE_BYTES and len(self._cache) > 1:
@@ -160,7 +167,7 @@ class Vision:
                 if lo < hi:
                     rows.append(np.arange(lo, hi) - start + base)
                     values.append(self.embeddings(image)[:, lo - image.offset: hi - image.offset])
-                    if self.grid is None:
+                    if self.patches is None:
                         ahead[rows[-1]] = image.offset + image.tokens - 1 - np.arange(lo, hi)
             base += n
         if not rows:
@@ -175,11 +182,11 @@ class Vision:
         image at `start` (its first placeholder's index, moved by the images before it) gives its
         token (r, c) the positions (start, start + r, start + c); the text after it continues
         from start + max(rows, columns)."""
-        if self.grid is None or not item.images:
+        if self.patches is None or not item.images:
             return None
         index = np.arange(item.start_pos, item.start_pos + len(item.token_ids))
         pos = np.repeat(index[None], 3, axis=0)
-        m, shift = self.grid.merge_size, 0  # shift: what the images so far moved the text by
+        m, shift = self.patches.merge_size, 0  # shift: what the images so far moved the text by
         for image in item.images:  # in prompt order
             assert image.grid is not None  # (check_images refused a grid image without one)
             rows, cols = image.grid[1] // m, image.grid[2] // m

@@ -61,7 +61,7 @@ class MmprojWeights:
         self.deepstack = [i for i, on in enumerate(self.field("clip.vision.is_deepstack_layers") or []) if on]
         self.tensors = {}
         for t in self.reader.tensors:
-            shape = tuple(reversed([int(x) for x in t.shape]))
+            shape = _torch_shape(t)
             name = _hf_name(t.name, d, shape) if kind == "gemma3" else _qwen_name(t.name, self.deepstack)
             if name is not None:
                 self.tensors[name] = t
@@ -81,7 +81,7 @@ class MmprojWeights:
         return self.tensors[name].tensor_type.name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        shape = tuple(reversed([int(x) for x in self.tensors[name].shape]))
+        shape = _torch_shape(self.tensors[name])
         if self._frames(name):  # [d, 3, P, P] per frame: HF's [d, 3, frames, P, P]
             return (shape[0], shape[1], 2, *shape[2:])
         return shape
@@ -99,8 +99,7 @@ class MmprojWeights:
     def _read(self, t: Any) -> np.ndarray:  # Any: a GGUFReader tensor
         from gguf.quants import dequantize
 
-        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
-            tuple(reversed([int(x) for x in t.shape])))
+        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_torch_shape(t))
 
     def _frames(self, name: str) -> bool:
         """Whether `name` is Qwen's Conv3d patch weight, stored as one Conv2d per frame."""
@@ -146,10 +145,8 @@ class MmprojWeights:
         if projection != text_hidden:
             raise ValueError(f"mmproj {self.path}: clip.vision.projection_dim {projection} is not the text "
                              f"model's hidden size {text_hidden}: the file is another model's")
-        tokens = {k: token_ids.get(f"<|{k}|>") for k in ("image_pad", "vision_start", "vision_end")}
-        missing = [f"<|{k}|>" for k, v in tokens.items() if v is None]
-        if missing:
-            raise ValueError(f"the text model's tokenizer lacks the image tokens {missing}")
+        if "<|image_pad|>" not in token_ids:
+            raise ValueError("the text model's tokenizer lacks the image token <|image_pad|>")
         return QwenVisionConfig.from_hf({
             "vision_config": {
                 "depth": need("block_count"), "hidden_size": need("embedding_length"),
@@ -157,8 +154,7 @@ class MmprojWeights:
                 "patch_size": need("patch_size"), "spatial_merge_size": need("spatial_merge_size"),
                 "out_hidden_size": projection, "deepstack_visual_indexes": self.deepstack,
                 "num_position_embeddings": self.shape(QWEN + "pos_embed.weight")[0]},
-            "image_token_id": tokens["image_pad"], "vision_start_token_id": tokens["vision_start"],
-            "vision_end_token_id": tokens["vision_end"]}, text_hidden)
+            "image_token_id": token_ids["<|image_pad|>"]}, text_hidden, deepstack=bool(self.deepstack))
 
     def processor(self) -> dict[str, Any]:
         """The image processor's settings the file keeps, as a preprocessor_config.json names them:
@@ -205,3 +201,8 @@ def _qwen_name(name: str, deepstack: list[int]) -> str | None:
     if m is not None and m[2] in _QWEN_DEEPSTACK and int(m[1]) in deepstack:
         return f"{QWEN}deepstack_merger_list.{deepstack.index(int(m[1]))}.{_QWEN_DEEPSTACK[m[2]]}.{kind}"
     return None
+
+
+def _torch_shape(t: Any) -> tuple[int, ...]:  # Any: a GGUFReader tensor
+    """A GGUF tensor's shape in torch's order (GGUF lists the innermost dimension first)."""
+    return tuple(reversed([int(x) for x in t.shape]))

@@ -43,14 +43,13 @@ class QwenVisionConfig:
     num_position_embeddings: int
     deepstack_layers: tuple[int, ...]  # blocks whose output feeds a DeepStack merger (Qwen3-VL)
     rope_theta: float
-    image_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
+    image_token_id: int  # <|image_pad|>: each picture's run of placeholders
 
     @classmethod
-    def from_hf(cls, hf: JSONObject, text_hidden_size: int) -> QwenVisionConfig:
-        """From a Qwen3_5(Moe)ForConditionalGeneration or Qwen3VLForConditionalGeneration
-        config.json; absent keys take transformers' defaults."""
+    def from_hf(cls, hf: JSONObject, text_hidden_size: int, deepstack: bool = False) -> QwenVisionConfig:
+        """From a Qwen3_5(Moe)ForConditionalGeneration or (`deepstack`) Qwen3VLForConditionalGeneration
+        config.json; absent keys take transformers' defaults (Qwen3-VL's DeepStack after blocks 8,
+        16 and 24; Qwen3.5's tower has none, whatever its config says)."""
         v = hf.get("vision_config") or {}
         for key, want in (("hidden_act", "gelu_pytorch_tanh"), ("in_channels", 3)):
             if v.get(key, want) != want:
@@ -66,11 +65,9 @@ class QwenVisionConfig:
             spatial_merge_size=_int(v, "spatial_merge_size", 2),
             out_hidden_size=_int(v, "out_hidden_size", 3584),
             num_position_embeddings=_int(v, "num_position_embeddings", 2304),
-            deepstack_layers=tuple(v.get("deepstack_visual_indexes") or ()),
+            deepstack_layers=tuple(v.get("deepstack_visual_indexes", (8, 16, 24))) if deepstack else (),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            image_token_id=_int(hf, "image_token_id", 151_655, least=0),
-            vision_start_token_id=_int(hf, "vision_start_token_id", 151_652, least=0),
-            vision_end_token_id=_int(hf, "vision_end_token_id", 151_653, least=0))
+            image_token_id=_int(hf, "image_token_id", 151_655, least=0))
         if cfg.out_hidden_size != text_hidden_size:
             raise ValueError(f"vision_config.out_hidden_size ({cfg.out_hidden_size}) must be the text "
                              f"model's hidden_size ({text_hidden_size})")
@@ -144,14 +141,14 @@ class QwenVision:
                              f"weight (looked under {', '.join(TOWER_PREFIXES)})")
         d, ff, merged = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size * cfg.spatial_merge_size ** 2
 
-        def get(name: str, *shape: int) -> Tensor:
+        def get(name: str, *shape: int, as_dtype: torch.dtype = dtype) -> Tensor:
             name = prefix + name
             if name not in weights:
                 raise ValueError(f"checkpoint is missing vision weight {name!r}")
             if tuple(weights.shape(name)) != shape:
                 raise ValueError(f"vision weight {name!r} has shape {tuple(weights.shape(name))}, "
                                  f"the config makes it {shape}")
-            return weights.float(name).to(dtype).contiguous()
+            return weights.float(name).to(as_dtype).contiguous()
 
         def pair(name: str, *shape: int) -> tuple[Tensor, Tensor]:
             return get(f"{name}.weight", *shape), get(f"{name}.bias", shape[0])
@@ -162,17 +159,17 @@ class QwenVision:
                            pair(f"{name}.linear_fc2", cfg.out_hidden_size, merged), after_shuffle)
 
         p, t = cfg.patch_size, cfg.temporal_patch_size
-        w, b = pair("patch_embed.proj", d, 3, t, p, p)
         # The Conv3d over a whole patch is a linear over its floats. A still image's frames are
         # copies, so the frontend sends one and the frames' weights are summed (in float32).
-        w = weights.float(prefix + "patch_embed.proj.weight").sum(2).reshape(d, -1).to(dtype).contiguous()
+        w = get("patch_embed.proj.weight", d, 3, t, p, p, as_dtype=torch.float32).sum(2).reshape(d, -1)
+        w, b = w.to(dtype).contiguous(), get("patch_embed.proj.bias", d)
         blocks = [_Block(pair(f"blocks.{i}.norm1", d), pair(f"blocks.{i}.attn.qkv", 3 * d, d),
                          pair(f"blocks.{i}.attn.proj", d, d), pair(f"blocks.{i}.norm2", d),
                          pair(f"blocks.{i}.mlp.linear_fc1", ff, d), pair(f"blocks.{i}.mlp.linear_fc2", d, ff))
                   for i in range(cfg.depth)]
         mergers = [merger("merger", False)] + [merger(f"deepstack_merger_list.{k}", True)
                                                for k in range(len(cfg.deepstack_layers))]
-        position = get("pos_embed.weight", cfg.num_position_embeddings, d).float()
+        position = get("pos_embed.weight", cfg.num_position_embeddings, d, as_dtype=torch.float32)
         return cls(cfg, dtype, (w, b), position, blocks, mergers)
 
     @property

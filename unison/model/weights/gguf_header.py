@@ -28,7 +28,8 @@ MMPROJ_PROJECTORS = {"gemma3": "gemma3", "qwen35": "qwen3vl_merger", "qwen35moe"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-SHORT_ARRAY = 256  # numeric arrays up to this long are read whole with the header
+# Array fields read whole with the header (the others: their length): M-RoPE's sections
+WHOLE_ARRAYS = (".rope.dimension_sections",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,7 @@ class TensorInfo:
 
 @dataclass(slots=True)
 class GGUFHeader:
-    fields: JSONObject  # scalar and string fields; arrays as their length (short numeric ones: values)
+    fields: JSONObject  # scalar and string fields; arrays as their length (WHOLE_ARRAYS: values)
     tensors: list[TensorInfo]
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # each field's bytes in the file
 
@@ -128,9 +129,9 @@ def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
     return bytes(buf[pos + 8: pos + 8 + n]).decode(), pos + 8 + n
 
 
-def _skip_value(buf: mmap.mmap, kind: int, pos: int) -> tuple[Any, int]:
-    """A scalar or string value and the position after it; an array as its length (skipped), but
-    a short numeric one (M-RoPE's sections, a layer mask) as its values."""
+def _skip_value(buf: mmap.mmap, kind: int, pos: int, whole: bool = False) -> tuple[Any, int]:
+    """A scalar or string value and the position after it; an array as its length (skipped), or
+    (`whole`, numbers) as its values."""
     if kind == _STRING:
         return _string(buf, pos)
     if kind == _ARRAY:
@@ -140,7 +141,7 @@ def _skip_value(buf: mmap.mmap, kind: int, pos: int) -> tuple[Any, int]:
             for _ in range(count):  # skipped: only the tokenizer's conversion reads these
                 pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
         elif elem in _SCALARS:
-            if count <= SHORT_ARRAY:
+            if whole:
                 return list(struct.unpack_from(f"<{count}{_SCALARS[elem][1]}", buf, pos)), \
                     pos + count * struct.calcsize(_SCALARS[elem])
             pos += count * struct.calcsize(_SCALARS[elem])
@@ -177,7 +178,7 @@ def _parse_header(buf: mmap.mmap) -> GGUFHeader:
         start = pos
         key, pos = _string(buf, pos)
         (kind,) = struct.unpack_from("<I", buf, pos)
-        fields[key], pos = _skip_value(buf, kind, pos + 4)
+        fields[key], pos = _skip_value(buf, kind, pos + 4, key.endswith(WHOLE_ARRAYS))
         spans[key] = (start, pos)
     infos = []
     for _ in range(n_tensors):

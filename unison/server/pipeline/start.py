@@ -234,7 +234,10 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
     prompt = render_chat(body, request)
     tokenizer, info, config = attached(worker)
     text, prompt_ids, tools = prompt.text, prompt.ids, prompt.tools
-    params = body.sampling_params(max(info.context_length - len(prompt_ids), 1),
+    # A grid picture's run is placed by the worker, once the picture is read: the prompt's length,
+    # and so what the context leaves for the output, is known there (None: the worker computes it).
+    grid = prompt.images and info.image is not None and info.image.patches is not None
+    params = body.sampling_params(None if grid else max(info.context_length - len(prompt_ids), 1),
                                   request.app.state.sampling_defaults)
     if tools is not None and tools.schemas is not None:  # required / named: valid calls only
         if params.grammar_kind is not None:
