@@ -202,9 +202,10 @@ def grown_qwen35(text_model: Path, out: Path) -> Path:
     by Qwen's three vision tokens (control tokens, zero embedding and output rows) with a ChatML
     template that writes them for a picture: a text model that takes pictures, for the served
     figures."""
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
 
     from unison.bench.model import copy_fields
+    from unison.bench.vision import write_grown_tensors
     from unison.model.weights.gguf_header import read_fields
 
     fields = read_fields(text_model)
@@ -218,13 +219,4 @@ def grown_qwen35(text_model: Path, out: Path) -> Path:
     copy_fields(writer, fields, extend={"tokenizer.ggml.tokens": VISION_TOKENS,
                                         "tokenizer.ggml.scores": [0.0] * extra,
                                         "tokenizer.ggml.token_type": [3] * extra})  # 3: control
-    for tensor in GGUFReader(text_model).tensors:
-        data = np.asarray(tensor.data)
-        if tensor.name in ("token_embd.weight", "output.weight"):  # zero bytes: a zero row in any format
-            data = np.concatenate([data, np.zeros((extra, *data.shape[1:]), data.dtype)])
-        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    return write_grown_tensors(writer, text_model, extra, out)

@@ -26,6 +26,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # (torch and the model load inside the command: `unison serve` imports this parser)
     import torch
+    from gguf import GGUFWriter
 
     from unison.model.vision.siglip import VisionConfig
 
@@ -302,7 +303,7 @@ def grown_gemma3(text_model: Path, out: Path) -> Path:
     multimodal files' vocabulary (<image_soft_token> at 262,144, the rest unused) with zero
     embedding rows for the new tokens, and the instruct models' chat template where it has none:
     a text model that takes pictures, for the served figures."""
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
 
     from unison.bench.model import copy_fields
     from unison.model.weights.gguf_header import read_fields
@@ -313,9 +314,18 @@ def grown_gemma3(text_model: Path, out: Path) -> Path:
     if "tokenizer.chat_template" not in fields:  # (a base model's file: the instruct one's)
         writer.add_chat_template(GEMMA3_TEMPLATE)
     copy_fields(writer, fields, extend=image_tokens(extra))
+    return write_grown_tensors(writer, text_model, extra, out)
+
+
+def write_grown_tensors(writer: GGUFWriter, text_model: Path, extra: int, out: Path) -> Path:
+    """`text_model`'s tensors into `writer` (its fields written already), the vocabulary's rows
+    (the embedding's, and the output's where it has one) grown by `extra` zero rows; the file
+    written to `out`."""
+    from gguf import GGUFReader
+
     for tensor in GGUFReader(text_model).tensors:
         data = np.asarray(tensor.data)
-        if tensor.name == "token_embd.weight":  # zero bytes are a zero row in every block format
+        if tensor.name in ("token_embd.weight", "output.weight"):  # zero bytes: a zero row in any format
             data = np.concatenate([data, np.zeros((extra, *data.shape[1:]), data.dtype)])
         writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()

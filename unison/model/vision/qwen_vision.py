@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unison.json_types import JSONObject
-from unison.model.weights.sources import WeightSource
+from unison.model.weights.sources import WeightSource, checked_tensor
 
 TOWER_PREFIXES = ("model.visual.", "visual.")  # transformers 5's names; Qwen2.5-VL-era checkpoints'
 LAYER_NORM_EPS = 1e-6  # the tower's LayerNorms (fixed in transformers, not in the config)
@@ -142,13 +142,7 @@ class QwenVision:
         d, ff, merged = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size * cfg.spatial_merge_size ** 2
 
         def get(name: str, *shape: int, as_dtype: torch.dtype = dtype) -> Tensor:
-            name = prefix + name
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing vision weight {name!r}")
-            if tuple(weights.shape(name)) != shape:
-                raise ValueError(f"vision weight {name!r} has shape {tuple(weights.shape(name))}, "
-                                 f"the config makes it {shape}")
-            return weights.float(name).to(as_dtype).contiguous()
+            return checked_tensor(weights, prefix + name, shape, as_dtype)
 
         def pair(name: str, *shape: int) -> tuple[Tensor, Tensor]:
             return get(f"{name}.weight", *shape), get(f"{name}.bias", shape[0])

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unison.model.weights.sources import WeightSource
+from unison.model.weights.sources import WeightSource, checked_tensor
 
 # Where a checkpoint keeps the tower: published checkpoints (and transformers 4's in-memory
 # names) keep SiglipVisionModel's `vision_model.`; transformers 5 drops it, in memory and in what
@@ -123,12 +123,7 @@ class Gemma3Vision:
         d, ff, p = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size
 
         def get(name: str, *shape: int, as_dtype: torch.dtype = dtype) -> Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing vision weight {name!r}")
-            if tuple(weights.shape(name)) != shape:
-                raise ValueError(f"vision weight {name!r} has shape {tuple(weights.shape(name))}, "
-                                 f"the config makes it {shape}")
-            return weights.float(name).to(as_dtype).contiguous()
+            return checked_tensor(weights, name, shape, as_dtype)
 
         def pair(name: str, *shape: int) -> tuple[Tensor, Tensor]:
             return get(f"{tower}{name}.weight", *shape), get(f"{tower}{name}.bias", shape[0])

@@ -162,6 +162,18 @@ class RenamedWeights:
         return self.base.quantized(self._name(name), bits)
 
 
+def checked_tensor(weights: WeightSource, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   what: str = "vision weight") -> torch.Tensor:
+    """`name` as `dtype`, contiguous; a ValueError naming it where the checkpoint lacks it or its
+    shape is not the config's `shape`."""
+    if name not in weights:
+        raise ValueError(f"checkpoint is missing {what} {name!r}")
+    if tuple(weights.shape(name)) != shape:
+        raise ValueError(f"{what} {name!r} has shape {tuple(weights.shape(name))}, "
+                         f"the config makes it {shape}")
+    return weights.float(name).to(dtype).contiguous()
+
+
 def save_tensors(tensors: dict[str, torch.Tensor], directories: list[Path]) -> Path:
     """Write `tensors` as a private safetensors file in the first of `directories` with room
     (update_weights_from_tensor hands them to the core this way); the caller removes it.
