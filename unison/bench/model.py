@@ -82,6 +82,24 @@ def copy_fields(writer: GGUFWriter, fields: dict[str, Field], renames: dict[str,
         writer.add_key_value(name, value, GGUFValueType(field.kind), sub_type=sub)
 
 
+def write_grown_tensors(writer: GGUFWriter, text_model: Path, extra: int, out: Path) -> Path:
+    """`text_model`'s tensors into `writer` (its fields written already), the vocabulary's rows
+    (the embedding's, and the output's where it has one) grown by `extra` zero rows; the file
+    written to `out`."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(text_model).tensors:
+        data = np.asarray(tensor.data)
+        if tensor.name in ("token_embd.weight", "output.weight"):  # zero bytes: a zero row in any format
+            data = np.concatenate([data, np.zeros((extra, *data.shape[1:]), data.dtype)])
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 @functools.cache
 def embedded_tokenizer() -> dict[str, Field]:
     """The embedded model's tokenizer fields, which every written model carries: read once."""

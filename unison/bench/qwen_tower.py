@@ -204,8 +204,7 @@ def grown_qwen35(text_model: Path, out: Path) -> Path:
     figures."""
     from gguf import GGUFWriter
 
-    from unison.bench.model import copy_fields
-    from unison.bench.vision import write_grown_tensors
+    from unison.bench.model import copy_fields, write_grown_tensors
     from unison.model.weights.gguf_header import read_fields
 
     fields = read_fields(text_model)

@@ -26,7 +26,6 @@ import numpy as np
 
 if TYPE_CHECKING:  # (torch and the model load inside the command: `unison serve` imports this parser)
     import torch
-    from gguf import GGUFWriter
 
     from unison.model.vision.siglip import VisionConfig
 
@@ -305,7 +304,7 @@ def grown_gemma3(text_model: Path, out: Path) -> Path:
     a text model that takes pictures, for the served figures."""
     from gguf import GGUFWriter
 
-    from unison.bench.model import copy_fields
+    from unison.bench.model import copy_fields, write_grown_tensors
     from unison.model.weights.gguf_header import read_fields
 
     fields = read_fields(text_model)
@@ -315,24 +314,6 @@ def grown_gemma3(text_model: Path, out: Path) -> Path:
         writer.add_chat_template(GEMMA3_TEMPLATE)
     copy_fields(writer, fields, extend=image_tokens(extra))
     return write_grown_tensors(writer, text_model, extra, out)
-
-
-def write_grown_tensors(writer: GGUFWriter, text_model: Path, extra: int, out: Path) -> Path:
-    """`text_model`'s tensors into `writer` (its fields written already), the vocabulary's rows
-    (the embedding's, and the output's where it has one) grown by `extra` zero rows; the file
-    written to `out`."""
-    from gguf import GGUFReader
-
-    for tensor in GGUFReader(text_model).tensors:
-        data = np.asarray(tensor.data)
-        if tensor.name in ("token_embd.weight", "output.weight"):  # zero bytes: a zero row in any format
-            data = np.concatenate([data, np.zeros((extra, *data.shape[1:]), data.dtype)])
-        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def _picture_url(seed: int) -> str:
