@@ -561,7 +561,7 @@ def hf_ids_and_pictures(runner: ModelRunner, case: int) -> tuple[list[int], list
     from unison.frontend.text.tokenizer import Tokenizer
 
     spec = runner.vision.spec
-    text = images.expand(TEXTS[case], len(PICTURES[case]), spec, "prompt")
+    text = images.expand(TEXTS[case], [0] * len(PICTURES[case]), spec, "prompt")
     return Tokenizer.from_dir(runner.model_dir).encode(text, add_special_tokens=False), PICTURES[case]
 
 
@@ -690,3 +690,78 @@ def test_a_gguf_with_its_mmproj_sees_pictures_as_the_checkpoint_does(gguf_files,
         for x, y in zip(a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]):
             assert [t for _, t, _ in x] == [t for _, t, _ in y]
             assert max(abs(p - q) for (p, _, _), (q, _, _) in zip(x, y)) < 1e-3
+
+
+# ---- pan-and-scan (opt-in, as in transformers) --------------------------------------------------
+
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16, "pan_and_scan_max_num_crops": 3,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+
+
+@pytest.fixture(scope="module")
+def pas_dir(model_dir, tmp_path_factory) -> Path:
+    """The tiny Gemma 3 with its processor's pan-and-scan turned on."""
+    out = tmp_path_factory.mktemp("gemma3-pan-and-scan") / "tiny"
+    shutil.copytree(model_dir, out)
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR | PAN_AND_SCAN))
+    return out
+
+
+@pytest.mark.parametrize("size", [(200, 60), (60, 130), (100, 70), (70, 64), (40, 500), (300, 20)])
+def test_pan_and_scan_crops_equal_the_hf_processor_bit_for_bit(pas_dir, size):
+    """The picture and each crop (landscape, portrait, just past the ratio, under it, more crops
+    than allowed, crops at the minimum size), and how many crops."""
+    import transformers
+
+    from unison.model.vision.encoder import image_spec
+    from unison.model.vision.siglip import VisionConfig
+
+    spec = image_spec(pas_dir, VisionConfig.from_hf(json.loads((pas_dir / "config.json").read_text())))
+    image = picture(*size, seed=sum(size))
+    read = images.read(images.ImageSource(png(image), "image"), images.ImageLimits(1 << 30, 1 << 30))
+    ours = images.prepare(read, spec)
+    reference = transformers.Gemma3ImageProcessorPil(**PREPROCESSOR | PAN_AND_SCAN | {"do_convert_rgb": True})
+    theirs = reference(image, return_tensors="np")
+    assert len(ours.crops) == theirs["num_crops"][0] and (len(ours.crops) > 0) == (size != (70, 64))
+    got = np.stack([view.pixels for view in ours.views()])
+    assert got.shape == theirs["pixel_values"].shape
+    assert np.array_equal(got.view(np.uint32), theirs["pixel_values"].view(np.uint32))
+
+
+def pas_inputs(processor, text: str, pictures: list, add_special_tokens: bool = True):
+    return processor(text=text, images=pictures, return_tensors="pt", add_special_tokens=add_special_tokens,
+                     **PAN_AND_SCAN)
+
+
+def test_pan_and_scan_gives_transformers_tokens_through_the_engine_and_chat(pas_dir, hf, processor):
+    """A wide picture's crops: the prompt (its words and a run per crop) and greedy tokens of
+    transformers' processor and model, through Engine.generate and an OpenAI chat (whose text
+    the worker expands once the picture is read)."""
+    import openai
+
+    from tests.serving import serve
+    from unison import Engine
+
+    pic = picture(150, 50, seed=31)
+    inputs = pas_inputs(processor, PROMPT, [pic])
+    n = inputs["input_ids"].shape[1]
+    assert len(inputs["pixel_values"]) > 1  # (crops were cut)
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, n:].tolist()
+    with Engine(model_path=str(pas_dir), quantization="none") as engine:
+        out = engine.generate(PROMPT, GREEDY, image_data=pic)
+    assert out["output_ids"] == ref and out["meta_info"]["prompt_tokens"] == n
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = pas_inputs(processor, text, [pic], add_special_tokens=False)  # (the template wrote <bos>)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, n:]
+    with contextlib.closing(serve("vision-pas", str(pas_dir), "--served-model-name", "m", "--quantization",
+                                  "none")) as started:
+        server = next(started)  # (closing it stops the server, whatever the assertions say)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="m", messages=ask(image_part(data_url(pic))),
+                                               temperature=0, max_tokens=8)
+        assert reply.choices[0].message.content == processor.tokenizer.decode(ref, skip_special_tokens=True)
+        assert reply.usage.prompt_tokens == n

@@ -34,7 +34,7 @@ import numpy as np
 from unison.errors import InvalidParam
 from unison.frontend.text.tokenizer import IMAGE
 from unison.json_types import JSONObject
-from unison.wire.messages import ImageInput, ImageSpec, PatchSpec
+from unison.wire.messages import ImageInput, ImageSpec, PanAndScan, PatchSpec
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -201,10 +201,15 @@ def _check_pixels(size: tuple[int, int], limits: ImageLimits, field: str) -> Non
 class Prepared:
     """An image as its model's processor gives it: float32 `pixels`, [3, size, size] for a
     fixed-size image, a grid image's patches [rows * columns, 3 * patch * patch] on `grid`
-    (frames, rows, columns) otherwise."""
+    (frames, rows, columns) otherwise; pan-and-scan's `crops` of it, each [3, size, size]."""
 
     pixels: np.ndarray
     grid: tuple[int, int, int] | None = None
+    crops: tuple[np.ndarray, ...] = ()
+
+    def views(self) -> list[Prepared]:
+        """What the encoder sees, in the prompt's order: the image, then each crop."""
+        return [Prepared(self.pixels, self.grid), *(Prepared(c) for c in self.crops)]
 
     def tokens(self, spec: ImageSpec) -> int:
         """The placeholders the image fills."""
@@ -218,7 +223,10 @@ def prepare(image: Image.Image, spec: ImageSpec, field: str = "image_data") -> P
     (Gemma3ImageProcessor), or to its grid and cut into patches (Qwen2VLImageProcessor)."""
     rgb = _rgb(image)
     if spec.patches is None:
-        return Prepared(_normalized(rgb, (spec.image_size, spec.image_size), spec))
+        size = (spec.image_size, spec.image_size)
+        boxes = crop_boxes(rgb.width, rgb.height, spec.pan_and_scan) if spec.pan_and_scan else []
+        return Prepared(_normalized(rgb, size, spec), crops=tuple(_normalized(rgb.crop(b), size, spec)
+                                                                   for b in boxes))
     p = spec.patches
     height, width = grid_size(rgb.height, rgb.width, p, field)
     return Prepared(patchify(_normalized(rgb, (width, height), spec), p),
@@ -242,6 +250,24 @@ def _normalized(rgb: Image.Image, size: tuple[int, int], spec: ImageSpec) -> np.
     scaled = (resized.astype(np.float64) * spec.rescale).astype(np.float32)
     x = (scaled - np.asarray(spec.mean, np.float32)) / np.asarray(spec.std, np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
+
+
+def crop_boxes(width: int, height: int, pas: PanAndScan) -> list[tuple[int, int, int, int]]:
+    """Pan-and-scan's crops (left, top, right, bottom), as Gemma3ImageProcessor cuts them: none
+    for a picture nearer square than min_ratio_to_activate; else along its longer side, about
+    one per multiple of its shorter one (2 to max_num_crops, each at least min_crop_size), the last
+    cut at the picture's edge."""
+    long, short = max(width, height), min(width, height)
+    if long / short < pas.min_ratio_to_activate:
+        return []
+    n = min(int(math.floor(long / pas.min_crop_size)), int(math.floor(long / short + 0.5)))
+    n = min(pas.max_num_crops, max(2, n))
+    step = int(math.ceil(long / n))
+    if min(step, short) < pas.min_crop_size:
+        return []
+    if width >= height:
+        return [(i * step, 0, min((i + 1) * step, width), height) for i in range(n)]
+    return [(0, i * step, width, min((i + 1) * step, height)) for i in range(n)]
 
 
 def grid_size(height: int, width: int, p: PatchSpec, field: str) -> tuple[int, int]:
@@ -282,15 +308,27 @@ def identity(image: Prepared, spec: ImageSpec) -> bytes:
     return h.digest()
 
 
-def expand(text: str, count: int, spec: ImageSpec, field: str) -> str:
+def expand(text: str, crops: list[int], spec: ImageSpec, field: str) -> str:
     """`text` with each image marker made the image's placeholder run, as the model's processor
-    writes it (a grid image's: later, by place(), once its size is known); its markers must be
-    as many as the images."""
+    writes it (a grid image's: later, by place(), once its size is known; an image with
+    pan-and-scan's `crops`: the processor's words around its run and one run per crop); its
+    markers must be as many as the images."""
     found = text.count(spec.marker)
-    if found != count:
+    if found != len(crops):
         raise InvalidParam(field, f"{field}: the prompt has {found} image marker(s) {spec.marker!r} for "
-                                  f"{count} image(s)")
-    return text if spec.patches is not None else text.replace(spec.marker, spec.expansion)
+                                  f"{len(crops)} image(s)")
+    if spec.patches is not None:
+        return text
+    parts = text.split(spec.marker)
+    return parts[0] + "".join(_expansion(spec, n) + part for n, part in zip(crops, parts[1:]))
+
+
+def _expansion(spec: ImageSpec, crops: int) -> str:
+    """One image's text, as Gemma3Processor writes it (with pan-and-scan's crops, its words)."""
+    if not crops:
+        return spec.expansion
+    return (f"Here is the original image {spec.expansion} and here are some crops to help you see better "
+            + " ".join([spec.expansion] * crops))
 
 
 def place(ids: list[int], prepared: list[Prepared], spec: ImageSpec,
@@ -299,6 +337,7 @@ def place(ids: list[int], prepared: list[Prepared], spec: ImageSpec,
     takes them, each at its run of placeholders (in order). The runs must be as many as the
     images, each as long as its image's placeholders; a grid image's run may be its one marker
     token, which becomes the whole run here (as its processor expands the text)."""
+    prepared = [view for image in prepared for view in image.views()]  # (pan-and-scan: a run per crop)
     starts = [i for i, t in enumerate(ids) if t == spec.token_id and (i == 0 or ids[i - 1] != spec.token_id)]
     runs = [(s, next((j for j in range(s, len(ids)) if ids[j] != spec.token_id), len(ids)) - s)
             for s in starts]

@@ -99,6 +99,17 @@ class PatchSpec(msgspec.Struct, frozen=True):
     max_pixels: int
 
 
+class PanAndScan(msgspec.Struct, frozen=True):
+    """Gemma 3's pan-and-scan (opt-in: its processor's do_pan_and_scan): a picture whose longer
+    side is at least min_ratio_to_activate times its shorter one is also cut along it into 2 to
+    max_num_crops crops of at least min_crop_size pixels, each seen after the whole picture as a
+    picture of its own."""
+
+    min_crop_size: int
+    max_num_crops: int
+    min_ratio_to_activate: float
+
+
 class ImageSpec(msgspec.Struct, frozen=True):
     """How a vision model's frontends prepare an image (its Hugging Face processor's settings)
     and write it into a prompt. A fixed-size image (Gemma 3) is resized to image_size square and
@@ -117,6 +128,7 @@ class ImageSpec(msgspec.Struct, frozen=True):
     token_id: int
     tokens: int  # a fixed-size image's placeholders (grid images: 0, each its own)
     patches: PatchSpec | None = None
+    pan_and_scan: PanAndScan | None = None  # (a fixed-size image's, where its processor asks)
 
 
 class CoreInfo(msgspec.Struct):

@@ -37,7 +37,7 @@ from unison.model.vision.qwen_vision import QwenVision, QwenVisionConfig
 from unison.model.vision.siglip import Gemma3Vision, VisionConfig
 from unison.model.weights.gguf_header import MMPROJ_PROJECTORS
 from unison.model.weights.sources import WeightSource
-from unison.wire.messages import ImageInput, ImageSpec, PatchSpec
+from unison.wire.messages import ImageInput, ImageSpec, PanAndScan, PatchSpec
 
 # The architectures whose images Unison reads, and the tower each loads.
 GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
@@ -206,9 +206,6 @@ def image_spec(model_dir: Path, cfg: VisionConfig,
     processor class's defaults; an mmproj file's settings, `fallback`) and writes it
     into a prompt (Gemma3Processor's text)."""
     pre = _read(model_dir / "preprocessor_config.json") or fallback or {}
-    if pre.get("do_pan_and_scan"):
-        raise ValueError("preprocessor_config.json: do_pan_and_scan is not supported (images are "
-                         "taken whole)")
     size = pre.get("size") or {}
     if pre.get("do_resize") is False or size.get("height", cfg.image_size) != cfg.image_size \
             or size.get("width", cfg.image_size) != cfg.image_size:
@@ -224,7 +221,23 @@ def image_spec(model_dir: Path, cfg: VisionConfig,
     return ImageSpec(image_size=cfg.image_size, resample=int(pre.get("resample", 2)), rescale=rescale,
                      mean=mean, std=std, marker=boi,
                      expansion=f"\n\n{boi}{image * cfg.mm_tokens_per_image}{eoi}\n\n",
-                     token_id=cfg.image_token_id, tokens=cfg.mm_tokens_per_image)
+                     token_id=cfg.image_token_id, tokens=cfg.mm_tokens_per_image,
+                     pan_and_scan=_pan_and_scan(pre))
+
+
+def _pan_and_scan(pre: JSONObject) -> PanAndScan | None:
+    """Gemma3ImageProcessor's pan-and-scan settings where its config turns it on (its
+    Gemma3Processor's defaults where a setting is null)."""
+    if not pre.get("do_pan_and_scan"):
+        return None
+    size, crops = pre.get("pan_and_scan_min_crop_size") or 256, pre.get("pan_and_scan_max_num_crops") or 4
+    ratio = pre.get("pan_and_scan_min_ratio_to_activate") or 1.2
+    if not (isinstance(size, int) and size > 0 and isinstance(crops, int) and crops >= 2
+            and isinstance(ratio, (int, float)) and ratio >= 1):
+        raise ValueError(f"preprocessor_config.json: pan_and_scan_min_crop_size ({size!r}) must be > 0, "
+                         f"pan_and_scan_max_num_crops ({crops!r}) >= 2, pan_and_scan_min_ratio_to_activate "
+                         f"({ratio!r}) >= 1")
+    return PanAndScan(size, crops, float(ratio))
 
 
 def qwen_image_spec(model_dir: Path, cfg: QwenVisionConfig,

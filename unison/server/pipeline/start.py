@@ -165,6 +165,9 @@ class ChatPrompt:
     tools: ToolPlan | None
     harmony: bool = False  # rendered by openai-harmony: its output is parsed by it too
     images: list[images.ImageSource] = field(default_factory=list)  # in prompt order, not yet read
+    # The worker expands the images' markers in `text` and tokenizes it (pan-and-scan's text
+    # depends on each picture's crops, known once it is read); `ids` then count the markers alone.
+    expand_in_worker: bool = False
 
 
 def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool = True) -> ChatPrompt:
@@ -195,13 +198,14 @@ def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool 
         messages, **variables, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, tools=tools.tools if tools else None,
         chat_template=request.app.state.chat_template)
-    if sources:  # each image marker the template wrote becomes the image's placeholders
+    later = bool(sources) and info.image is not None and info.image.pan_and_scan is not None
+    if sources and not later:  # each image marker the template wrote becomes the image's placeholders
         assert info.image is not None  # (refused above otherwise)
-        text = images.expand(text, len(sources), info.image, "messages")
+        text = images.expand(text, [0] * len(sources), info.image, "messages")
     # The template writes its own special tokens: none more unless asked (vLLM's default).
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), limit=limit,
                            field="messages")
-    return ChatPrompt(text, ids, tools, images=sources)
+    return ChatPrompt(text, ids, tools, images=sources, expand_in_worker=later)
 
 
 def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, limit: int | None) -> ChatPrompt:
@@ -234,10 +238,11 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
     prompt = render_chat(body, request)
     tokenizer, info, config = attached(worker)
     text, prompt_ids, tools = prompt.text, prompt.ids, prompt.tools
-    # A grid picture's run is placed by the worker, once the picture is read: the prompt's length,
-    # and so what the context leaves for the output, is known there (None: the worker computes it).
-    grid = prompt.images and info.image is not None and info.image.patches is not None
-    params = body.sampling_params(None if grid else max(info.context_length - len(prompt_ids), 1),
+    # A grid picture's run (or pan-and-scan's text) is placed by the worker, once the picture is
+    # read: the prompt's length, and what the context leaves for the output, are known there.
+    later = prompt.expand_in_worker or (prompt.images and info.image is not None
+                                        and info.image.patches is not None)
+    params = body.sampling_params(None if later else max(info.context_length - len(prompt_ids), 1),
                                   request.app.state.sampling_defaults)
     if tools is not None and tools.schemas is not None:  # required / named: valid calls only
         if params.grammar_kind is not None:
@@ -254,10 +259,11 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
         # the constraint holds the answer, after the reasoning section (as SGLang's)
         params.structured_after = tokenizer.encode(REASONING_END, add_special_tokens=False)
     try:
-        args = GenerateArgs(input_ids=prompt_ids, sampling_params=params, return_logprob=body.logprobs,
+        given = {"prompt": text} if prompt.expand_in_worker else {"input_ids": prompt_ids}
+        args = GenerateArgs(**given, sampling_params=params, return_logprob=body.logprobs,
                             top_logprobs_num=body.top_logprobs or 0, priority=body.priority,
                             lora_path=adapter, image_data=prompt.images or None)
-        collector = await _submit(request, worker, text, args)
+        collector = await _submit(request, worker, text, args, bool(body.add_special_tokens))
     except InvalidParam as e:  # the limit came as max_completion_tokens: name that
         if e.field != "max_new_tokens" or body.max_completion_tokens is None:
             raise
