@@ -106,23 +106,28 @@ class Vision:
                              "their whole image: this model's device and dtype do not run it")
         bf16 = quantization != "none" and torch.cpu._is_avx512_bf16_supported()
         dtype = torch.bfloat16 if bf16 else linear_dtype
-        if mmproj is None and architectures & set(QWEN_ARCHITECTURES):
+        if mmproj is not None:
+            return cls._from_mmproj(MmprojWeights(mmproj), arch, model_dir, model.cfg.hidden_size, dtype)
+        if architectures & set(QWEN_ARCHITECTURES):
             deepstack = "Qwen3VLForConditionalGeneration" in architectures
             qwen = QwenVisionConfig.from_hf(hf, model.cfg.hidden_size, deepstack)
             return cls(QwenVision.load(model.source, qwen, dtype), qwen_image_spec(model_dir, qwen))
-        if mmproj is None:
-            cfg = VisionConfig.from_hf(hf)
-            return cls(Gemma3Vision.load(model.source, cfg, dtype), image_spec(model_dir, cfg))
-        file = MmprojWeights(mmproj)
+        cfg = VisionConfig.from_hf(hf)
+        return cls(Gemma3Vision.load(model.source, cfg, dtype), image_spec(model_dir, cfg))
+
+    @classmethod
+    def _from_mmproj(cls, file: MmprojWeights, arch: str, model_dir: Path, text_hidden: int,
+                     dtype: torch.dtype) -> Vision:
+        """The tower in llama.cpp's mmproj `file`, beside a GGUF text model of architecture `arch`
+        (its image tokens named in the tokenizer of `model_dir`)."""
         if file.kind != MMPROJ_PROJECTORS[arch]:
-            raise ValueError(f"mmproj {mmproj}: clip.projector_type {file.kind!r} is not a {arch} model's "
+            raise ValueError(f"mmproj {file.path}: clip.projector_type {file.kind!r} is not a {arch} model's "
                              f"({MMPROJ_PROJECTORS[arch]!r})")
         if file.kind == "qwen3vl_merger":
             names = {name: i for i, name in _token_names(model_dir).items()}
-            qwen = file.qwen_config(model.cfg.hidden_size, names)
-            spec = qwen_image_spec(model_dir, qwen, file.processor())
-            return cls(QwenVision.load(file, qwen, dtype), spec)
-        cfg = file.vision_config(model.cfg.hidden_size)
+            qwen = file.qwen_config(text_hidden, names)
+            return cls(QwenVision.load(file, qwen, dtype), qwen_image_spec(model_dir, qwen, file.processor()))
+        cfg = file.vision_config(text_hidden)
         return cls(Gemma3Vision.load(file, cfg, dtype), image_spec(model_dir, cfg, file.processor()))
 
     @property
