@@ -320,21 +320,28 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def test_openai_chat_with_an_image_gives_transformers_answer(server, hf, processor):
+def assert_chat_gives_transformers_answer(url: str, hf, processor, pic, **processor_options) -> None:
+    """An OpenAI chat with `pic` and "What is this?" answers as transformers' processor (its
+    `processor_options`) and model do, and its usage counts the image's placeholders."""
     import openai
 
-    pic = picture(100, 75, seed=21)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = hf_inputs(processor, text, [pic], add_special_tokens=False)  # (the template wrote <bos>)
+    # (no special tokens added: the template wrote <bos>)
+    inputs = processor(text=text, images=[pic], return_tensors="pt", add_special_tokens=False,
+                       **processor_options)
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
         ref = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, n:]
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     out = client.chat.completions.create(model="m", messages=ask(image_part(data_url(pic))),
                                          temperature=0, max_tokens=8)
     assert out.choices[0].message.content == processor.tokenizer.decode(ref, skip_special_tokens=True)
-    assert out.usage.prompt_tokens == n  # the image's placeholders count
+    assert out.usage.prompt_tokens == n
+
+
+def test_openai_chat_with_an_image_gives_transformers_answer(server, hf, processor):
+    assert_chat_gives_transformers_answer(server.url, hf, processor, picture(100, 75, seed=21))
 
 
 def test_every_api_sees_the_same_picture(server):
@@ -737,8 +744,6 @@ def test_pan_and_scan_gives_transformers_tokens_through_the_engine_and_chat(pas_
     """A wide picture's crops: the prompt (its words and a run per crop) and greedy tokens of
     transformers' processor and model, through Engine.generate and an OpenAI chat (whose text
     the worker expands once the picture is read)."""
-    import openai
-
     from tests.serving import serve
     from unison import Engine
 
@@ -751,17 +756,7 @@ def test_pan_and_scan_gives_transformers_tokens_through_the_engine_and_chat(pas_
     with Engine(model_path=str(pas_dir), quantization="none") as engine:
         out = engine.generate(PROMPT, GREEDY, image_data=pic)
     assert out["output_ids"] == ref and out["meta_info"]["prompt_tokens"] == n
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = pas_inputs(processor, text, [pic], add_special_tokens=False)  # (the template wrote <bos>)
-    n = inputs["input_ids"].shape[1]
-    with torch.no_grad():
-        ref = hf.generate(**inputs, max_new_tokens=8, do_sample=False)[0, n:]
     with contextlib.closing(serve("vision-pas", str(pas_dir), "--served-model-name", "m", "--quantization",
                                   "none")) as started:
         server = next(started)  # (closing it stops the server, whatever the assertions say)
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(model="m", messages=ask(image_part(data_url(pic))),
-                                               temperature=0, max_tokens=8)
-        assert reply.choices[0].message.content == processor.tokenizer.decode(ref, skip_special_tokens=True)
-        assert reply.usage.prompt_tokens == n
+        assert_chat_gives_transformers_answer(server.url, hf, processor, pic, **PAN_AND_SCAN)
