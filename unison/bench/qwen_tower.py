@@ -12,6 +12,7 @@ converter needs llama.cpp's source tree, which is not installed here.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,11 +141,9 @@ def _gguf_tensors(name: str, data: np.ndarray, cfg: QwenVisionConfig) -> list[tu
     return [(f"v.blk.{m[1]}.{_LAYER[m[2]]}.{kind}", data)]
 
 
-def our_encoder_seconds(cfg: QwenVisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                        trials: int) -> list[float]:
-    """Seconds for one 896 x 896 picture through QwenVision, after a warm-up."""
-    import time
-
+def our_encoder(cfg: QwenVisionConfig, tensors: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> Callable[[], object]:
+    """One 896 x 896 picture through QwenVision."""
     import torch
 
     from unison.model.vision.qwen_vision import QwenVision
@@ -152,20 +151,11 @@ def our_encoder_seconds(cfg: QwenVisionConfig, tensors: dict[str, torch.Tensor],
 
     tower = QwenVision.load(DictWeights(tensors), cfg, dtype)
     patches = torch.rand(GRID[0] * GRID[1], cfg.patch_dim) * 2 - 1
-    tower(patches, GRID)
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        tower(patches, GRID)
-        times.append(time.perf_counter() - start)
-    return times
+    return lambda: tower(patches, GRID)
 
 
-def transformers_encoder_seconds(cfg: QwenVisionConfig, tensors: dict[str, torch.Tensor],
-                                 trials: int) -> list[float]:
-    """Seconds for one 896 x 896 picture through transformers' Qwen3.5 tower (float32, sdpa)."""
-    import time
-
+def transformers_encoder(cfg: QwenVisionConfig, tensors: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """One 896 x 896 picture through transformers' Qwen3.5 tower (float32, sdpa)."""
     import torch
     import transformers
 
@@ -178,14 +168,7 @@ def transformers_encoder_seconds(cfg: QwenVisionConfig, tensors: dict[str, torch
     model.load_state_dict({k.removeprefix(PREFIX): v for k, v in tensors.items()})
     pixels = torch.rand(GRID[0] * GRID[1], 3 * cfg.temporal_patch_size * cfg.patch_size ** 2) * 2 - 1
     grid = torch.tensor([[1, *GRID]])
-    times = []
-    with torch.no_grad():
-        model(pixels, grid_thw=grid)
-        for _ in range(trials):
-            start = time.perf_counter()
-            model(pixels, grid_thw=grid)
-            times.append(time.perf_counter() - start)
-    return times
+    return torch.no_grad()(lambda: model(pixels, grid_thw=grid))
 
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -132,9 +133,20 @@ def _gguf_tensor(name: str, data: np.ndarray) -> tuple[str, np.ndarray]:
     return f"v.blk.{m[1]}.{_GGUF_LAYER[m[2]]}.{kind}", data.astype(np.float16) if data.ndim == 2 else data
 
 
-def our_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                        trials: int) -> list[float]:
-    """Seconds for one image through Gemma3Vision, after a warm-up."""
+def timed(call: Callable[[], object], trials: int) -> list[float]:
+    """Seconds of each of `trials` calls of `call`, after one to warm up."""
+    call()
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def our_encoder(cfg: VisionConfig, tensors: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> Callable[[], object]:
+    """One image through Gemma3Vision."""
     import torch
 
     from unison.model.vision.siglip import Gemma3Vision
@@ -142,18 +154,11 @@ def our_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dty
 
     tower = Gemma3Vision.load(DictWeights(tensors), cfg, dtype)
     pixels = torch.rand(1, 3, cfg.image_size, cfg.image_size) * 2 - 1
-    tower(pixels)
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        tower(pixels)
-        times.append(time.perf_counter() - start)
-    return times
+    return lambda: tower(pixels)
 
 
-def transformers_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Tensor],
-                                 trials: int) -> list[float]:
-    """Seconds for one image through transformers' Gemma 3 tower and projector (float32)."""
+def transformers_encoder(cfg: VisionConfig, tensors: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """One image through transformers' Gemma 3 tower and projector (float32)."""
     import torch
     import transformers
 
@@ -169,14 +174,7 @@ def transformers_encoder_seconds(cfg: VisionConfig, tensors: dict[str, torch.Ten
         "multi_modal_projector.", "model.multi_modal_projector."): v for k, v in tensors.items()}
     model.load_state_dict(state, strict=False)
     pixels = torch.rand(1, 3, cfg.image_size, cfg.image_size) * 2 - 1
-    times = []
-    with torch.no_grad():
-        model.model.get_image_features(pixels)
-        for _ in range(trials):
-            start = time.perf_counter()
-            model.model.get_image_features(pixels)
-            times.append(time.perf_counter() - start)
-    return times
+    return torch.no_grad()(lambda: model.model.get_image_features(pixels))
 
 
 def llama_cpp_encoder_seconds(cli: str, text_model: Path, mmproj: Path, trials: int,
@@ -222,8 +220,8 @@ def run(text_model: Path, llama_mtmd: str | None, trials: int, layers: int | Non
           f"projected to {text_hidden}; {torch.get_num_threads()} threads; {trials} trials, medians")
     rows = []
     for name, dtype in (("unison bf16", torch.bfloat16), ("unison float32", torch.float32)):
-        rows.append((name, our_encoder_seconds(cfg, tensors, dtype, trials)))
-    rows.append(("transformers float32", transformers_encoder_seconds(cfg, tensors, trials)))
+        rows.append((name, timed(our_encoder(cfg, tensors, dtype), trials)))
+    rows.append(("transformers float32", timed(transformers_encoder(cfg, tensors), trials)))
     if llama_mtmd:
         mmproj = write_mmproj(tensors, cfg, out_dir / "mmproj-gemma3-4b-tower.gguf")
         runs = llama_cpp_encoder_seconds(llama_mtmd, text_model, mmproj, trials)
@@ -246,8 +244,8 @@ def run_qwen(text_model: Path, text_hidden: int, llama_mtmd: str | None, trials:
           f"({h * w // 4} tokens), projected to {text_hidden}; {torch.get_num_threads()} threads; "
           f"{trials} trials, medians")
     for name, dtype in (("unison bf16", torch.bfloat16), ("unison float32", torch.float32)):
-        rows.append((name, qwen_tower.our_encoder_seconds(cfg, tensors, dtype, trials)))
-    rows.append(("transformers float32", qwen_tower.transformers_encoder_seconds(cfg, tensors, trials)))
+        rows.append((name, timed(qwen_tower.our_encoder(cfg, tensors, dtype), trials)))
+    rows.append(("transformers float32", timed(qwen_tower.transformers_encoder(cfg, tensors), trials)))
     if llama_mtmd:
         mmproj = qwen_tower.write_mmproj(tensors, cfg, out_dir / f"mmproj-qwen3.5-tower-{cfg.depth}.gguf")
         runs = llama_cpp_encoder_seconds(llama_mtmd, text_model, mmproj, trials, template="chatml")
