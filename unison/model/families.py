@@ -135,11 +135,11 @@ FAMILIES = [
            fused_experts=True, moe=MoeNames("mlp.router", "mlp.experts")),
 ]
 BY_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
+BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
+SUPPORTED = sorted(BY_ARCHITECTURE)
 # M-RoPE's (time, rows, columns) sections where a config gives none: transformers' defaults
 MROPE_DEFAULTS = {**dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"), (11, 11, 10)),
                   "qwen3_vl": (24, 20, 20)}
-BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
-SUPPORTED = sorted(BY_ARCHITECTURE)
 
 
 def family_of(architectures: list[str] | None, where: str = "") -> Family:

@@ -3,6 +3,7 @@ them, and the cos / sin of a step's positions."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,8 @@ class Rope:
         inv_freq = inv_freq.to(positions.device)
         if positions.dim() == 2:  # each frequency turns with one of the three positions
             freqs = positions.to(torch.float32)[:, :, None] * inv_freq
-            freqs = freqs.gather(0, self._mrope_axes(positions.shape[1]))[0]
+            axes = self.mrope_axes.to(positions.device)[None, None, :].expand(1, positions.shape[1], -1)
+            freqs = freqs.gather(0, axes)[0]
         else:
             freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
@@ -74,16 +76,17 @@ class Rope:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
 
-    def _mrope_axes(self, n: int) -> torch.Tensor:
-        """[1, n, head_dim / 2]: which position each frequency turns with, interleaved as
-        transformers' Qwen3-VL: 1, 4, 7, ... the row's, 2, 5, 8, ... the column's (each below 3
-        times its section's count, whatever the head's size, as transformers), the rest the time's."""
+    @functools.cached_property
+    def mrope_axes(self) -> torch.Tensor:
+        """[head_dim / 2]: which position each frequency turns with (0 time, 1 row, 2 column),
+        interleaved as transformers' Qwen3-VL: 1, 4, 7, ... the row's, 2, 5, 8, ... the column's
+        (each below 3 times its section's count, whatever the head's size), the rest the time's.
+        Made once per rope (a frozen dataclass's cached property), not per step."""
         if len(self.mrope_section) != 3:
             raise ValueError("3D positions are for M-RoPE (rope_parameters.mrope_section)")
         _, rows, cols = self.mrope_section
         f = torch.arange(self.head_dim // 2)
-        axes = torch.where((f % 3 == 1) & (f < 3 * rows), 1, torch.where((f % 3 == 2) & (f < 3 * cols), 2, 0))
-        return axes[None, None, :].expand(1, n, -1)
+        return torch.where((f % 3 == 1) & (f < 3 * rows), 1, torch.where((f % 3 == 2) & (f < 3 * cols), 2, 0))
 
     def inv_freq_and_scale_cached(self) -> tuple[torch.Tensor, float]:
         cached = _CACHE.get(self)

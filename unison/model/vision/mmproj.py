@@ -108,24 +108,26 @@ class MmprojWeights:
     def quantized(self, name: str, bits: int):  # the tower's linears run in float (siglip.py)
         raise ValueError(f"mmproj {self.path}: {name} is read as float only")
 
+    def _need(self, key: str) -> Any:  # Any: a header field, as stored
+        """clip.vision.`key`; a ValueError naming it where the file lacks it."""
+        value = self.field(f"clip.vision.{key}")
+        if value is None:
+            raise ValueError(f"mmproj {self.path}: clip.vision.{key} is missing")
+        return value
+
     def vision_config(self, text_hidden: int) -> VisionConfig:
         """The tower's shape from clip.vision.*; its image tokens are Gemma 3's (siglip.py's defaults)."""
-        def need(key: str) -> Any:  # Any: a header field, as stored
-            value = self.field(f"clip.vision.{key}")
-            if value is None:
-                raise ValueError(f"mmproj {self.path}: clip.vision.{key} is missing")
-            return value
-
-        size, patch, projection = (int(need(k)) for k in ("image_size", "patch_size", "projection_dim"))
+        keys = ("image_size", "patch_size", "projection_dim")
+        size, patch, projection = (int(self._need(k)) for k in keys)
         if projection != text_hidden:
             raise ValueError(f"mmproj {self.path}: clip.vision.projection_dim {projection} is not the text "
                              f"model's hidden size {text_hidden}: the file is another model's")
         scale = int(self.field("clip.vision.projector.scale_factor", 4))
         return VisionConfig.from_hf({
-            "vision_config": {"hidden_size": need("embedding_length"), "image_size": size,
-                              "intermediate_size": need("feed_forward_length"), "patch_size": patch,
-                              "num_hidden_layers": need("block_count"),
-                              "num_attention_heads": need("attention.head_count"),
+            "vision_config": {"hidden_size": self._need("embedding_length"), "image_size": size,
+                              "intermediate_size": self._need("feed_forward_length"), "patch_size": patch,
+                              "num_hidden_layers": self._need("block_count"),
+                              "num_attention_heads": self._need("attention.head_count"),
                               "layer_norm_eps": self.field("clip.vision.attention.layer_norm_epsilon", 1e-6)},
             "text_config": {"hidden_size": text_hidden},
             "mm_tokens_per_image": (size // patch // scale) ** 2})
@@ -133,15 +135,9 @@ class MmprojWeights:
     def qwen_config(self, text_hidden: int, token_ids: dict[str, int]) -> QwenVisionConfig:
         """A qwen3vl_merger tower's shape from clip.vision.* and its tensors; its image tokens by
         name from the text model's tokenizer (`token_ids`)."""
-        def need(key: str) -> Any:  # Any: a header field, as stored
-            value = self.field(f"clip.vision.{key}")
-            if value is None:
-                raise ValueError(f"mmproj {self.path}: clip.vision.{key} is missing")
-            return value
-
         if self._second_frame is None:
             raise ValueError(f"mmproj {self.path}: {_SECOND_FRAME} is missing (a still image's two frames)")
-        projection = int(need("projection_dim"))
+        projection = int(self._need("projection_dim"))
         if projection != text_hidden:
             raise ValueError(f"mmproj {self.path}: clip.vision.projection_dim {projection} is not the text "
                              f"model's hidden size {text_hidden}: the file is another model's")
@@ -149,9 +145,10 @@ class MmprojWeights:
             raise ValueError("the text model's tokenizer lacks the image token <|image_pad|>")
         return QwenVisionConfig.from_hf({
             "vision_config": {
-                "depth": need("block_count"), "hidden_size": need("embedding_length"),
-                "intermediate_size": need("feed_forward_length"), "num_heads": need("attention.head_count"),
-                "patch_size": need("patch_size"), "spatial_merge_size": need("spatial_merge_size"),
+                "depth": self._need("block_count"), "hidden_size": self._need("embedding_length"),
+                "intermediate_size": self._need("feed_forward_length"),
+                "num_heads": self._need("attention.head_count"), "patch_size": self._need("patch_size"),
+                "spatial_merge_size": self._need("spatial_merge_size"),
                 "out_hidden_size": projection, "deepstack_visual_indexes": self.deepstack,
                 "num_position_embeddings": self.shape(QWEN + "pos_embed.weight")[0]},
             "image_token_id": token_ids["<|image_pad|>"]}, text_hidden, deepstack=bool(self.deepstack))
