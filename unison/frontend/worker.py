@@ -211,7 +211,8 @@ class TokenizerWorker:
             assert self.info.image is not None  # _images refused images to a text-only model
             prompt = images.expand(prompt, [len(p.crops) for p in pixels], self.info.image, "prompt")
         ids = self._prompt_ids(prompt, cast(list[int] | None, one.input_ids), add_special_tokens)
-        info, placed = self.info, list[ImageInput]()
+        info = self.info
+        placed: list[ImageInput] = []
         if info.image is not None:  # (a grid image's one marker token becomes its whole run here)
             ids, placed = images.place(ids, pixels, info.image, "prompt" if prompt else "input_ids")
         room = min(info.context_length, info.max_total_tokens)
