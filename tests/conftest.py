@@ -36,7 +36,7 @@ os.environ["UNISON_TEST_SESSION"] = SESSION_MARK.split("=", 1)[1]
 TMP = tempfile.gettempdir()
 
 
-def _ours(path: str) -> bool:
+def _ours(path: str, our_processes: set[int]) -> bool:
     """Registries and runtime dirs are named by their owner's pid. Ours: owned by this process,
     a process of this run, or a process that is gone (then nothing cleaned it up). A live process
     of someone else's (another test run on this machine) is not ours to judge."""
@@ -44,7 +44,7 @@ def _ours(path: str) -> bool:
     if m is None:
         return True
     pid = int(m.group(1))
-    return pid == os.getpid() or not psutil.pid_exists(pid) or pid in _our_processes()
+    return pid == os.getpid() or not psutil.pid_exists(pid) or pid in our_processes
 
 
 # Marks (UNISON_TEST_MODULE_TREE in their environment) of processes a module fixture owns for
@@ -54,29 +54,46 @@ def _ours(path: str) -> bool:
 MODULE_TREES: set[str] = set()
 
 
+# (pid, start time) of the processes without this run's mark (the machine's, kernel threads,
+# other runs'): read once, not at every snapshot (two a test). A process of this run is read each
+# time: until its exec its environment is its parent's, without the module tree it may be given.
+_UNMARKED: set[tuple[int, float]] = set()
+
+
+def _marks(p: psutil.Process) -> tuple[str | None, str | None]:
+    """(session, module tree); none where unreadable (someone else's, a kernel thread, just gone)."""
+    key = (p.pid, p.info["create_time"])
+    if key in _UNMARKED:
+        return None, None
+    try:
+        env = p.environ()
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        env = {}
+    if env.get("UNISON_TEST_SESSION") != os.environ["UNISON_TEST_SESSION"]:
+        _UNMARKED.add(key)
+    return env.get("UNISON_TEST_SESSION"), env.get("UNISON_TEST_MODULE_TREE")
+
+
 def _our_processes() -> set[int]:
     found = set()
-    for p in psutil.process_iter(["pid", "status"]):
+    for p in psutil.process_iter(["pid", "status", "create_time"]):
         if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        try:
-            env = p.environ()
-            if env.get("UNISON_TEST_SESSION") == os.environ["UNISON_TEST_SESSION"] \
-                    and env.get("UNISON_TEST_MODULE_TREE") not in MODULE_TREES:
-                found.add(p.pid)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            pass
+        session, tree = _marks(p)
+        if session == os.environ["UNISON_TEST_SESSION"] and tree not in MODULE_TREES:
+            found.add(p.pid)
     return found
 
 
 def _leftovers() -> dict[str, set]:
-    runtime_dirs = {p for p in glob.glob(f"{TMP}/unison-*") if _ours(p)}
+    processes = _our_processes()
+    runtime_dirs = {p for p in glob.glob(f"{TMP}/unison-*") if _ours(p, processes)}
     return {
-        "processes": _our_processes(),
-        "registries": {p for p in glob.glob(f"{REGISTRY_DIR}/unison_*") if _ours(p)},
+        "processes": processes,
+        "registries": {p for p in glob.glob(f"{REGISTRY_DIR}/unison_*") if _ours(p, processes)},
         "runtime dirs": runtime_dirs,
         "socket files": {s for d in runtime_dirs for s in glob.glob(f"{d}/*.sock")}
-        | {s for s in glob.glob(f"{TMP}/unison*.sock") if _ours(s)},
+        | {s for s in glob.glob(f"{TMP}/unison*.sock") if _ours(s, processes)},
         "threads": {t.name for t in threading.enumerate() if t.name.startswith("unison")},
     }
 

@@ -22,7 +22,7 @@ import httpx
 import psutil
 
 from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
-from tests.utils import wait_until
+from tests.utils import HTTP, wait_until
 from unison.wire import registry
 
 FIGURES: dict[str, float] = {}  # seconds each fault took to handle, printed after each module
@@ -75,7 +75,7 @@ class Server:
                 raise AssertionError(f"the server exited with {self.proc.returncode}:\n"
                                      f"{self.output()}")
             try:
-                r = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=5)
+                r = HTTP.get(f"{self.url}/get_server_info", headers=self.headers, timeout=5)
                 if r.status_code == 200 and len(r.json()["frontends"]) == workers:
                     return r.json()
             except httpx.TransportError:
@@ -87,10 +87,10 @@ class Server:
         return Path(self.log.name).read_text()
 
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers, timeout=30)
+        return HTTP.get(self.url + path, headers=self.headers, timeout=30)
 
     def post(self, path: str, body: Any = None) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60)
+        return HTTP.post(self.url + path, json=body, headers=self.headers, timeout=60)
 
     def server_info(self) -> dict:
         r = self.get("/get_server_info")
@@ -199,17 +199,17 @@ class ModelsServer:
     def _ready(self) -> bool:
         assert self.proc.poll() is None, self.output()
         with contextlib.suppress(httpx.TransportError):
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            return HTTP.get(f"{self.url}/health", timeout=2).status_code == 200
         return False
 
     def output(self) -> str:
         return Path(self.log.name).read_text()
 
     def post(self, path: str, body: dict, timeout: float = 120) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=timeout)
+        return HTTP.post(self.url + path, json=body, timeout=timeout)
 
     def models(self) -> dict[str, dict]:
-        r = httpx.get(f"{self.url}/v1/models", timeout=10)
+        r = HTTP.get(f"{self.url}/v1/models", timeout=10)
         assert r.status_code == 200, r.text
         return {card["id"]: card for card in r.json()["data"]}
 

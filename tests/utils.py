@@ -9,6 +9,14 @@ import os
 import time
 from pathlib import Path
 
+import httpx
+
+# One client for the suite's HTTP calls: httpx's module-level get / post build a client, and its TLS
+# context (the CA bundle read and parsed), per call: two minutes of the suite's CPU went to that,
+# mostly in polls for a server's readiness. No keep-alive, so each call is still a new connection
+# (the tests that reach several HTTP workers rely on that).
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+
 # Prompts of every kind (prose, code, a list, a long sentence): the model and quantization tests'
 # greedy references run on them.
 TEXTS = [

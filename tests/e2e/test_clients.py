@@ -18,6 +18,7 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 
 from tests.serving import serve
+from tests.utils import HTTP
 from unison.frontend.text.infill import STYLES, fim_tokens
 from unison.frontend.text.tokenizer import Tokenizer
 
@@ -98,7 +99,7 @@ def test_messages_tool_round_trip(claude, stream: bool):
 
 def test_messages_errors_in_anthropics_shape(server, claude):
     def post(body: dict, headers: dict | None = None) -> httpx.Response:
-        return httpx.post(f"{server.url}/v1/messages", json=body, timeout=30,
+        return HTTP.post(f"{server.url}/v1/messages", json=body, timeout=30,
                           headers={"x-api-key": "sk-test"} if headers is None else headers)
 
     base = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -189,7 +190,7 @@ def test_ollama_describes_the_model(llama, server):
     assert "completion" in shown.capabilities and "tools" in shown.capabilities
     assert "insert" not in shown.capabilities  # SmolLM2 has no FIM tokens
     assert "im_start" in shown.template and shown.modelinfo["llama.context_length"] == 512
-    assert httpx.get(f"{server.url}/api/version", headers=server.headers).json()["version"]
+    assert HTTP.get(f"{server.url}/api/version", headers=server.headers).json()["version"]
 
 
 def test_ollama_errors_in_ollamas_shape(server, llama):
@@ -208,7 +209,7 @@ def test_ollama_errors_in_ollamas_shape(server, llama):
         (base | {"logprobs": True, "top_logprobs": 1000}, 400, "top_logprobs"),
     ]
     for body, status, field in cases:
-        r = httpx.post(f"{server.url}/api/chat", json=body, headers=server.headers, timeout=30)
+        r = HTTP.post(f"{server.url}/api/chat", json=body, headers=server.headers, timeout=30)
         assert r.status_code == status, (body, r.text)
         assert set(r.json()) == {"error"} and field in r.json()["error"], (field, r.text)
     with pytest.raises(ollama.ResponseError) as e:
@@ -230,7 +231,7 @@ def test_completion_whole_and_streamed(server):
     assert whole["tokens_evaluated"] == 5 and len(whole["tokens"]) == 6 and "Paris" in whole["content"]
     assert len(whole["completion_probabilities"]) == 6
     assert all(len(p["top_logprobs"]) == 2 for p in whole["completion_probabilities"])
-    with httpx.stream("POST", f"{server.url}/completion", json=body | {"stream": True},
+    with HTTP.stream("POST", f"{server.url}/completion", json=body | {"stream": True},
                       headers=server.headers, timeout=30) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert [c["stop"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
@@ -331,7 +332,7 @@ def test_props_template_and_slots(server):
     seen: list = []
 
     def read() -> None:
-        with httpx.stream("POST", f"{server.url}/completion", headers=server.headers, timeout=60,
+        with HTTP.stream("POST", f"{server.url}/completion", headers=server.headers, timeout=60,
                           json={"prompt": "Once upon a time", "n_predict": 200, "ignore_eos": True,
                                 "stream": True}) as r:
             for line in r.iter_lines():
@@ -364,7 +365,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server, path: str, bo
     messages = {"messages": [{"role": "user", "content": "Tell me a long story."}]}
     body = body if "prompt" in body else messages | body
     aborted = server.server_info()["stats"]["num_aborted"]
-    with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=60) as r:
+    with HTTP.stream("POST", server.url + path, json=body, headers=server.headers, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # (one iterator: dropping it would close the response here)
         next(lines)

@@ -25,7 +25,7 @@ import pytest
 from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
 from tests.e2e.test_engine import PROMPTS
 from tests.serving import free_port
-from tests.utils import wait_until
+from tests.utils import HTTP, wait_until
 from unison import Engine
 from unison.deploy.replicas import Replicas
 from unison.model.weights.loader import cache_root, default_gguf_path
@@ -57,12 +57,12 @@ class DPServer:
     def _ready(self) -> bool:
         assert self.proc.poll() is None, Path(self.log.name).read_text()
         with contextlib.suppress(httpx.TransportError):
-            r = httpx.get(self.url + "/get_server_info", timeout=5)
+            r = HTTP.get(self.url + "/get_server_info", timeout=5)
             return r.status_code == 200 and len(r.json().get("replicas", [])) == 2
         return False
 
     def info(self) -> dict:
-        r = httpx.get(self.url + "/get_server_info", timeout=30)
+        r = HTTP.get(self.url + "/get_server_info", timeout=30)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -139,7 +139,7 @@ def test_32_concurrent_requests_complete_on_both_replicas(dp):
 def test_greedy_outputs_equal_one_engines(dp, engine):
     for prompt in PROMPTS[:3]:
         want = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 12})["output_ids"]
-        r = httpx.post(dp.url + "/generate", json={"text": prompt, "sampling_params": {
+        r = HTTP.post(dp.url + "/generate", json={"text": prompt, "sampling_params": {
             "temperature": 0, "max_new_tokens": 12}}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == want
@@ -150,23 +150,23 @@ def test_server_info_metrics_and_health_cover_every_replica(dp):
     assert [r["index"] for r in info["replicas"]] == [0, 1]
     assert all(r["pid"] > 0 and r["host"] and r["address"].startswith("tcp://") for r in info["replicas"])
     assert len(info["internal_states"]) == 2
-    metrics = httpx.get(dp.url + "/metrics").text
+    metrics = HTTP.get(dp.url + "/metrics").text
     assert 'unison:num_requests_running{engine="0"}' in metrics
     assert 'unison:num_requests_running{engine="1"}' in metrics
-    assert httpx.get(dp.url + "/health").status_code == 200
-    r = httpx.post(dp.url + "/pause_generation", json={"mode": "in_place"})  # on every replica
+    assert HTTP.get(dp.url + "/health").status_code == 200
+    r = HTTP.post(dp.url + "/pause_generation", json={"mode": "in_place"})  # on every replica
     assert r.status_code == 200
     assert all(s["paused"] for s in dp.info()["internal_states"])
-    assert httpx.post(dp.url + "/continue_generation").status_code == 200
+    assert HTTP.post(dp.url + "/continue_generation").status_code == 200
 
 
 def test_a_replica_whose_core_dies_comes_back_and_the_other_serves_meanwhile(dp, tmp_path):
     # The weights updated first (the same model, under another path): the replica that comes back
     # must serve those, as the other does, not the ones the server started with.
     weights = shutil.copy(default_gguf_path(), tmp_path / "updated.gguf")
-    r = httpx.post(dp.url + "/update_weights_from_disk", json={"model_path": str(weights)}, timeout=60)
+    r = HTTP.post(dp.url + "/update_weights_from_disk", json={"model_path": str(weights)}, timeout=60)
     assert r.status_code == 200 and r.json()["success"], r.text
-    with httpx.stream("POST", dp.url + "/v1/completions", timeout=60, json={
+    with HTTP.stream("POST", dp.url + "/v1/completions", timeout=60, json={
             "prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}) as stream:
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data:"))
@@ -177,7 +177,7 @@ def test_a_replica_whose_core_dies_comes_back_and_the_other_serves_meanwhile(dp,
         tail = [line for line in lines if line.startswith("data:")]
     assert any("error" in line for line in tail), tail[-3:]  # ended in the stream, with a reason
     assert tail[-1] == "data: [DONE]"
-    r = httpx.post(dp.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+    r = HTTP.post(dp.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
     assert r.status_code == 200, r.text  # at once, on the live replica
     print(f"\n[figure] replica core kill -9 to a new request served: {time.monotonic() - start:.2f} s")
 
@@ -189,7 +189,7 @@ def test_a_replica_whose_core_dies_comes_back_and_the_other_serves_meanwhile(dp,
     print(f"[figure] replica core kill -9 to the replica serving again (its weights updated "
           f"first): {time.monotonic() - start:.2f} s")
     assert [s["model_path"] for s in dp.info()["internal_states"]] == [str(weights)] * 2
-    outs = [httpx.post(dp.url + "/generate", json={"text": p, "sampling_params": {"max_new_tokens": 4}},
+    outs = [HTTP.post(dp.url + "/generate", json={"text": p, "sampling_params": {"max_new_tokens": 4}},
                        timeout=30) for p in PROMPTS[:4]]
     assert all(o.status_code == 200 for o in outs)
 

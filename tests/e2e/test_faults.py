@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from tests.serving import FIGURES, Server, serve
+from tests.utils import HTTP
 from unison import Engine
 from unison.wire import registry
 
@@ -147,7 +148,7 @@ def _health_after_core_kill() -> list[tuple[float, str, int]]:
         t0, answers = time.monotonic(), []
         while server.proc.poll() is None and time.monotonic() - t0 < 10:
             try:
-                r = httpx.get(server.url + "/health", timeout=2)
+                r = HTTP.get(server.url + "/health", timeout=2)
                 answers.append((time.monotonic() - t0, r.headers["x-unison-worker-pid"], r.status_code))
             except httpx.TransportError:
                 pass  # that worker has exited
@@ -192,7 +193,7 @@ def test_slow_reader_gets_everything_and_slows_no_one(server):
         body = {"prompt": PROMPT, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0}
         t0 = time.monotonic()
-        with httpx.stream("POST", server.url + COMP, json=body, timeout=120) as r:
+        with HTTP.stream("POST", server.url + COMP, json=body, timeout=120) as r:
             lines = []
             for line in r.iter_lines():
                 lines.append(line)

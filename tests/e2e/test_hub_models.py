@@ -11,12 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.hub import StandInHub, point_at
 from tests.serving import serve
 from tests.unit.test_model import split_gguf, tiny_model
+from tests.utils import HTTP
 from unison import Engine
 from unison.model.weights.loader import default_gguf_path, resolve_model_dir
 
@@ -62,11 +62,11 @@ def test_serve_names_the_model_as_the_user_did(stand_in: StandInHub, tmp_path: P
     commit = stand_in.add("org/tiny-qwen3", {p.name: p.read_bytes() for p in folder.iterdir()})
     with contextlib.contextmanager(serve)("hub", "org/tiny-qwen3", "--download-dir", stand_in.cache,
                                           "--quiet") as server:
-        models = httpx.get(server.url + "/v1/models").json()["data"]
+        models = HTTP.get(server.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["org/tiny-qwen3"]
-        info = httpx.get(server.url + "/get_server_info").json()
+        info = HTTP.get(server.url + "/get_server_info").json()
         assert info["model_repo"] == "org/tiny-qwen3" and info["model_commit"] == commit
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        r = HTTP.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "org/tiny-qwen3"
 
 

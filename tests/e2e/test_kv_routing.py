@@ -12,13 +12,12 @@ import os
 import signal
 import time
 
-import httpx
 import msgspec
 import pytest
 
 from tests import conftest  # pytest's own instance (tests/ is a package: pytest imports it as tests.conftest)
 from tests.e2e.test_data_parallel import CACHE_ENV, DPServer, _marked
-from tests.utils import wait_until
+from tests.utils import HTTP, wait_until
 from unison.deploy.replicas import Replicas
 from unison.wire.kv_events import KVEventsInfo, LoadReport, block_hashes
 
@@ -172,7 +171,7 @@ def _running(dp) -> list[int | None]:
 
 
 def _complete(dp, prompt: str) -> dict:
-    r = httpx.post(dp.url + "/v1/completions", timeout=60,
+    r = HTTP.post(dp.url + "/v1/completions", timeout=60,
                    json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()
@@ -184,7 +183,7 @@ def test_a_prefix_cached_on_replica_1_is_served_there_and_a_dead_replica_leaves_
     prefix = "The archive of the old harbour town keeps its ledgers in one long room. " * 8
     # Replica 0 busy with a long request: the prefix's first request goes to replica 1.
     long = {"prompt": "Count to a thousand.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", dp.url + "/v1/completions", timeout=60, json=long) as s:
+    with HTTP.stream("POST", dp.url + "/v1/completions", timeout=60, json=long) as s:
         lines = s.iter_lines()  # kept: closing it would end the request
         next(line for line in lines if line.startswith("data:"))
         wait_until(lambda: _running(dp) == [1, 0], 10, "replica 0's load report to show the long request")
@@ -205,7 +204,7 @@ def test_a_prefix_cached_on_replica_1_is_served_there_and_a_dead_replica_leaves_
     os.kill(victim, signal.SIGKILL)
 
     def back_and_forgotten() -> bool:
-        r = httpx.get(dp.url + "/get_server_info", timeout=30)  # 503 until its death is seen
+        r = HTTP.get(dp.url + "/get_server_info", timeout=30)  # 503 until its death is seen
         rows = r.json().get("replicas", []) if r.status_code == 200 else []
         return len(rows) == 2 and rows[1]["pid"] != victim and rows[1]["indexed_blocks"] == 0
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.models import gemma3_gguf, minilm_dir
 from tests.serving import ModelsServer, assert_openai_error, models_server
-from tests.utils import wait_until
+from tests.utils import HTTP, wait_until
 from unison.deploy.model_pool import check_name, find_models
 from unison.model.weights.loader import default_gguf_path
 
@@ -68,7 +68,7 @@ def test_lists_every_model_before_any_loads(server):
     assert err["param"] == "model"
     assert_openai_error(server.post("/v1/completions", {**PROMPT, "model": "../smol"}), 404, "does not exist")
     assert_openai_error(server.post("/v1/completions", PROMPT), 400, "model is required")
-    assert_openai_error(httpx.get(f"{server.url}/v1/models/nope"), 404, "'nope'")
+    assert_openai_error(HTTP.get(f"{server.url}/v1/models/nope"), 404, "'nope'")
     assert {m["state"] for m in server.models().values()} == {"unloaded"}  # nothing was loaded
 
 
@@ -170,16 +170,16 @@ def test_load_unload_metrics_and_server_info_per_model(server):
         assert r.status_code == 200, r.text
         assert server.post("/continue_generation", {"model": "smol"}).status_code == 200
     loaded = {n for n, m in server.models().items() if m["state"] == "loaded"}
-    metrics = httpx.get(f"{server.url}/metrics").text
+    metrics = HTTP.get(f"{server.url}/metrics").text
     for name in loaded:
         assert f'unison:num_requests_running{{model_name="{name}"}}' in metrics
-    info = httpx.get(f"{server.url}/get_server_info").json()
+    info = HTTP.get(f"{server.url}/get_server_info").json()
     rows = {m["name"]: m for m in info["models"]}
     assert {n for n, m in rows.items() if m["server_info"] is not None} == loaded
     assert rows["smol"]["server_info"]["core_pid"] == rows["smol"]["core_pid"]
-    tags = httpx.get(f"{server.url}/api/tags").json()["models"]
+    tags = HTTP.get(f"{server.url}/api/tags").json()["models"]
     assert [t["name"] for t in tags] == ["broken", "gemma", "minilm", "smol"]
-    r = httpx.post(f"{server.url}/flush_cache?model=smol")
+    r = HTTP.post(f"{server.url}/flush_cache?model=smol")
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
@@ -188,7 +188,7 @@ def test_kv_events_prefix_cache_and_structured_output_per_model(server):
 
     for name in ("smol", "gemma"):
         assert server.post("/v1/completions", {**PROMPT, "model": name}).status_code == 200
-    infos = {m["name"]: m["server_info"] for m in httpx.get(f"{server.url}/get_server_info").json()["models"]
+    infos = {m["name"]: m["server_info"] for m in HTTP.get(f"{server.url}/get_server_info").json()["models"]
              if m["name"] in ("smol", "gemma")}
     endpoints = {name: info["kv_events"]["endpoint"] for name, info in infos.items()}
     assert endpoints["smol"] != endpoints["gemma"]
@@ -227,7 +227,7 @@ def test_lora_adapters_per_model(server, tmp_path):
     assert tuned.status_code == 200 and tuned.json()["model"] == "pirate", tuned.text
     assert tuned.json()["choices"][0]["text"] != base["choices"][0]["text"]
     assert server.models()["pirate"]["parent"] == "smol"
-    assert httpx.get(f"{server.url}/v1/models/pirate").json()["parent"] == "smol"
+    assert HTTP.get(f"{server.url}/v1/models/pirate").json()["parent"] == "smol"
     r = server.post("/load_lora_adapter", {"model": "nope", "lora_name": "x", "lora_path": str(adapter)})
     assert_openai_error(r, 404, "'nope' does not exist")
 

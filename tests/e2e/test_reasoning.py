@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.serving import Server, serve
+from tests.utils import HTTP
 from unison import Engine
 from unison.frontend.text.reasoning import ReasoningSplitter, Split, split_whole
 
@@ -85,7 +86,7 @@ def test_a_template_that_opens_thinking_gives_reasoning_content(thinking_server:
     the whole."""
     whole = _chat(thinking_server).json()["choices"][0]["message"]
     assert whole["reasoning_content"] and whole["content"] in (None, "")
-    with httpx.stream("POST", thinking_server.url + "/v1/chat/completions", timeout=60,
+    with HTTP.stream("POST", thinking_server.url + "/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 16,
                             "temperature": 0, "stream": True}) as r:
         deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
@@ -101,7 +102,7 @@ def test_anthropic_and_ollama_answers_carry_the_reasoning_apart(thinking_server:
     reasoning = _chat(thinking_server).json()["choices"][0]["message"]["reasoning_content"]
     message = thinking_server.post("/v1/messages", {**ask, "max_tokens": 16}).json()
     assert message["content"][0] == {"type": "thinking", "thinking": reasoning, "signature": ""}
-    with httpx.stream("POST", thinking_server.url + "/v1/messages", timeout=60,
+    with HTTP.stream("POST", thinking_server.url + "/v1/messages", timeout=60,
                       json={**ask, "max_tokens": 16, "stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert events[1]["content_block"]["type"] == "thinking"

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests.serving import FIGURES, Server, assert_openai_error, serve
-from tests.utils import wait_until
+from tests.utils import HTTP, wait_until
 from unison import Engine
 from unison.model.weights.loader import default_gguf_path
 
@@ -351,7 +351,7 @@ def test_native_generate(server, engine):
     assert by_ids.json()["output_ids"] == want["output_ids"]
 
     body = {"text": PROMPT, "sampling_params": params, "stream": True}
-    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as s:
+    with HTTP.stream("POST", f"{server.url}/generate", json=body, timeout=60) as s:
         assert s.status_code == 200
         assert s.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in s.iter_lines() if line]
@@ -414,7 +414,7 @@ def test_control_routes_need_the_key(server2):
         send = functools.partial(httpx.post, server2.url + route, json={})
         for r in _from_both(server2, send).values():
             assert_openai_error(r, 401, "api key")
-    assert httpx.get(server2.url + "/get_model_info").status_code == 401
+    assert HTTP.get(server2.url + "/get_model_info").status_code == 401
 
 
 def test_control_routes_in_sglangs_shapes_act_engine_wide(server2):
@@ -670,7 +670,7 @@ def generating(server: Server, rid: str):
     """A long /generate stream with this rid, in flight until the block ends."""
     body = {"text": PROMPT, "rid": rid, "stream": True,
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
-    with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as r:
+    with HTTP.stream("POST", server.url + "/generate", json=body, timeout=30) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept: its generator, once collected, would close the stream
         assert next(lines).startswith("data: ")
@@ -687,7 +687,7 @@ def test_bad_requests_get_openai_errors_and_queue_nothing(server, route, body, s
         if isinstance(content, dict):
             r = server.post(route, content)
         else:
-            r = httpx.post(server.url + route, content=content, timeout=60,
+            r = HTTP.post(server.url + route, content=content, timeout=60,
                            headers={"content-type": "application/json"})
         assert r.status_code != 422
         err = assert_openai_error(r, status, fragment)
@@ -882,7 +882,7 @@ def test_overload_sheds_extra_requests_at_once(small_queue_server):
 def test_client_disconnect_aborts_in_the_core(server, stream):
     body = {"model": MODEL, "prompt": LONG_TEXT, "stream": stream, **LONG}
     if stream:
-        with httpx.stream("POST", server.url + COMP, json=body, timeout=30) as r:
+        with HTTP.stream("POST", server.url + COMP, json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ") and next(lines) == ""
             assert server.server_info()["num_running"] == 1
@@ -892,7 +892,7 @@ def test_client_disconnect_aborts_in_the_core(server, stream):
 
         def post() -> None:  # gives up after 2 s without an answer: closes its connection
             with contextlib.suppress(httpx.ReadTimeout):
-                httpx.post(server.url + COMP, json=body, timeout=httpx.Timeout(30, read=2.0))
+                HTTP.post(server.url + COMP, json=body, timeout=httpx.Timeout(30, read=2.0))
                 return
             gone.append(time.monotonic())
 
@@ -918,7 +918,7 @@ def _in_flight(server: Server, n_stream: int, n_plain: int) -> tuple[list[thread
     def stream(k: int) -> None:
         body = {"prompt": PROMPT, "stream": True, **LONG}
         try:
-            with httpx.stream("POST", server.url + COMP, json=body, headers=server.headers,
+            with HTTP.stream("POST", server.url + COMP, json=body, headers=server.headers,
                               timeout=30) as r:
                 seen[k] = ("stream", r.status_code, [x for x in r.iter_lines() if x][-2:])
         except httpx.HTTPError as e:
