@@ -132,11 +132,13 @@ def test_seeded_sampling_is_plain_decodings_own(plain, spec, prompts):
 
 
 def test_sampled_token_distribution_is_unchanged(plain, spec):
-    """A 2-token-step toy: prompt "x y z x y z x y", top_k 5. Draws of the token after a given first
-    token, with drafts verified, follow the model's own probabilities (chi-square), and equal
-    plain decoding's draws seed by seed."""
+    """A 2-token-step toy: prompt "x y z x y z ... x y", top_k 5. Draws of the token after a given
+    first token, with drafts verified, follow the model's own probabilities (chi-square), and equal
+    plain decoding's draws seed by seed. The prompt is one KV block and a token: after the first
+    wave each draw prefills one token, its block a prefix-cache hit (the test's time halves)."""
     tok = plain.tokenizer
-    prompt = tok.encode(" cat dog bird cat dog bird cat dog", add_special_tokens=False)
+    prompt = tok.encode(" cat dog bird" * 5 + " cat dog", add_special_tokens=False)
+    assert len(prompt) == 17
     params = {"temperature": 1.0, "top_k": 5, "max_new_tokens": 3}
 
     def draw(engine: Engine) -> list[list[int]]:
