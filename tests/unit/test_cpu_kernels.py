@@ -522,3 +522,25 @@ def test_ctypes_mirrors_have_the_c_structs_layout(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "struct_mirrors", lambda: {**mirrors, "QLinear": Short})
     with pytest.raises(RuntimeError, match=r"QLinear: C 80, ctypes 16.*QLinear.bias: C 72, ctypes None"):
         cpu_kernels.check_struct_layout(lib)
+
+
+def _has_bf16_dot() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "avx512_bf16" in next((line for line in f if line.startswith("flags")), "").split()
+
+
+@pytest.mark.skipif(not _has_bf16_dot(), reason="this CPU has no avx512_bf16: towers run torch's attention")
+@pytest.mark.parametrize("n,heads,d", [(1, 1, 72), (37, 3, 72), (577, 4, 72), (100, 2, 64), (257, 4, 128),
+                                       (50, 2, 17)])
+def test_image_attention_is_float32_attention_within_bf16(n, heads, d):
+    """Every patch against every patch (no mask), ragged sizes included: within bfloat16's rounding
+    of the softmax's weights of torch's float32 attention over the same bfloat16 values."""
+    g = torch.Generator().manual_seed(n * heads + d)
+    q, k, v = (torch.randn(n, heads, d, generator=g).bfloat16().float() * 2 for _ in range(3))
+    scale = d ** -0.5
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          scale=scale).transpose(0, 1)
+    got = kernels.image_attention(q, k, v, scale)
+    assert got is not None, "built for this CPU, the kernel must run"
+    assert got.shape == want.shape and (got - want).abs().max() < 0.03 * want.abs().max()
+    assert kernels.image_attention(*(torch.zeros(2, 1, 130) for _ in range(3)), 1.0) is None  # d > 128

@@ -11,7 +11,8 @@ csrc/lora.c adds LoRA adapters' updates to a linear's output, each row with its 
 csrc/moe.c runs a mixture of experts' MLP: routing, the experts grouped by the rows they got.
 csrc/gated_delta.c runs the Gated DeltaNet layers' convolution and recurrence over each request's
 state (Qwen3-Next, Qwen3.5). csrc/bandwidth.c measures the memory's read speed, the bound of a
-decode step.
+decode step. csrc/image_attention.c runs a vision tower's attention over an image's patches in
+bfloat16 dot products (AVX-512 BF16), twice torch's float32 rate.
 
 The sources are plain C (no torch headers), so building takes about a second; the shared object
 is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flags and the CPU's
@@ -33,7 +34,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_linear.c", "decoder.c",
-                                    "lora.c", "moe.c", "gated_delta.c", "bandwidth.c")]
+                                    "lora.c", "moe.c", "gated_delta.c", "bandwidth.c", "image_attention.c")]
 HEADERS = [CSRC / "paged_attention_body.h", CSRC / "q8.h", CSRC / "simd_math.h", CSRC / "lora.h",
            CSRC / "moe.h", CSRC / "gguf_blocks.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
@@ -221,6 +221,8 @@ class CpuKernels:
         lib.decoder_forward.argtypes = [_PTR, _PTR]
         lib.decoder_forward.restype = _INT
         lib.read_memory.argtypes, lib.read_memory.restype = [_PTR, _I64, _INT], ctypes.c_uint64
+        lib.image_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32]
+        lib.image_attention.restype = _INT
         for name in ("quant_kernel_best", "quant_kernel_path", "quant_kernel_amx_refused"):
             getattr(lib, name).argtypes, getattr(lib, name).restype = [], _INT
         lib.quant_kernel_select.argtypes, lib.quant_kernel_select.restype = [_INT], _INT
@@ -248,19 +250,18 @@ class CpuKernels:
             raise ValueError(f"UNISON_QUANT_KERNEL={name!r}: this CPU or build cannot run it "
                              f"(it can: {', '.join(self.supported_quant_paths())})")
 
-    def read_bandwidth(self, gib: float = 1.0, threads: int | None = None, trials: int = 5) -> float:
-        """The best of `trials` reads of a buffer of `gib` GiB (far past the caches), in GB/s, on
-        `threads` threads (default: torch's)."""
-        n = int(gib * 2**30) // 256 * 256
-        buf = torch.ones(n + 64, dtype=torch.uint8)
-        start = (-buf.data_ptr()) % 64  # aligned loads
-        threads = threads or torch.get_num_threads()
-        best = 0.0
-        for _ in range(trials):
-            t = time.perf_counter()
-            self.lib.read_memory(buf.data_ptr() + start, n, threads)
-            best = max(best, n / (time.perf_counter() - t) / 1e9)
-        return best
+    def image_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                        ) -> torch.Tensor | None:
+        """softmax(q k^T * scale) v over all of an image's patches, q, k, v [n, heads, d] float32
+        (contiguous), in bfloat16 dot products with float32 sums (csrc/image_attention.c); None
+        where this CPU has no AVX-512 BF16 (or d > 128): the caller runs torch's."""
+        n, heads, d = q.shape
+        assert q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype == torch.float32
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        done = self.lib.image_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, heads,
+                                        d, heads * d, scale)
+        return out if done == 0 else None
 
     @property
     def quant_path(self) -> str:
