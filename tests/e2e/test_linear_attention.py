@@ -90,7 +90,7 @@ def _first_step(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
 
 
 GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
-             "qwen2_moe": "qwen2moe"}
+             "qwen2_moe": "qwen2moe", "qwen3_vl": "qwen3vl"}
 
 
 def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: str | None = None,
@@ -127,8 +127,11 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
                    "ssm_group_count": lin.num_k_heads, "ssm_time_step_rank": lin.num_v_heads,
                    "ssm_inner_size": lin.value_dim, "full_attention_interval": 4,
                    "rope_dimension_count": mc.ropes[0].head_dim}
-    if kind.startswith("qwen3_5"):  # from the checkpoints' mrope_section, padded to four
+    if kind.startswith("qwen3_5") or kind == "qwen3_vl":  # the checkpoints' mrope_section, padded to four
         fields["rope_dimension_sections"] = [*(mc.ropes[0].mrope_section or (11, 11, 10)), 0]
+    if kind == "qwen3_vl":  # (the text model adds what the mmproj file's DeepStack mergers give)
+        vision = json.loads((model_dir / "config.json").read_text())["vision_config"]
+        w.add_uint32(f"{arch}.n_deepstack_layers", len(vision["deepstack_visual_indexes"]))
     if mtp:
         w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     for key, value in fields.items():

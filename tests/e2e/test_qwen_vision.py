@@ -314,18 +314,18 @@ def test_every_api_answers_and_counts_the_picture(server, runner, hf, processor)
 # ---- a GGUF text model and llama.cpp's mmproj file ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5"], indirect=True)  # (a Qwen3-VL GGUF is not read)
 def test_gguf_with_mmproj_gives_the_checkpoints_answer(kind, tiny_dir, runner, hf, processor, tmp_path):
-    """Qwen3.5's text model as llama.cpp's converter writes it (its vocabulary with the vision
-    tokens, rope.dimension_sections) beside the tower as an mmproj file (qwen3vl_merger): the same
-    first-step logprobs as the checkpoint, and transformers' tokens through the engine."""
+    """The text model as llama.cpp's converter writes it (qwen35, qwen3vl: its vocabulary with the
+    vision tokens, rope.dimension_sections) beside the tower as an mmproj file (qwen3vl_merger,
+    with Qwen3-VL's DeepStack mergers): the same first-step logprobs as the checkpoint, and
+    transformers' tokens through the engine."""
     from safetensors.torch import load_file
 
     from tests.e2e.test_linear_attention import write_gguf
     from unison import Engine
     from unison.bench.qwen_tower import write_mmproj
 
-    text = write_gguf(tiny_dir, "qwen3_5", tmp_path / "text.gguf",
+    text = write_gguf(tiny_dir, kind, tmp_path / "text.gguf",
                       extra_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
     tower = {k: v for f in tiny_dir.glob("*.safetensors") for k, v in load_file(f).items()
              if k.startswith("model.visual.")}

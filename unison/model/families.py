@@ -126,6 +126,8 @@ FAMILIES = [
     # Qwen3-VL (dense): Qwen3 beside a vision tower (vision/qwen_vision.py), M-RoPE and DeepStack.
     Family("qwen3_vl", "Qwen3VLForConditionalGeneration", None, qk_norm="head",
            text_prefix="model.language_model."),
+    # Its text model alone, as llama.cpp writes it (qwen3vl; the tower in an mmproj file)
+    Family("qwen3_vl_text", "Qwen3VLTextModel", "qwen3vl", qk_norm="head"),
     # The published Qwen3.5 checkpoints: the text model beside a vision tower (vision/qwen_vision.py).
     Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", None, **_HYBRID,
            text_prefix="model.language_model."),
@@ -139,7 +141,7 @@ BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
 SUPPORTED = sorted(BY_ARCHITECTURE)
 # M-RoPE's (time, rows, columns) sections where a config gives none: transformers' defaults
 MROPE_DEFAULTS = {**dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"), (11, 11, 10)),
-                  "qwen3_vl": (24, 20, 20)}
+                  "qwen3_vl": (24, 20, 20), "qwen3_vl_text": (24, 20, 20)}
 
 
 def family_of(architectures: list[str] | None, where: str = "") -> Family:
