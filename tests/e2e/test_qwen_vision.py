@@ -1,5 +1,5 @@
 """Images in for Qwen3.5 and Qwen3-VL: tiny random Qwen3_5ForConditionalGeneration (Gated
-DeltaNet text layers) and Qwen3VLForConditionalGeneration (DeepStack) made with transformers,
+DeltaNet text layers), Qwen3VLForConditionalGeneration (DeepStack) and its MoE made with transformers,
 with the embedded model's tokenizer plus the vision tokens, against transformers fed the same
 pictures through its own processor (Qwen2VLImageProcessorPil): the frontend's patches and grids
 bit for bit, greedy tokens and first-step logprobs (M-RoPE's positions jump after each image),
@@ -43,6 +43,12 @@ KINDS = {  # kind -> (config class, text config class, text options, vision opti
                             "mrope_section": [4, 2, 2], "mrope_interleaved": True}}, {}),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLTextConfig", {
         "num_hidden_layers": 3, "head_dim": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                            "mrope_interleaved": True}}, {"deepstack_visual_indexes": [0, 1]}),
+    # experts fused, as transformers saves them ([experts, out, in]: unison reads both orders)
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeTextConfig", {
+        "num_hidden_layers": 3, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
                             "mrope_interleaved": True}}, {"deepstack_visual_indexes": [0, 1]}),
 }
@@ -209,9 +215,12 @@ def test_two_pictures_and_text_after_them(runner, hf, processor):
         assert list(a) == list(b) and max(abs(a[t] - b[t]) for t in a) < 1e-3, f"row {row}"
 
 
-def test_bits_alone_batched_and_chunked(runner):
+def test_bits_alone_batched_and_chunked(runner, kind, tiny_dir):
     """A picture's prompt gives the same logits alone, beside a text prompt and another
-    picture's, and prefilled in chunks (cut mid-text and mid-image: Qwen's image rows are causal)."""
+    picture's, and prefilled in chunks (cut mid-text and mid-image: Qwen's image rows are causal).
+    A mixture's rows keep their bits on the experts' C kernel: int8 (its tower then in bf16)."""
+    if kind.endswith("_moe"):
+        runner = ModelRunner(tiny_dir, quantization="int8", num_blocks=64, state_slots=4)
     a_ids, a_images = prompt_ids(runner, chat(PROMPTS[0]), [PICTURES[0]])
     b_ids, b_images = prompt_ids(runner, chat(PROMPTS[1]), [PICTURES[2]])
     text = prompt_ids(runner, "plain words only", [])[0]
@@ -314,6 +323,7 @@ def test_every_api_answers_and_counts_the_picture(server, runner, hf, processor)
 # ---- a GGUF text model and llama.cpp's mmproj file ----------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_vl"], indirect=True)  # (no qwen3vlmoe GGUF is read)
 def test_gguf_with_mmproj_gives_the_checkpoints_answer(kind, tiny_dir, runner, hf, processor, tmp_path):
     """The text model as llama.cpp's converter writes it (qwen35, qwen3vl: its vocabulary with the
     vision tokens, rope.dimension_sections) beside the tower as an mmproj file (qwen3vl_merger,

@@ -116,8 +116,8 @@ class DecoderModel:
         self.source, self.from_gguf = weights, from_gguf
         if cfg.family.text_prefix != "model.":  # a multimodal checkpoint's text model
             weights = RenamedWeights(weights, "model.", cfg.family.text_prefix)
-        if cfg.family.fused_experts:  # gpt-oss's experts, read one by one
-            weights = FusedExperts(weights)
+        if cfg.family.fused_experts:  # gpt-oss's and Qwen3-VL-MoE's experts, read one by one
+            weights = FusedExperts(weights, cfg.family.fused_experts, cfg.hidden_size)
         # The C kernels where they apply (CPU, float32); torch ops elsewhere.
         kernels = cpu_kernels.load() if device.type == "cpu" and dtype == torch.float32 else None
         self.ops: TorchOps | cpu_kernels.CpuKernels = kernels or TorchOps()
@@ -501,7 +501,7 @@ def dummy_model(cfg: ModelConfig, device: torch.device,
 
     # (one plain attention layer and a dense MLP, whatever the family's layers are)
     plain = dataclasses.replace(cfg.family, moe=None, linear_attention=False, attn_output_gate=False,
-                                text_prefix="model.", attention_sinks=False, fused_experts=False)
+                                text_prefix="model.", attention_sinks=False, fused_experts=None)
     tiny = dataclasses.replace(cfg, family=plain, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                tie_word_embeddings=True, ropes=[Rope(32)], layer_rope=[0],

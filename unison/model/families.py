@@ -20,7 +20,7 @@ gpt-oss adds biases (router, experts, q, k, v and o), a clamped SwiGLU, learned 
 (one more logit per head in each softmax's denominator), and stores its experts fused
 (gate_up_proj [experts, hidden, 2 * inter] with gate and up interleaved, down_proj [experts,
 inter, hidden]); gpt_oss.py presents them per expert. Its layers alternate a 128-token window and
-full attention.
+full attention. Qwen3-VL-MoE stores its experts fused too, gate and up as halves.
 
 Hybrid families (Qwen3-Next, Qwen3.5) make most layers Gated DeltaNet linear attention
 (linear_attention.py): a fixed-size state per request instead of KV. `layer_types` says which
@@ -89,7 +89,8 @@ class Family:
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: attention * sigmoid(gate)
     text_prefix: str = "model."  # where the text model's tensors are (a multimodal checkpoint's)
     attention_sinks: bool = False  # self_attn.sinks: a learned logit per head in the softmax (gpt-oss)
-    fused_experts: bool = False  # experts stored fused, gate and up interleaved (gpt-oss: gpt_oss.py)
+    # experts stored fused (gpt_oss.py), gate and up "interleaved" (gpt-oss) or as "halves" (Qwen3-VL-MoE)
+    fused_experts: str | None = None
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", "llama")
@@ -126,6 +127,9 @@ FAMILIES = [
     # Qwen3-VL (dense): Qwen3 beside a vision tower (vision/qwen_vision.py), M-RoPE and DeepStack.
     Family("qwen3_vl", "Qwen3VLForConditionalGeneration", None, qk_norm="head",
            text_prefix="model.language_model."),
+    Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", None, qk_norm="head",
+           text_prefix="model.language_model.", moe=MoeNames("mlp.gate", "mlp.experts"),
+           fused_experts="halves"),
     # Its text model alone, as llama.cpp writes it (qwen3vl; the tower in an mmproj file)
     Family("qwen3_vl_text", "Qwen3VLTextModel", "qwen3vl", qk_norm="head"),
     # The published Qwen3.5 checkpoints: the text model beside a vision tower (vision/qwen_vision.py).
@@ -134,14 +138,14 @@ FAMILIES = [
     Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", None, **_HYBRID,
            moe=QWEN_SHARED, text_prefix="model.language_model."),
     Family("gpt_oss", "GptOssForCausalLM", "gpt-oss", activation="swiglu_oai", attention_sinks=True,
-           fused_experts=True, moe=MoeNames("mlp.router", "mlp.experts")),
+           fused_experts="interleaved", moe=MoeNames("mlp.router", "mlp.experts")),
 ]
 BY_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
 BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
 SUPPORTED = sorted(BY_ARCHITECTURE)
 # M-RoPE's (time, rows, columns) sections where a config gives none: transformers' defaults
 MROPE_DEFAULTS = {**dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"), (11, 11, 10)),
-                  "qwen3_vl": (24, 20, 20), "qwen3_vl_text": (24, 20, 20)}
+                  **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_vl_text"), (24, 20, 20))}
 
 
 def family_of(architectures: list[str] | None, where: str = "") -> Family:
@@ -197,7 +201,7 @@ class MoeConfig:
                              f"{hf['hidden_size']}) must be multiples of 8")
         # Mixtral and Qwen3.5 always renormalize the top-k weights (gpt-oss's softmax over the k
         # is the same); the others say so in the config (Qwen3-Next's default: yes).
-        always = family.name in ("mixtral", "gpt_oss") or family.name.startswith("qwen3_5")
+        always = family.name in ("mixtral", "gpt_oss", "qwen3_vl_moe") or family.name.startswith("qwen3_5")
         norm = True if always else bool(hf.get("norm_topk_prob", family.linear_attention))
         return cls(experts, top_k, size, norm, shared)
 

@@ -42,7 +42,7 @@ from unison.wire.messages import ImageInput, ImageSpec, PanAndScan, PatchSpec
 # The architectures whose images Unison reads, and the tower each loads.
 GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 QWEN_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-                      "Qwen3VLForConditionalGeneration")
+                      "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 VISION_ARCHITECTURES = GEMMA3_ARCHITECTURES + QWEN_ARCHITECTURES
 GGUF_NAMES = {f.name: f.gguf_architecture for f in FAMILIES if f.gguf_architecture}  # family -> GGUF's
 # Encoder outputs kept: a Gemma 3 4B image is 256 x 2,560 floats (2.6 MB); an 896x896 picture for
@@ -109,7 +109,7 @@ class Vision:
         if mmproj is not None:
             return cls._from_mmproj(MmprojWeights(mmproj), arch, model_dir, model.cfg.hidden_size, dtype)
         if architectures & set(QWEN_ARCHITECTURES):
-            deepstack = "Qwen3VLForConditionalGeneration" in architectures
+            deepstack = bool(architectures & set(QWEN_ARCHITECTURES[2:]))  # Qwen3-VL's, dense and MoE
             qwen = QwenVisionConfig.from_hf(hf, model.cfg.hidden_size, deepstack)
             return cls(QwenVision.load(model.source, qwen, dtype), qwen_image_spec(model_dir, qwen))
         cfg = VisionConfig.from_hf(hf)

@@ -1,4 +1,5 @@
-"""gpt-oss's fused experts, presented one expert at a time as every other MoE family stores them.
+"""Fused experts (gpt-oss's, Qwen3-VL-MoE's), presented one expert at a time as every other MoE
+family stores them.
 
 A gpt-oss checkpoint holds each layer's experts in two tensors: `mlp.experts.gate_up_proj`
 [experts, hidden, 2 * inter], whose columns interleave gate (even) and up (odd), and
@@ -9,6 +10,11 @@ rows, k / 32, 16] (two e2m1 values a byte, adjacent elements low nibble first) a
 `FusedExperts` reads them as `mlp.experts.E.gate_proj.weight` [inter, hidden] and so on, so that
 decoder.load_moe loads them as it does Qwen3-MoE's; MXFP4 ones as GGUF's MXFP4 blocks (the same
 bytes, the nibbles reordered to element j and j + 16 a byte), which run as stored.
+
+Qwen3-VL-MoE's are the same two tensors without biases, gate and up as halves (gate first): the
+published checkpoints store them [experts, in, out] as gpt-oss does, transformers 5 saves them
+[experts, out, in] (a Linear's); told apart by where the hidden size is, as transformers' loader
+tells them (a square gate_up, which no published model has, is read as published).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ class FusedExperts:
     """`base` with each layer's fused experts split per expert (a view: nothing is copied until a
     tensor is asked for, and the fused tensor last read is kept for its other experts)."""
 
-    def __init__(self, base: WeightSource) -> None:
-        self.base = base
+    def __init__(self, base: WeightSource, layout: str, hidden_size: int) -> None:
+        """`layout`: gate and up "interleaved" (gpt-oss) or as "halves" (Qwen3-VL-MoE)."""
+        self.base, self.interleaved, self.hidden = base, layout == "interleaved", hidden_size
         self._experts: dict[str, int] = {}  # a layer's experts' prefix -> how many
         for name in base.names():
             if (m := _FUSED.match(name)) and m.group(2) == "down_proj" and m.group(3) in (None, "_blocks"):
@@ -78,7 +85,15 @@ class FusedExperts:
         shape = self.base.shape(fused)  # [E, hidden, 2 inter] / [E, inter, hidden]; biases [E, n]
         if kind == "bias":
             return (shape[1] // 2,) if proj != "down" else (shape[1],)
-        return (shape[2] // 2, shape[1]) if proj != "down" else (shape[2], shape[1])
+        k, n = (shape[1], shape[2]) if self._in_out(fused) else (shape[2], shape[1])
+        return (n // 2, k) if proj != "down" else (n, k)
+
+    def _in_out(self, fused: str) -> bool:
+        """Whether a fused weight is stored [experts, in, out] (else [experts, out, in])."""
+        if self.interleaved:
+            return True
+        shape = self.base.shape(fused)
+        return shape[1] == self.hidden if fused.endswith("gate_up_proj") else shape[2] == self.hidden
 
     def _fused(self, name: str) -> torch.Tensor:
         if self._cached is None or self._cached[0] != name:
@@ -114,8 +129,13 @@ class FusedExperts:
             return torch.from_numpy(np.array(dequantize(self._rows(split), GGMLQuantizationType.MXFP4)))
         fused, e, proj, kind = split
         t = self._fused(fused)[e]
-        if proj != "down":  # gate: the even columns, up: the odd ones
+        if kind == "weight" and not self._in_out(fused):
+            t = t.T  # [in, out], as the published ones
+        if proj != "down" and self.interleaved:  # gate: the even columns, up: the odd ones
             t = t[..., 0::2] if proj == "gate" else t[..., 1::2]
+        elif proj != "down":  # the halves, gate first
+            half = t.shape[-1] // 2
+            t = t[..., :half] if proj == "gate" else t[..., half:]
         return (t if kind == "bias" else t.T).contiguous()
 
     def quantized(self, name: str, bits: int) -> QuantWeight:
