@@ -16,7 +16,8 @@ P = "model.layers.0.mlp.experts."
 def _experts() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shapes = {"gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
-    return {f"{e}.{proj}": torch.randn(*shape, generator=g) for e in range(E) for proj, shape in shapes.items()}
+    return {f"{e}.{proj}": torch.randn(*shape, generator=g)
+            for e in range(E) for proj, shape in shapes.items()}
 
 
 def _fused(want: dict[str, torch.Tensor], layout: str, in_out: bool) -> dict[str, torch.Tensor]:
