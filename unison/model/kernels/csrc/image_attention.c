@@ -21,7 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "simd_math.h"
+
+#if defined(UNISON_AVX2) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__)
 #include <immintrin.h>
 
 #define ROWS 8      // queries a score block (8 x 2 accumulators)
@@ -34,22 +37,11 @@ static inline uint16_t to_bf16(float x) {  // round to nearest even, as vcvtneps
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// exp(x) for x <= 0, 16 at a time (simd_math.h's exp8, one register wider).
+// exp(x) for x <= 0, 16 at a time: simd_math.h's exp8 on each half (Zen 4 runs a 512-bit
+// operation as two 256-bit ones anyway).
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    const __m512 low = _mm512_castps256_ps512(exp8(_mm512_castps512_ps256(x)));
+    return _mm512_insertf32x8(low, exp8(_mm512_extractf32x8_ps(x, 1)), 1);
 }
 
 typedef struct {
