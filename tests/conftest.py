@@ -54,10 +54,11 @@ def _ours(path: str, our_processes: set[int]) -> bool:
 MODULE_TREES: set[str] = set()
 
 
-# (pid, start time) of the processes without this run's mark (the machine's, kernel threads,
-# other runs'): read once, not at every snapshot (two a test). A process of this run is read each
-# time: until its exec its environment is its parent's, without the module tree it may be given.
+# (pid, start time) of the processes that started before this run and so cannot be its (the
+# machine's, kernel threads, other runs'): read once, not at every snapshot (two a test). Any
+# later one is read each time: until its exec a child's environment is its parent's.
 _UNMARKED: set[tuple[int, float]] = set()
+_SESSION_START = time.time()
 
 
 def _marks(p: psutil.Process) -> tuple[str | None, str | None]:
@@ -69,7 +70,7 @@ def _marks(p: psutil.Process) -> tuple[str | None, str | None]:
         env = p.environ()
     except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
         env = {}
-    if env.get("UNISON_TEST_SESSION") != os.environ["UNISON_TEST_SESSION"]:
+    if p.info["create_time"] < _SESSION_START - 1:  # (start times are kept to 10 ms)
         _UNMARKED.add(key)
     return env.get("UNISON_TEST_SESSION"), env.get("UNISON_TEST_MODULE_TREE")
 

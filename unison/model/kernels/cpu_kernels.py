@@ -221,7 +221,7 @@ class CpuKernels:
         lib.decoder_forward.argtypes = [_PTR, _PTR]
         lib.decoder_forward.restype = _INT
         lib.read_memory.argtypes, lib.read_memory.restype = [_PTR, _I64, _INT], ctypes.c_uint64
-        lib.image_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32]
+        lib.image_attention.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _INT]
         lib.image_attention.restype = _INT
         for name in ("quant_kernel_best", "quant_kernel_path", "quant_kernel_amx_refused"):
             getattr(lib, name).argtypes, getattr(lib, name).restype = [], _INT
@@ -260,7 +260,7 @@ class CpuKernels:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         done = self.lib.image_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), n, heads,
-                                        d, heads * d, scale)
+                                        d, heads * d, scale, torch.get_num_threads())
         return out if done == 0 else None
 
     @property

@@ -20,6 +20,7 @@ tells them (a square gate_up, which no published model has, is read as published
 from __future__ import annotations
 
 import re
+import threading
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ class FusedExperts:
             if (m := _FUSED.match(name)) and m.group(2) == "down_proj" and m.group(3) in (None, "_blocks"):
                 self._experts[m.group(1)] = base.shape(name)[0]
         self._cached: tuple[str, torch.Tensor] | None = None
+        self._lock = threading.Lock()
 
     def _split(self, name: str) -> tuple[str, int, str, str] | None:
         """(the fused tensor's name, expert, projection, weight or bias) of a per-expert name."""
@@ -89,17 +91,20 @@ class FusedExperts:
         return (n // 2, k) if proj != "down" else (n, k)
 
     def _in_out(self, fused: str) -> bool:
-        """Whether a fused weight is stored [experts, in, out] (else [experts, out, in])."""
+        """Whether a layer's fused weights are stored [experts, in, out] (else [experts, out, in]):
+        told by its gate_up (hidden first), for its down too (whose shape is square where the
+        experts' size is the hidden size)."""
         if self.interleaved:
             return True
-        shape = self.base.shape(fused)
-        return shape[1] == self.hidden if fused.endswith("gate_up_proj") else shape[2] == self.hidden
+        return self.base.shape(fused.rsplit(".", 1)[0] + ".gate_up_proj")[1] == self.hidden
 
     def _fused(self, name: str) -> torch.Tensor:
-        if self._cached is None or self._cached[0] != name:
-            self._cached = (name, self.base.float(name) if not name.endswith(("_blocks", "_scales"))
-                            else self._raw(name))
-        return self._cached[1]
+        # one read of a fused tensor for all of its experts, whose linears load on several threads
+        with self._lock:
+            if self._cached is None or self._cached[0] != name:
+                self._cached = (name, self.base.float(name) if not name.endswith(("_blocks", "_scales"))
+                                else self._raw(name))
+            return self._cached[1]
 
     def _raw(self, name: str) -> torch.Tensor:
         """An MXFP4 checkpoint's blocks and scales as GGUF's MXFP4 rows [E, rows, k / 32 * 17]."""

@@ -26,6 +26,7 @@
 #if defined(UNISON_AVX2) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__AVX512DQ__)
 #include <immintrin.h>
+#include <omp.h>
 
 #define ROWS 8      // queries a score block (8 x 2 accumulators)
 #define OUT_ROWS 4  // queries a block of the product with V (4 x up to 5 accumulators)
@@ -76,15 +77,15 @@ static void pack_values(const float *v, uint16_t *out, const Shape *s) {
             }
 }
 
-// scores[r][0, key_blocks * 32) = (q[row0 + r] * scale) . k, rows past n repeat the last
+// scores[r][0, key_blocks * 32) = (q[row0 + r] . k) * scale, rows past n repeat the last
 static void scores(const float *q, const uint16_t *keys, float *scores, int64_t row0, float scale,
                    const Shape *s) {
     uint32_t qp[ROWS][64];  // a query's bfloat16 pairs (d <= 128)
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = row0 + r < s->n ? row0 + r : s->n - 1;
         for (int64_t p = 0; p < s->pairs; p++) {
-            const float lo = q[row * s->stride + 2 * p] * scale;
-            const float hi = 2 * p + 1 < s->d ? q[row * s->stride + 2 * p + 1] * scale : 0.0f;
+            const float lo = q[row * s->stride + 2 * p];
+            const float hi = 2 * p + 1 < s->d ? q[row * s->stride + 2 * p + 1] : 0.0f;
             qp[r][p] = (uint32_t)to_bf16(lo) | (uint32_t)to_bf16(hi) << 16;
         }
     }
@@ -103,9 +104,10 @@ static void scores(const float *q, const uint16_t *keys, float *scores, int64_t 
                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a1, x);
             }
         }
+        const __m512 sc = _mm512_set1_ps(scale);
         for (int r = 0; r < ROWS; r++) {
-            _mm512_storeu_ps(scores + r * width + 32 * b, acc[r][0]);
-            _mm512_storeu_ps(scores + r * width + 32 * b + 16, acc[r][1]);
+            _mm512_storeu_ps(scores + r * width + 32 * b, _mm512_mul_ps(acc[r][0], sc));
+            _mm512_storeu_ps(scores + r * width + 32 * b + 16, _mm512_mul_ps(acc[r][1], sc));
         }
     }
 }
@@ -127,7 +129,8 @@ static float softmax_row(const float *row, uint16_t *weights, const Shape *s) {
         // sum what the product with V uses: the weights as rounded
         const __m256bh b = _mm512_cvtneps_pbh(e);
         _mm256_storeu_si256((__m256i *)(weights + j), (__m256i)b);
-        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(b));
+        // widened by a shift (_mm512_cvtpbh_ps needs GCC 12)
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16)));
     }
     float total = _mm512_reduce_add_ps(sum);
     for (int64_t j = full; j < 2 * s->key_pairs; j++) {
@@ -184,25 +187,28 @@ static void weighted_values(const uint16_t *weights, int64_t weights_stride, con
 // q, k, v, out: [n, heads, d] float32 with `stride` floats between patches (heads * d when
 // contiguous); out may not alias them. Returns 0, or -1 where d > 128.
 int image_attention(const float *q, const float *k, const float *v, float *out, int64_t n,
-                    int64_t heads, int64_t d, int64_t stride, float scale) {
-    if (d > 128 || n <= 0)
+                    int64_t heads, int64_t d, int64_t stride, float scale, int threads) {
+    if (d > 128 || n <= 0 || threads < 1)
         return -1;
     Shape s = {n, heads, d, stride, (d + 1) / 2, (n + 31) / 32, (n + 1) / 2, (d + 15) / 16};
     const int64_t key_size = s.key_blocks * 32 * s.pairs * 2, value_size = s.key_pairs * s.chunks * 32;
-    uint16_t *keys = malloc(sizeof(uint16_t) * (size_t)(key_size + value_size) * (size_t)heads);
-    if (keys == NULL)
+    const int64_t blocks = (n + ROWS - 1) / ROWS, width = s.key_blocks * 32;
+    // packed K and V, then each thread's score rows (float) and weights (bfloat16)
+    const size_t packed = sizeof(uint16_t) * (size_t)((key_size + value_size) * heads);
+    const size_t scratch = (sizeof(float) + sizeof(uint16_t)) * (size_t)(ROWS * width);
+    char *memory = malloc(packed + scratch * (size_t)threads);
+    if (memory == NULL)
         return -1;
-    uint16_t *values = keys + key_size * heads;
-#pragma omp parallel for schedule(static)
+    uint16_t *keys = (uint16_t *)memory, *values = keys + key_size * heads;
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t h = 0; h < heads; h++) {
         pack_keys(k + h * d, keys + h * key_size, &s);
         pack_values(v + h * d, values + h * value_size, &s);
     }
-    const int64_t blocks = (n + ROWS - 1) / ROWS, width = s.key_blocks * 32;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
-        float *score = malloc(sizeof(float) * (size_t)(ROWS * width));
-        uint16_t *weights = malloc(sizeof(uint16_t) * (size_t)(ROWS * width));
+        float *score = (float *)(memory + packed + scratch * (size_t)omp_get_thread_num());
+        uint16_t *weights = (uint16_t *)(score + ROWS * width);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t task = 0; task < heads * blocks; task++) {
             const int64_t h = task / blocks, row0 = task % blocks * ROWS;
@@ -215,18 +221,17 @@ int image_attention(const float *q, const float *k, const float *v, float *out, 
                 weighted_values(weights + r * width, width, inv_sum + r, values + h * value_size,
                                 out + (row0 + r) * stride + h * d, rows - r < OUT_ROWS ? rows - r : OUT_ROWS, &s);
         }
-        free(score);
-        free(weights);
     }
-    free(keys);
+    free(memory);
     return 0;
 }
 
 #else
 
 int image_attention(const float *q, const float *k, const float *v, float *out, int64_t n,
-                    int64_t heads, int64_t d, int64_t stride, float scale) {
+                    int64_t heads, int64_t d, int64_t stride, float scale, int threads) {
     (void)q, (void)k, (void)v, (void)out, (void)n, (void)heads, (void)d, (void)stride, (void)scale;
+    (void)threads;
     return -1;  // no AVX-512 BF16 here: the caller runs torch's attention
 }
 
