@@ -90,7 +90,7 @@ def _first_step(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
 
 
 GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
-             "qwen2_moe": "qwen2moe", "qwen3_vl": "qwen3vl"}
+             "qwen2_moe": "qwen2moe", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}
 
 
 def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: str | None = None,
@@ -107,11 +107,16 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from unison.bench.model import copy_fields, embedded_tokenizer
-    from unison.model.weights.sources import SafetensorsWeights
+    from unison.model.weights.gpt_oss import FusedExperts
+    from unison.model.weights.sources import RenamedWeights, SafetensorsWeights
 
     mc = ModelConfig.from_dir(model_dir)
-    src, arch, lin, moe = SafetensorsWeights(model_dir), GGUF_ARCH[kind], mc.linear, mc.moe
-    text = mc.family.text_prefix  # (a multimodal checkpoint's: model.language_model.)
+    # a multimodal checkpoint's text model (model.language_model.) read under model., its fused
+    # experts (Qwen3-VL-MoE's) one by one
+    src = RenamedWeights(SafetensorsWeights(model_dir), "model.", mc.family.text_prefix)
+    if mc.family.fused_experts:
+        src = FusedExperts(src, mc.family.fused_experts, mc.hidden_size)
+    arch, lin, moe = GGUF_ARCH[kind], mc.linear, mc.moe
     w = GGUFWriter(out, arch)
     fields = {"block_count": mc.num_hidden_layers + mtp, "context_length": mc.max_position_embeddings,
               "embedding_length": mc.hidden_size, "feed_forward_length": mc.intermediate_size,
@@ -120,16 +125,17 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
               "layer_norm_rms_eps": mc.rms_norm_eps, "vocab_size": mc.vocab_size}
     if moe is not None:
         fields |= {"expert_count": moe.num_experts, "expert_used_count": moe.top_k,
-                   "expert_feed_forward_length": moe.intermediate_size,
-                   "expert_shared_feed_forward_length": moe.shared_intermediate_size}
+                   "expert_feed_forward_length": moe.intermediate_size}
+    if moe is not None and moe.shared_intermediate_size:
+        fields["expert_shared_feed_forward_length"] = moe.shared_intermediate_size
     if lin is not None:
         fields |= {"ssm_conv_kernel": lin.conv_kernel, "ssm_state_size": lin.head_k_dim,
                    "ssm_group_count": lin.num_k_heads, "ssm_time_step_rank": lin.num_v_heads,
                    "ssm_inner_size": lin.value_dim, "full_attention_interval": 4,
                    "rope_dimension_count": mc.ropes[0].head_dim}
-    if kind.startswith("qwen3_5") or kind == "qwen3_vl":  # the checkpoints' mrope_section, padded to four
+    if kind.startswith(("qwen3_5", "qwen3_vl")):  # the checkpoints' mrope_section, padded to four
         fields["rope_dimension_sections"] = [*(mc.ropes[0].mrope_section or (11, 11, 10)), 0]
-    if kind == "qwen3_vl":  # (the text model adds what the mmproj file's DeepStack mergers give)
+    if kind.startswith("qwen3_vl"):  # (the text model adds what the mmproj file's DeepStack mergers give)
         vision = json.loads((model_dir / "config.json").read_text())["vision_config"]
         w.add_uint32(f"{arch}.n_deepstack_layers", len(vision["deepstack_visual_indexes"]))
     if mtp:
@@ -165,7 +171,7 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
             q = GGMLQuantizationType[kind_]
             w.add_tensor(name, quants.quantize(np.ascontiguousarray(t, dtype=np.float32), q), raw_dtype=q)
 
-    get = lambda name: src.float(name.replace("model.", text, 1)).numpy()  # noqa: E731
+    get = lambda name: src.float(name).numpy()  # noqa: E731
     plus = 1.0 if hybrid else 0.0  # the converter folds (1 + w) into these norms
     add("token_embd.weight", get("model.embed_tokens.weight"), qtype if qtype == "F32" else "Q8_0")
     add("output_norm.weight", get("model.norm.weight") + plus, "F32")
@@ -215,8 +221,10 @@ def write_gguf(model_dir: Path, kind: str, out: Path, qtype: str = "F32", drop: 
         for proj in ("gate", "up", "down"):
             stacked = np.stack([get(m + f"experts.{e}.{proj}_proj.weight") for e in range(moe.num_experts)])
             add(b + f"ffn_{proj}_exps.weight", stacked, qtype)
-            add(b + f"ffn_{proj}_shexp.weight", get(m + f"shared_expert.{proj}_proj.weight"), qtype)
-        add(b + "ffn_gate_inp_shexp.weight", get(m + "shared_expert_gate.weight"), "F32")
+            if moe.shared_intermediate_size:
+                add(b + f"ffn_{proj}_shexp.weight", get(m + f"shared_expert.{proj}_proj.weight"), qtype)
+        if moe.shared_intermediate_size:
+            add(b + "ffn_gate_inp_shexp.weight", get(m + "shared_expert_gate.weight"), "F32")
     if mtp:  # (its own names: eh_proj and the rest; any tensor of the block stands for them here)
         add(f"blk.{mc.num_hidden_layers}.nextn.eh_proj.weight", np.ones((64, 128), np.float32), "F32")
     w.write_header_to_file()

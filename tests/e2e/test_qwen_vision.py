@@ -323,9 +323,8 @@ def test_every_api_answers_and_counts_the_picture(server, runner, hf, processor)
 # ---- a GGUF text model and llama.cpp's mmproj file ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_vl"], indirect=True)  # (no qwen3vlmoe GGUF is read)
 def test_gguf_with_mmproj_gives_the_checkpoints_answer(kind, tiny_dir, runner, hf, processor, tmp_path):
-    """The text model as llama.cpp's converter writes it (qwen35, qwen3vl: its vocabulary with the
+    """The text model as llama.cpp's converter writes it (qwen35, qwen3vl, qwen3vlmoe: its vocabulary with the
     vision tokens, rope.dimension_sections) beside the tower as an mmproj file (qwen3vl_merger,
     with Qwen3-VL's DeepStack mergers): the same first-step logprobs as the checkpoint, and
     transformers' tokens through the engine."""

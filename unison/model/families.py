@@ -130,8 +130,11 @@ FAMILIES = [
     Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", None, qk_norm="head",
            text_prefix="model.language_model.", moe=MoeNames("mlp.gate", "mlp.experts"),
            fused_experts="halves"),
-    # Its text model alone, as llama.cpp writes it (qwen3vl; the tower in an mmproj file)
+    # Their text models alone, as llama.cpp writes them (qwen3vl, qwen3vlmoe; the tower in an
+    # mmproj file): the experts stacked per projection, as Qwen3-MoE's
     Family("qwen3_vl_text", "Qwen3VLTextModel", "qwen3vl", qk_norm="head"),
+    Family("qwen3_vl_moe_text", "Qwen3VLMoeTextModel", "qwen3vlmoe", qk_norm="head",
+           moe=MoeNames("mlp.gate", "mlp.experts")),
     # The published Qwen3.5 checkpoints: the text model beside a vision tower (vision/qwen_vision.py).
     Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", None, **_HYBRID,
            text_prefix="model.language_model."),
@@ -145,7 +148,8 @@ BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
 SUPPORTED = sorted(BY_ARCHITECTURE)
 # M-RoPE's (time, rows, columns) sections where a config gives none: transformers' defaults
 MROPE_DEFAULTS = {**dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"), (11, 11, 10)),
-                  **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_vl_text"), (24, 20, 20))}
+                  **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_vl_text", "qwen3_vl_moe_text"),
+                                  (24, 20, 20))}
 
 
 def family_of(architectures: list[str] | None, where: str = "") -> Family:

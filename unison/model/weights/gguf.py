@@ -162,7 +162,7 @@ def hf_config(header: GGUFHeader) -> JSONObject:
                                       int(a("rope.scaling.original_context_length"))}
     if arch in _HYBRID_ARCHS:
         config.update(_linear_attention_config(arch, a, config["head_dim"]))
-    if arch == "qwen3vl" and any(a("rope.dimension_sections") or []):  # M-RoPE, for images' rows
+    if arch in ("qwen3vl", "qwen3vlmoe") and any(a("rope.dimension_sections") or []):  # M-RoPE: images' rows
         config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"),
                                      "mrope_section": list(a("rope.dimension_sections")[:3])}
     if arch == "gpt-oss":  # GptOssConfig's own defaults where the file says nothing, as transformers

@@ -24,7 +24,7 @@ from unison.json_types import JSONObject
 # clip.projector_type its mmproj must have (model/vision/mmproj.py). Here, torch-free, for the
 # launcher's choice of a repository's files too.
 MMPROJ_PROJECTORS = {"gemma3": "gemma3", "qwen35": "qwen3vl_merger", "qwen35moe": "qwen3vl_merger",
-                     "qwen3vl": "qwen3vl_merger"}
+                     "qwen3vl": "qwen3vl_merger", "qwen3vlmoe": "qwen3vl_merger"}
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
