@@ -300,6 +300,9 @@ def test_every_api_answers_and_counts_the_picture(server, runner, hf, processor)
     want = r["choices"][0]["message"]["content"]
     assert want == Tokenizer.from_dir(runner.model_dir).decode(ref.tolist())
     assert r["usage"]["prompt_tokens"] == len(ids)
+    tokenized = server.post("/tokenize", {"model": "m", "messages": [  # the run counted, as queued
+        {"role": "user", "content": [part, {"type": "text", "text": PROMPTS[2]}]}]}).json()
+    assert tokenized["tokens"] == ids
     b64 = base64.b64encode(png(pic)).decode()  # Anthropic's image block, Ollama's images: the same answer
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
     anthropic = server.post("/v1/messages", {"model": "m", "max_tokens": 6, "temperature": 0, "messages": [

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.models import gemma3_gguf
-from tests.utils import top_logprobs
+from tests.utils import HTTP, top_logprobs
 from unison.bench.vision import GEMMA3_TEMPLATE as TEMPLATE
 from unison.frontend import images
 from unison.model.kernels import cpu_kernels
@@ -338,6 +338,8 @@ def assert_chat_gives_transformers_answer(url: str, hf, processor, pic, **proces
                                          temperature=0, max_tokens=8)
     assert out.choices[0].message.content == processor.tokenizer.decode(ref, skip_special_tokens=True)
     assert out.usage.prompt_tokens == n
+    tokenized = HTTP.post(url + "/tokenize", json={"model": "m", "messages": ask(image_part(data_url(pic)))})
+    assert tokenized.json()["tokens"] == inputs["input_ids"][0].tolist()  # the crops counted, as queued
 
 
 def test_openai_chat_with_an_image_gives_transformers_answer(server, hf, processor):

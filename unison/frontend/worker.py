@@ -205,7 +205,7 @@ class TokenizerWorker:
             field = "stop" if params.stop is not None else "stop_regex"
             raise InvalidParam(field, f"{field} needs a tokenizer; this engine has none "
                                       "(skip_tokenizer_init=True): use stop_token_ids")
-        pixels = self._images(one.image_data)
+        pixels = self.prepare_images(one.image_data)
         prompt = cast(str | None, one.prompt)
         if pixels and prompt is not None:  # each image marker becomes its run of placeholders
             assert self.info.image is not None  # _images refused images to a text-only model
@@ -230,7 +230,7 @@ class TokenizerWorker:
                                       config.max_image_bytes)
             args.image_data = await images.fetch_urls(args.image_data, policy)
 
-    def _images(self, data: object) -> list[images.Prepared]:
+    def prepare_images(self, data: object) -> list[images.Prepared]:
         """One prompt's images (image_data's, or a chat's ImageSources), read and prepared."""
         if data is None or (isinstance(data, list) and not data):
             return []

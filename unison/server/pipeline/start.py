@@ -208,6 +208,24 @@ def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool 
     return ChatPrompt(text, ids, tools, images=sources, expand_in_worker=later)
 
 
+async def placed_ids(prompt: ChatPrompt, body: ChatInput, request: Request) -> list[int]:
+    """The ids a chat's request has once its pictures are read (/tokenize's count): each grid
+    picture's marker made its run, or pan-and-scan's text expanded by its crops, as the worker
+    does (the same functions, the pictures read and prepared here too)."""
+    worker = worker_of(request)
+    tokenizer, info, _ = attached(worker)
+    spec = info.image
+    if not prompt.images or spec is None or not (prompt.expand_in_worker or spec.patches is not None):
+        return prompt.ids  # (a fixed run, already in the text)
+    args = GenerateArgs(image_data=list(prompt.images))
+    await worker.fetch_image_urls(args)
+    pictures = worker.prepare_images(args.image_data)
+    if prompt.expand_in_worker:
+        text = images.expand(prompt.text, [len(p.crops) for p in pictures], spec, "messages")
+        return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), field="messages")
+    return images.place(prompt.ids, pictures, spec, "messages")[0]
+
+
 def _render_harmony(body: ChatInput, request: Request, tokenizer: Tokenizer, limit: int | None) -> ChatPrompt:
     """A harmony model's chat: openai-harmony renders it (no template), and parses its calls."""
     assert tokenizer.harmony is not None  # (the caller's test)

@@ -25,6 +25,7 @@ from unison.server.pipeline.start import (
     adapters,
     attached,
     check_model,
+    placed_ids,
     render_chat,
     start_chat,
     start_completion,
@@ -79,7 +80,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
         chat = ChatInput(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                          add_special_tokens=body.add_special_tokens, tools=body.tools, tool_choice="none"
                          if body.tools else None, chat_template_kwargs=body.chat_template_kwargs)
-        tokens = render_chat(chat, request, refuse_past_context=False).ids
+        tokens = await placed_ids(render_chat(chat, request, refuse_past_context=False), chat, request)
     else:
         assert body.prompt is not None  # (exactly one of the two: checked above)
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
