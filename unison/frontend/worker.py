@@ -208,7 +208,7 @@ class TokenizerWorker:
         pixels = self.prepare_images(one.image_data)
         prompt = cast(str | None, one.prompt)
         if pixels and prompt is not None:  # each image marker becomes its run of placeholders
-            assert self.info.image is not None  # _images refused images to a text-only model
+            assert self.info.image is not None  # prepare_images refused images to a text-only model
             prompt = images.expand(prompt, [len(p.crops) for p in pixels], self.info.image, "prompt")
         ids = self._prompt_ids(prompt, cast(list[int] | None, one.input_ids), add_special_tokens)
         info = self.info

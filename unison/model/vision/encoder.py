@@ -41,8 +41,9 @@ from unison.wire.messages import ImageInput, ImageSpec, PanAndScan, PatchSpec
 
 # The architectures whose images Unison reads, and the tower each loads.
 GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+DEEPSTACK_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 QWEN_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-                      "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+                      *DEEPSTACK_ARCHITECTURES)
 VISION_ARCHITECTURES = GEMMA3_ARCHITECTURES + QWEN_ARCHITECTURES
 GGUF_NAMES = {f.name: f.gguf_architecture for f in FAMILIES if f.gguf_architecture}  # family -> GGUF's
 # Encoder outputs kept: a Gemma 3 4B image is 256 x 2,560 floats (2.6 MB); an 896x896 picture for
@@ -109,7 +110,7 @@ class Vision:
         if mmproj is not None:
             return cls._from_mmproj(MmprojWeights(mmproj), arch, model_dir, model.cfg.hidden_size, dtype)
         if architectures & set(QWEN_ARCHITECTURES):
-            deepstack = bool(architectures & set(QWEN_ARCHITECTURES[2:]))  # Qwen3-VL's, dense and MoE
+            deepstack = bool(architectures & set(DEEPSTACK_ARCHITECTURES))
             qwen = QwenVisionConfig.from_hf(hf, model.cfg.hidden_size, deepstack)
             return cls(QwenVision.load(model.source, qwen, dtype), qwen_image_spec(model_dir, qwen))
         cfg = VisionConfig.from_hf(hf)

@@ -168,6 +168,9 @@ class ChatPrompt:
     # The worker expands the images' markers in `text` and tokenizes it (pan-and-scan's text
     # depends on each picture's crops, known once it is read); `ids` then count the markers alone.
     expand_in_worker: bool = False
+    # The prompt's length is known once the worker reads its pictures (pan-and-scan's crops, or a
+    # grid picture's run, whose length is its size's)
+    placed_in_worker: bool = False
 
 
 def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool = True) -> ChatPrompt:
@@ -205,7 +208,9 @@ def render_chat(body: ChatInput, request: Request, *, refuse_past_context: bool 
     # The template writes its own special tokens: none more unless asked (vLLM's default).
     ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), limit=limit,
                            field="messages")
-    return ChatPrompt(text, ids, tools, images=sources, expand_in_worker=later)
+    grid = bool(sources) and info.image is not None and info.image.patches is not None
+    return ChatPrompt(text, ids, tools, images=sources, expand_in_worker=later,
+                      placed_in_worker=later or grid)
 
 
 async def placed_ids(prompt: ChatPrompt, body: ChatInput, request: Request) -> list[int]:
@@ -215,8 +220,8 @@ async def placed_ids(prompt: ChatPrompt, body: ChatInput, request: Request) -> l
     worker = worker_of(request)
     tokenizer, info, _ = attached(worker)
     spec = info.image
-    if not prompt.images or spec is None or not (prompt.expand_in_worker or spec.patches is not None):
-        return prompt.ids  # (a fixed run, already in the text)
+    if not prompt.placed_in_worker or spec is None:
+        return prompt.ids  # (no picture, or a fixed run already in the text)
     args = GenerateArgs(image_data=list(prompt.images))
     await worker.fetch_image_urls(args)
     pictures = worker.prepare_images(args.image_data)
@@ -258,8 +263,7 @@ async def start_chat(body: ChatInput, request: Request) -> Started:
     text, prompt_ids, tools = prompt.text, prompt.ids, prompt.tools
     # A grid picture's run (or pan-and-scan's text) is placed by the worker, once the picture is
     # read: the prompt's length, and what the context leaves for the output, are known there.
-    later = prompt.expand_in_worker or (prompt.images and info.image is not None
-                                        and info.image.patches is not None)
+    later = prompt.placed_in_worker
     params = body.sampling_params(None if later else max(info.context_length - len(prompt_ids), 1),
                                   request.app.state.sampling_defaults)
     if tools is not None and tools.schemas is not None:  # required / named: valid calls only
