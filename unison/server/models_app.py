@@ -185,15 +185,30 @@ class ModelsRouter:
     async def _serve(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
         """Hold `name` while this request runs (the pool stops no core a worker holds)."""
         self.in_flight[name] += 1
+        held = True
+
+        def finish() -> None:  # once: this request holds the model no more
+            nonlocal held
+            if held:
+                held = False
+                self.in_flight[name] -= 1
+                if self.in_flight[name] == 0 and self.pool is not None:
+                    self.pool.release(name)
+
+        async def sending(message: Message) -> None:
+            # Released before the response's last bytes leave: the client's next request, for
+            # another model through any worker, must find this one idle (not held: a 503).
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finish()
+            await send(message)
+
         try:
             model = self.models.get(name)
             if self.in_flight[name] == 1 or model is None or not model.alive:
                 model = await self._acquired(name)
-            await model.app(scope, receive, send)
+            await model.app(scope, receive, sending)
         finally:
-            self.in_flight[name] -= 1
-            if self.in_flight[name] == 0 and self.pool is not None:
-                self.pool.release(name)
+            finish()
 
     async def _acquired(self, name: str, hold: bool = True) -> _Model:
         """`name`'s app, attached to its core as the pool has it now: loading it if need be and
