@@ -4,6 +4,8 @@ prefill tiles, every KV cache dtype), the fused small ops, the KV-cache write.""
 from __future__ import annotations
 
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -424,7 +426,26 @@ def test_kernel_is_cached_by_source_and_cpu(tmp_path, monkeypatch):
     changed = cpu_kernels.build()  # another source: its own object
     assert changed != first and ctypes.CDLL(str(changed)).probe() == 8
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: b"flags : another cpu")
-    assert cpu_kernels.build() not in (first, changed)  # another CPU: its own object too
+    other = cpu_kernels.build()
+    assert other not in (first, changed)  # another CPU: its own object too
+    # Uses that start together (a first start's processes) wait for one build: one compile.
+    compile_once, compiles = cpu_kernels._compile, []
+
+    def slow_compile(*args):
+        compiles.append(args)
+        time.sleep(0.3)
+        compile_once(*args)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", slow_compile)
+    source.write_text("int probe(void) { return 9; }\n")
+    with ThreadPoolExecutor(3) as pool:
+        built = list(pool.map(lambda _: cpu_kernels.build(), range(3)))
+    assert len(set(built)) == 1 and len(compiles) == 1 and ctypes.CDLL(str(built[0])).probe() == 9
+    # A source that does not compile: the compiler's words, and nothing left behind.
+    source.write_text("int probe(void) {\n")
+    with pytest.raises(OSError, match="probe.c"):
+        cpu_kernels.build()
+    assert set(first.parent.iterdir()) == {first, changed, other, *built}
 
 
 def test_fused_ops_match_torch_ops():

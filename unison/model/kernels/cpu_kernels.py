@@ -14,10 +14,11 @@ state (Qwen3-Next, Qwen3.5). csrc/bandwidth.c measures the memory's read speed, 
 decode step. csrc/image_attention.c runs a vision tower's attention over an image's patches in
 bfloat16 dot products (AVX-512 BF16), twice torch's float32 rate.
 
-The sources are plain C (no torch headers), so building takes about a second; the shared object
-is cached under ~/.cache/unison/kernels, keyed by the sources, the compiler flags and the CPU's
-feature flags. Without a C compiler, or with UNISON_CPU_KERNELS=0, `load()` returns None and
-the model runs on torch ops alone (the reference path, tested beside this one).
+The sources are plain C (no torch headers), compiled side by side on a machine's first use (about
+10 s of CPU, 7 s on two cores); the shared object is cached under ~/.cache/unison/kernels, keyed
+by the sources, the compiler flags and the CPU's feature flags. Without a C compiler, or with
+UNISON_CPU_KERNELS=0, `load()` returns None and the model runs on torch ops alone (the reference
+path, tested beside this one).
 
 The quantized linears have one path per instruction set (AVX2, AVX-512 VNNI, AMX), chosen at run
 time by what the CPU reports, and giving the same bits on each. UNISON_QUANT_KERNEL=avx2|vnni|amx
@@ -26,7 +27,9 @@ forces one (tests compare them; an unsupported one is an error, not a silent fal
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -34,6 +37,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +53,7 @@ SOURCES = [CSRC / name for name in ("paged_attention.c", "fused_ops.c", "quant_l
                                     "lora.c", "moe.c", "gated_delta.c", "bandwidth.c", "image_attention.c")]
 HEADERS = [CSRC / "paged_attention_body.h", CSRC / "q8.h", CSRC / "simd_math.h", CSRC / "lora.h",
            CSRC / "moe.h", CSRC / "gguf_blocks.h"]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-std=c11"]
 
 @functools.cache  # built and loaded once, on first use
 def load() -> CpuKernels | None:
@@ -79,16 +83,52 @@ def build(defines: tuple[str, ...] = ()) -> Path:
     if target.exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent first uses never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(out, target)
-    log.info("built %s", target)
+    # One build at a time per folder (the processes of a first start all want it: one compiles,
+    # the others wait and load it), beside the target and renamed: no one loads a half-written file.
+    with _locked(root):
+        if not target.exists():
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                _compile(cc, flags, Path(tmp), target)
+            log.info("built %s", target)
     return target
+
+
+def _compile(cc: str, flags: list[str], tmp: Path, target: Path) -> None:
+    """Each source to an object at once (two of them are most of the time), then one link."""
+    objects = [tmp / f"{i}.o" for i in range(len(SOURCES))]
+    procs = []
+    try:
+        for src, obj in zip(SOURCES, objects):
+            with open(obj.with_suffix(".err"), "w") as err:  # a file: no pipe to fill and stall on
+                procs.append(subprocess.Popen([cc, *flags, "-c", str(src), "-o", str(obj)],
+                                              stdout=subprocess.DEVNULL, stderr=err))
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:  # a compiler past its time: gone with the build
+                p.kill()
+                p.wait()
+    errors = [obj.with_suffix(".err").read_text() or f"exit status {code}"
+              for obj, code in zip(objects, codes) if code != 0]
+    out = tmp / target.name
+    if not errors:
+        link = subprocess.run([cc, *flags, "-shared", *map(str, objects), "-o", str(out), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        errors = [link.stderr] if link.returncode != 0 else []
+    if errors:
+        raise OSError(f"{cc} failed: {errors[0].strip()[-500:]}")
+    os.replace(out, target)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on `folder` itself (flock on its descriptor: no lock file left behind)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _cpu_flags() -> bytes:
