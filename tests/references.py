@@ -69,6 +69,13 @@ def cached_reference(model: Path, code: str, prompts_ids: list[list[int]], max_n
     return _cached(key, ".json", lambda path: _write_json(path, compute()), _read_json)
 
 
+def cached_json(model: Path, code: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A JSON document (a model's config), as cached_reference."""
+    return _cached(reference_key(model, code, {"json": True}), ".json",
+                   lambda path: path.write_text(json.dumps(compute())),
+                   lambda path: json.loads(path.read_text()))
+
+
 def cached_tensors(model: Path, code: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """A state dict (name -> torch tensor), as cached_reference; tied tensors are stored once and
     come back tied."""

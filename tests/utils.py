@@ -88,9 +88,13 @@ def on_test_device() -> dict[str, str]:
 
 
 def hf_model(path=None):
-    """A GGUF (default: the embedded one) loaded by transformers' own GGUF loader (never
-    Unison's cache), once per test run."""
-    return _hf_model(_gguf(path))
+    """A GGUF (default: the embedded one) as transformers' own GGUF loader builds it (never
+    Unison's cache), once per test run. The embedded model's is rebuilt from what that loader
+    built once per machine (its config and tensors, in the test-model cache): a dozen processes of
+    a run want it, and the loader takes ~20 s of CPU each (it walks the file's vocabulary in
+    Python); rebuilding takes ~1 s."""
+    path = _gguf(path)
+    return _hf_rebuilt(path) if path == _gguf(None) else _gguf_loader(path)
 
 
 def _gguf(path) -> Path:
@@ -100,7 +104,7 @@ def _gguf(path) -> Path:
 
 
 @functools.cache
-def _hf_model(path: Path):
+def _gguf_loader(path: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -109,15 +113,33 @@ def _hf_model(path: Path):
     return model.eval()
 
 
+@functools.cache
+def _hf_rebuilt(path: Path):
+    """_gguf_loader(path)'s model, from its config and tensors as that loader built them."""
+    import inspect
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.references import cached_json
+
+    config = dict(cached_json(path, inspect.getsource(_gguf_loader),
+                              lambda: _gguf_loader(path).config.to_dict()))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config),
+                                             dtype=torch.float32)
+    model.load_state_dict(hf_state_dict(path))  # strict: every tensor the loader built, no other
+    return model.eval()
+
+
 def hf_state_dict(path=None) -> dict:
-    """hf_model(path)'s state dict: the tensors transformers' GGUF loader builds. Loaded once per
-    machine and kept in the test-model cache (tests/references.py)."""
+    """The tensors transformers' GGUF loader builds for `path`. Loaded once per machine and kept in
+    the test-model cache (tests/references.py)."""
     import inspect
 
     from tests.references import cached_tensors
 
     path = _gguf(path)
-    return cached_tensors(path, inspect.getsource(_hf_model), lambda: hf_model(path).state_dict())
+    return cached_tensors(path, inspect.getsource(_gguf_loader), lambda: _gguf_loader(path).state_dict())
 
 
 def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, path=None,
@@ -130,7 +152,7 @@ def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, path=None,
     from tests.references import cached_reference
 
     path = _gguf(path)
-    code = inspect.getsource(_hf_model) + inspect.getsource(_hf_greedy)
+    code = inspect.getsource(_gguf_loader) + inspect.getsource(_hf_greedy)
     return cached_reference(path, code, prompts_ids, max_new_tokens,
                             lambda: _hf_greedy(hf_model(path), prompts_ids, max_new_tokens))
 
