@@ -90,9 +90,9 @@ def on_test_device() -> dict[str, str]:
 def hf_model(path=None):
     """A GGUF (default: the embedded one) as transformers' own GGUF loader builds it (never
     Unison's cache), once per test run. The embedded model's is rebuilt from what that loader
-    built once per machine (its config and tensors, in the test-model cache): a dozen processes of
-    a run want it, and the loader takes ~20 s of CPU each (it walks the file's vocabulary in
-    Python); rebuilding takes ~1 s."""
+    built once per machine (its config and tensors, in the test-model cache): several processes of
+    a run want it, and the loader takes ~17 s of CPU in each (it walks the file's vocabulary in
+    Python); rebuilding takes 1.5 s, with the loader's logits bit for bit."""
     path = _gguf(path)
     return _hf_rebuilt(path) if path == _gguf(None) else _gguf_loader(path)
 
