@@ -4,7 +4,7 @@
     peft_reference(tmp / "a", prompts, 16)          # greedy ids and top-5 logprobs, transformers + PEFT
 
 The base is the embedded model's float checkpoint: the tensors transformers' GGUF loader builds
-(tests/utils.py hf_state_dict, cached per machine), or an HF directory's own weights.
+(tests/utils.py hf_model, cached per machine), or an HF directory's own weights.
 """
 
 from __future__ import annotations
@@ -30,17 +30,13 @@ def base_model(model_dir: str | Path | None = None):
 @functools.cache
 def _base_model(model_dir: str | None):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if model_dir is not None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    from tests.utils import hf_state_dict
-    from unison.model.weights.loader import resolve_model_dir
+    from tests.utils import hf_model
 
-    config = AutoConfig.from_pretrained(resolve_model_dir(None))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(hf_state_dict(), strict=False)  # lm_head: tied to the embedding
-    return model.eval()
+    return hf_model()  # the embedded GGUF as transformers' own loader builds it (cached per machine)
 
 
 def make_adapter(out_dir: str | Path, *, targets=ALL_TARGETS, rank: int = 8, alpha: float = 16,
@@ -82,7 +78,7 @@ def peft_reference(adapter_dir: str | Path, prompts_ids: list[list[int]], max_ne
     test-model cache (tests/references.py), keyed by the adapter's weights, its config, the base
     and this code."""
     from tests.references import cached_reference, file_sha256
-    from tests.utils import _gguf, _hf_greedy
+    from tests.utils import _gguf, _hf_greedy, _hf_rebuilt
     from unison.model.weights.loader import default_gguf_path
 
     adapter_dir = Path(adapter_dir)
@@ -90,8 +86,9 @@ def peft_reference(adapter_dir: str | Path, prompts_ids: list[list[int]], max_ne
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     if isinstance(config.get("target_modules"), list):  # saved from a set: in any order
         config["target_modules"] = sorted(config["target_modules"])
-    code = "\n".join([inspect.getsource(_base_model), inspect.getsource(peft_model),
-                      inspect.getsource(_hf_greedy), json.dumps(config, sort_keys=True),
+    code = "\n".join([inspect.getsource(_base_model), inspect.getsource(_hf_rebuilt),
+                      inspect.getsource(peft_model), inspect.getsource(_hf_greedy),
+                      json.dumps(config, sort_keys=True),
                       file_sha256(base) if base.is_file() else str(model_dir)])
     return cached_reference(adapter_dir / "adapter_model.safetensors", code, prompts_ids, max_new_tokens,
                             lambda: _hf_greedy(peft_model(adapter_dir, model_dir), prompts_ids,

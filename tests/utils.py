@@ -152,7 +152,7 @@ def hf_reference(prompts_ids: list[list[int]], max_new_tokens: int, path=None,
     from tests.references import cached_reference
 
     path = _gguf(path)
-    code = inspect.getsource(_gguf_loader) + inspect.getsource(_hf_greedy)
+    code = inspect.getsource(_gguf_loader) + inspect.getsource(_hf_rebuilt) + inspect.getsource(_hf_greedy)
     return cached_reference(path, code, prompts_ids, max_new_tokens,
                             lambda: _hf_greedy(hf_model(path), prompts_ids, max_new_tokens))
 
